@@ -1,0 +1,110 @@
+"""`Config`: one field per knob of the engine, loaded from and saved to TOML."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Any, Mapping
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+import tomli_w
+
+__all__ = ["Config", "ConfigError", "SCHEDULES", "PARTITIONS"]
+
+SCHEDULES = ("1f1b", "gpipe")
+PARTITIONS = ("uniform", "parameters")
+PRECISIONS = ("fp32",)
+RECOMPUTE = ("none",)
+BACKENDS = ("mpi", "auto")
+
+
+class ConfigError(ValueError):
+    """A configuration value that the engine cannot run; the message says what to change."""
+
+
+@dataclasses.dataclass
+class Config:
+    """How to run a model: the grid, the schedule, the partition and the numerics.
+
+    `partition` is `"uniform"` (equal layer counts), `"parameters"` (balanced parameter
+    counts) or explicit stage boundaries `[0, b1, ..., n_layers]` (stage `s` owns layers
+    `b[s]` to `b[s+1] - 1`).
+    """
+
+    pipeline: int = 1          # pipeline stages
+    data: int = 1              # data-parallel replicas of every stage
+    microbatches: int = 1      # micro-batches per step: the gradient accumulation
+    schedule: str = "1f1b"     # "1f1b" or "gpipe"
+    partition: str | list[int] = "uniform"
+    precision: str = "fp32"
+    recompute: str = "none"
+    backend: str = "mpi"
+    clip: float = 0.0          # clip gradients to this global norm; 0 turns clipping off
+    seed: int = 0              # layer i is built under a seed derived from (seed, i)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("pipeline", "data", "microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"Config.{name} must be a positive integer, found {value!r}")
+        _one_of("schedule", self.schedule.lower(), SCHEDULES)
+        self.schedule = self.schedule.lower()
+        if isinstance(self.partition, str):
+            _one_of("partition", self.partition, PARTITIONS,
+                    hint="or a list of stage boundaries [0, b1, ..., n_layers]")
+        elif not (isinstance(self.partition, (list, tuple))
+                  and all(isinstance(b, int) for b in self.partition)):
+            raise ConfigError(
+                f"Config.partition must be one of {PARTITIONS} or a list of stage boundaries "
+                f"[0, b1, ..., n_layers], found {self.partition!r}")
+        else:
+            self.partition = list(self.partition)
+        _one_of("precision", self.precision, PRECISIONS,
+                hint="mixed precision (bf16/fp16) is not implemented in this version")
+        _one_of("recompute", self.recompute, RECOMPUTE,
+                hint="activation recomputation is not implemented in this version")
+        _one_of("backend", self.backend, BACKENDS)
+        if not isinstance(self.clip, (int, float)) or self.clip < 0:
+            raise ConfigError(f"Config.clip must be a norm >= 0 (0 = off), found {self.clip!r}")
+        if not isinstance(self.seed, int):
+            raise ConfigError(f"Config.seed must be an integer, found {self.seed!r}")
+
+    # -- TOML ---------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "Config":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown engine setting(s) {unknown}; known settings are {sorted(known)}")
+        return cls(**dict(values))
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps({"engine": self.to_dict()})
+
+    def save(self, path: str | os.PathLike) -> None:
+        from pipeflow._io import atomic_write_bytes
+        atomic_write_bytes(path, self.to_toml().encode())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Config":
+        """Read the `[engine]` table of a TOML file (or its top level when it has none)."""
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+        return cls.from_dict(doc.get("engine", doc))
+
+
+def _one_of(name: str, value: Any, allowed: tuple, hint: str = "") -> None:
+    if value not in allowed:
+        extra = f" ({hint})" if hint else ""
+        raise ConfigError(f"Config.{name} must be one of {list(allowed)}, found {value!r}{extra}")

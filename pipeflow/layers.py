@@ -1,0 +1,97 @@
+"""Model definition: a list of `LayerSpec`s, built lazily, one seed per layer."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["LayerSpec", "build_sequential", "layer_seed", "build_layer"]
+
+
+class LayerSpec:
+    """A layer that is not built yet: `LayerSpec(cls, *args, **kwargs)`.
+
+    Only the stage that owns a layer builds it, so a 10B-parameter model never exists whole
+    in one process. `cls(*args, **kwargs)` must return an `nn.Module` whose `forward` takes the
+    previous layer's output (a tensor or a tuple of tensors) and returns the next one.
+    """
+
+    def __init__(self, cls: type[nn.Module] | Any, *args: Any, **kwargs: Any) -> None:
+        if not callable(cls):
+            raise TypeError(
+                f"LayerSpec expects a module class or factory as its first argument, "
+                f"found {type(cls).__name__}: {cls!r}")
+        self.cls = cls
+        self.args = args
+        self.kwargs = kwargs
+
+    @property
+    def name(self) -> str:
+        return getattr(self.cls, "__name__", type(self.cls).__name__)
+
+    def build(self) -> nn.Module:
+        module = self.cls(*self.args, **self.kwargs)
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"LayerSpec({self.name}) built a {type(module).__name__}, expected an nn.Module")
+        return module
+
+    def num_parameters(self) -> int:
+        """Parameter count, found by building the layer on the meta device (no memory)."""
+        with torch.device("meta"):
+            module = self.build()
+        return sum(p.numel() for p in module.parameters())
+
+    def __repr__(self) -> str:
+        parts = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
+        return f"LayerSpec({self.name}{', ' if parts else ''}{', '.join(parts)})"
+
+
+def layer_seed(seed: int, index: int) -> int:
+    """The seed layer `index` is built under: a function of `(seed, index)` only.
+
+    So every partition of the same layer list starts from identical weights.
+    """
+    # splitmix64-style mixing keeps nearby (seed, index) pairs far apart.
+    x = (seed * 0x9E3779B97F4A7C15 + index + 1) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    # fork_rng leaves the caller's random state untouched (CPU and, when present, CUDA).
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def build_layer(spec: LayerSpec, seed: int, index: int) -> nn.Module:
+    """Build layer `index` of a model exactly as `build_sequential` would."""
+    with _seeded(layer_seed(seed, index)):
+        return spec.build()
+
+
+def build_sequential(layers: Sequence[LayerSpec], seed: int = 0) -> nn.Sequential:
+    """The whole model as one `nn.Sequential`, with the same initial weights as any pipeline.
+
+    State-dict keys are `"{layer index}.{parameter name}"`, the keys that
+    `Engine.gather_state_dict()` returns.
+    """
+    _check_layers(layers)
+    return nn.Sequential(*[build_layer(spec, seed, i) for i, spec in enumerate(layers)])
+
+
+def _check_layers(layers: Sequence[LayerSpec]) -> None:
+    if len(layers) == 0:
+        raise ValueError("the layer list is empty: expected at least one pipeflow.LayerSpec")
+    for i, spec in enumerate(layers):
+        if not isinstance(spec, LayerSpec):
+            raise TypeError(
+                f"layer {i} is a {type(spec).__name__}, expected a pipeflow.LayerSpec; "
+                f"wrap it as pipeflow.LayerSpec(ModuleClass, *args)")
