@@ -1,0 +1,395 @@
+"""`Engine`: runs one stage's instruction list, micro-batch by micro-batch, then steps."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+import traceback
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from mpi4py import MPI
+from torch import nn
+
+from pipeflow import schedule as sched
+from pipeflow.checkpoint import load_checkpoint, save_checkpoint
+from pipeflow.comm import Communicator, MpiCommunicator, Request, TensorMeta, meta_of
+from pipeflow.config import Config, ConfigError
+from pipeflow.layers import LayerSpec, _check_layers, build_layer
+from pipeflow.partition import partition_layers
+from pipeflow.topology import Topology
+
+__all__ = ["Engine", "StageModule", "BatchError"]
+
+Batch = Any           # a tensor, or a tuple/list of tensors, batch dimension first
+LossFn = Callable[[Any, Any], torch.Tensor]
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+_ACT, _GRAD = 0, 1    # tag = 2 · micro-batch + kind
+
+
+class BatchError(ConfigError):
+    """A batch the engine cannot split or use; raised on every rank alike."""
+
+
+class StageModule(nn.Module):
+    """The contiguous slice of layers one stage owns, named by their global indices.
+
+    Parameter names are those of `build_sequential` (`"{layer}.{name}"`), so state dicts of
+    all stages together are the sequential model's.
+    """
+
+    def __init__(self, layers: dict[int, nn.Module]) -> None:
+        super().__init__()
+        self.indices = sorted(layers)
+        for i in self.indices:
+            self.add_module(str(i), layers[i])
+
+    def forward(self, x: Any) -> Any:
+        for i in self.indices:
+            x = self._modules[str(i)](x)
+        return x
+
+
+def _as_tuple(x: Any) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _from_tuple(ts: Sequence[torch.Tensor], was_tuple: bool) -> Any:
+    return tuple(ts) if was_tuple else ts[0]
+
+
+class Engine:
+    """Pipeline-parallel training of a layer list on this rank's stage of the grid.
+
+    Every rank builds only its own layers (seeded per layer, as `build_sequential` does),
+    runs its stage's instruction list from the schedule, and steps its own optimizer.
+    """
+
+    def __init__(self, layers: Sequence[LayerSpec], loss_fn: LossFn,
+                 optimizer: OptimizerFactory, config: Config | None = None, *,
+                 comm: MPI.Comm | None = None, device: str | torch.device | None = None,
+                 abort_on_error: bool = True) -> None:
+        self.config = config = config if config is not None else Config()
+        config.validate()
+        _check_layers(layers)
+        world = comm if comm is not None else MPI.COMM_WORLD
+        self.topo = topo = Topology(world, config.pipeline, config.data)
+        self.stage, self.stages = topo.stage, topo.pipeline
+        self.abort_on_error = abort_on_error
+        self.device = torch.device(device) if device is not None else _default_device(topo)
+        self.loss_fn = loss_fn
+        self.n_layers = len(layers)
+        self.boundaries = partition_layers(layers, self.stages, config.partition)
+        lo, hi = self.boundaries[self.stage], self.boundaries[self.stage + 1]
+        self.module = StageModule({i: build_layer(layers[i], config.seed, i)
+                                   for i in range(lo, hi)}).to(self.device)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = optimizer(params) if params else None
+        self.pipe: Communicator = MpiCommunicator(topo.pipe)
+        # Validate the schedule once, the same way on every rank, before any message moves.
+        programs = sched.build_schedule(config.schedule, self.stages, config.microbatches)
+        self.expected_peak_stash = sched.simulate(programs).peak_stash
+        self.program = programs[self.stage]
+        self.eval_program = [a for a in sched.gpipe(self.stage, self.stages, config.microbatches)
+                             if a.op in (sched.RECV_ACT, sched.FORWARD, sched.SEND_ACT)]
+        self.step_count = 0
+        self.peak_stash = 0           # most micro-batches stashed at once in the last step
+        self.last_grad_norm: float | None = None
+        self.last_step_time = 0.0
+        # Shapes of the tensors crossing each stage boundary, per batch signature: exchanged
+        # once, then receives are pre-posted into buffers of the cached shapes.
+        self._act_meta: dict[Any, tuple[bool, tuple[TensorMeta, ...]]] = {}
+        self._sent_meta: dict[Any, tuple[TensorMeta, ...]] = {}
+        self._instruction: str = "setup"
+        if world.size > 1 and abort_on_error:
+            _install_abort_hook()
+
+    # -- public API ---------------------------------------------------------------------
+    @property
+    def is_first(self) -> bool:
+        return self.topo.is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self.topo.is_last
+
+    def parameters(self) -> Iterable[nn.Parameter]:
+        return self.module.parameters()
+
+    def train_step(self, inputs: Batch | None, targets: Batch | None) -> float:
+        """One optimizer step on the global batch; the global mean loss, alike on every rank.
+
+        The first stage needs `inputs` and the last `targets`; other ranks may pass `None`.
+        """
+        start = time.perf_counter()
+        self.module.train()
+        sig, in_mbs, tgt_mbs = self._prepare(inputs, targets)
+        losses = self._run(self.program, sig, in_mbs, tgt_mbs, train=True)
+        self._guarded("optimizer step", self._step)
+        loss = self._global_loss(losses)
+        self.step_count += 1
+        self.last_step_time = time.perf_counter() - start
+        return loss
+
+    @torch.no_grad()
+    def eval_step(self, inputs: Batch | None, targets: Batch | None) -> float:
+        """Forward only: the global mean loss, alike on every rank; no state changes."""
+        self.module.eval()
+        sig, in_mbs, tgt_mbs = self._prepare(inputs, targets)
+        losses = self._run(self.eval_program, sig, in_mbs, tgt_mbs, train=False)
+        return self._global_loss(losses)
+
+    def gather_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The full model's state dict on world rank 0 (keys as in `build_sequential`)."""
+        local = {k: v.detach().to("cpu") for k, v in self.module.state_dict().items()}
+        parts = self.topo.pipe.gather(local, root=0) if self.topo.replica == 0 else None
+        if self.topo.rank != 0:
+            return None
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            merged.update(part)
+        return dict(sorted(merged.items(), key=lambda kv: _key_order(kv[0])))
+
+    def save(self, directory: str | os.PathLike) -> str:
+        """Write a checkpoint (per-layer shards, atomically); returns its folder."""
+        return save_checkpoint(self, directory)
+
+    def load(self, directory: str | os.PathLike) -> None:
+        """Restore the latest checkpoint in `directory`, written on any grid."""
+        load_checkpoint(self, directory)
+
+    # -- the step -------------------------------------------------------------------------
+    def _prepare(self, inputs: Batch | None, targets: Batch | None):
+        """Split the batch into micro-batches; agree on its signature across the pipeline.
+
+        Every rank learns of a bad batch on any rank, and all raise the same error.
+        """
+        m, d = self.config.microbatches, self.config.data
+        problem, sig, in_mbs, tgt_mbs = None, None, None, None
+        try:
+            if self.is_first:
+                in_mbs = self._split("inputs", inputs, m, d)
+                sig = tuple((tuple(t.shape), str(t.dtype)) for t in _as_tuple(in_mbs[0]))
+            if self.is_last:
+                tgt_mbs = self._split("targets", targets, m, d)
+        except BatchError as exc:
+            problem = str(exc)
+        views = self.pipe.allgather_object((problem, sig))
+        errors = [p for p, _ in views if p]
+        if errors:
+            raise BatchError(errors[0])
+        return views[0][1], in_mbs, tgt_mbs
+
+    def _split(self, what: str, batch: Batch | None, m: int, d: int) -> list[Any]:
+        where = f"{self.topo.describe()}"
+        if batch is None:
+            raise BatchError(
+                f"{where}: train_step got {what}=None, but the "
+                f"{'first' if what == 'inputs' else 'last'} stage needs the {what}; pass "
+                f"the global batch's {what} on every rank (or at least on this one)")
+        tensors = _as_tuple(batch)
+        if not all(isinstance(t, torch.Tensor) for t in tensors):
+            raise BatchError(f"{where}: {what} must be a tensor or a tuple of tensors, found "
+                             f"{[type(t).__name__ for t in tensors]}")
+        n = tensors[0].shape[0] if tensors[0].dim() else 0
+        if any(t.dim() == 0 or t.shape[0] != n for t in tensors):
+            raise BatchError(f"{where}: every tensor of {what} needs the same batch dimension "
+                             f"first; found shapes {[tuple(t.shape) for t in tensors]}")
+        if n == 0 or n % (m * d):
+            raise BatchError(
+                f"{where}: a global batch of {n} samples does not divide into {d} replica(s) x "
+                f"{m} micro-batches; use a batch size that is a multiple of {m * d}")
+        shard = n // d
+        r = self.topo.replica
+        tensors = [t[r * shard:(r + 1) * shard].to(self.device, non_blocking=True)
+                   for t in tensors]
+        chunks = [t.chunk(m) for t in tensors]
+        was_tuple = isinstance(batch, (tuple, list))
+        return [_from_tuple([c[i] for c in chunks], was_tuple) for i in range(m)]
+
+    def _run(self, program: list[sched.Action], sig: Any, in_mbs, tgt_mbs,
+             train: bool) -> list[torch.Tensor]:
+        """Interpret this stage's instructions for one batch."""
+        m, d = self.config.microbatches, self.config.data
+        scale = 1.0 / (m * d)          # the mean over m micro-batches and d replicas
+        stash: dict[int, tuple] = {}   # mb -> (inputs, outputs or loss)
+        received: dict[int, list[torch.Tensor]] = {}
+        grads_in: dict[int, list[torch.Tensor]] = {}
+        acts_out: dict[int, tuple[list[torch.Tensor], bool]] = {}
+        grads_out: dict[int, list[torch.Tensor]] = {}
+        sends: list[Request] = []
+        losses: list[torch.Tensor] = []
+        recv_queue = [a for a in program if a.op in sched.RECVS]
+        posted: dict[sched.Action, Request] = {}
+        next_post = 0
+        peak = 0
+        prev, nxt = self.stage - 1, self.stage + 1
+
+        def post_receives(limit: int) -> None:
+            # Keep up to `limit` receives in flight ahead of the program, so a message lands
+            # while this stage still computes. Only once the shapes are known.
+            nonlocal next_post
+            while next_post < len(recv_queue) and len(posted) < limit:
+                act = recv_queue[next_post]
+                if act.op == sched.RECV_ACT:
+                    if sig not in self._act_meta:
+                        return
+                    _, meta = self._act_meta[sig]
+                    posted[act] = self.pipe.irecv(meta, prev, 2 * act.mb + _ACT, self.device)
+                else:
+                    if sig not in self._sent_meta:
+                        return
+                    meta = self._grad_meta(sig)
+                    posted[act] = self.pipe.irecv(meta, nxt, 2 * act.mb + _GRAD, self.device)
+                next_post += 1
+
+        for act in program:
+            self._instruction = repr(act)
+            try:
+                if act.op == sched.RECV_ACT:
+                    if sig not in self._act_meta:
+                        self._act_meta[sig] = self.pipe.recv_object(prev)
+                    post_receives(2)
+                    ts = posted.pop(act).wait()
+                    if train:
+                        for t in ts:
+                            if t.is_floating_point():
+                                t.requires_grad_(True)
+                    received[act.mb] = ts
+                elif act.op == sched.FORWARD:
+                    post_receives(2)
+                    if self.is_first:
+                        x = in_mbs[act.mb]
+                        x_tensors: list[torch.Tensor] = []
+                    else:
+                        x_tensors = received.pop(act.mb)
+                        x = _from_tuple(x_tensors, self._act_meta[sig][0])
+                    with torch.set_grad_enabled(train):
+                        out = self.module(x)
+                        if self.is_last:
+                            loss = self.loss_fn(out, tgt_mbs[act.mb])
+                            losses.append(loss.detach())
+                            outs: Any = loss
+                        else:
+                            outs = _as_tuple(out)
+                            acts_out[act.mb] = (list(outs), isinstance(out, (tuple, list)))
+                    if train:
+                        stash[act.mb] = (x_tensors, outs)
+                        peak = max(peak, len(stash))
+                elif act.op == sched.SEND_ACT:
+                    ts, was_tuple = acts_out.pop(act.mb)
+                    if sig not in self._sent_meta:
+                        # Once per batch shape: the receiver caches it and pre-posts buffers.
+                        self._sent_meta[sig] = meta_of(ts)
+                        self.pipe.send_object((was_tuple, meta_of(ts)), nxt)
+                    sends.append(self.pipe.isend(ts, nxt, 2 * act.mb + _ACT))
+                elif act.op == sched.RECV_GRAD:
+                    post_receives(2)
+                    grads_in[act.mb] = posted.pop(act).wait()
+                elif act.op == sched.BACKWARD:
+                    post_receives(2)
+                    x_tensors, outs = stash.pop(act.mb)
+                    if self.is_last:
+                        (outs * scale).backward()
+                    else:
+                        pairs = [(o, g) for o, g in zip(outs, grads_in.pop(act.mb))
+                                 if o.requires_grad]
+                        if pairs:
+                            torch.autograd.backward([o for o, _ in pairs],
+                                                    [g for _, g in pairs])
+                    grads_out[act.mb] = [
+                        t.grad if t.grad is not None else torch.zeros_like(t)
+                        for t in x_tensors if t.is_floating_point()]
+                elif act.op == sched.SEND_GRAD:
+                    sends.append(self.pipe.isend(grads_out.pop(act.mb), prev,
+                                                 2 * act.mb + _GRAD))
+                # Let MPI move finished messages along without blocking.
+                sends = [s for s in sends if not s.test()]
+            except Exception as exc:  # noqa: BLE001 - any failure mid-schedule ends the job
+                self._fail(exc)
+        for s in sends:
+            s.wait()
+        if train:
+            self.peak_stash = peak
+        return losses
+
+    def _grad_meta(self, sig: Any) -> tuple[TensorMeta, ...]:
+        """Gradients come back for the floating-point tensors this stage sent."""
+        return tuple(mt for mt in self._sent_meta[sig] if mt[1].is_floating_point)
+
+    def _step(self) -> None:
+        clip = self.config.clip
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        sq = torch.zeros(1, dtype=torch.float64)
+        for p in params:
+            sq += p.grad.detach().double().pow(2).sum().cpu()
+        if self.stages > 1:
+            self.pipe.allreduce_(sq)
+        norm = math.sqrt(sq.item())
+        self.last_grad_norm = norm
+        if clip > 0:
+            # As torch.nn.utils.clip_grad_norm_, over the whole model's gradient.
+            coef = clip / (norm + 1e-6)
+            if coef < 1.0:
+                for p in params:
+                    p.grad.detach().mul_(coef)
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _global_loss(self, losses: list[torch.Tensor]) -> float:
+        total = float(torch.stack(losses).double().mean()) if losses else 0.0
+        return self.pipe.bcast_object(total, root=self.stages - 1)
+
+    # -- failure ------------------------------------------------------------------------
+    def _guarded(self, what: str, fn: Callable[[], None]) -> None:
+        self._instruction = what
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        """Name the rank, stage and instruction, then end the whole job (no rank left hanging)."""
+        where = (f"{self.topo.describe()} failed at instruction {self._instruction} of step "
+                 f"{self.step_count}")
+        if not self.abort_on_error or self.topo.world.size == 1:
+            raise RuntimeError(f"pipeflow: {where}: {exc}") from exc
+        _abort(where, exc)
+
+
+def _abort(where: str, exc: BaseException) -> None:
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    sys.stderr.write(f"\npipeflow: {where}:\n{text}pipeflow: aborting all ranks\n")
+    sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(1)
+
+
+def _install_abort_hook() -> None:
+    """An uncaught exception on any rank ends the whole job instead of leaving it blocked."""
+    if sys.excepthook is not sys.__excepthook__:
+        return
+
+    def hook(kind, exc, tb):
+        sys.__excepthook__(kind, exc, tb)
+        sys.stderr.write(f"pipeflow: rank {MPI.COMM_WORLD.rank} raised an uncaught "
+                         f"{kind.__name__}; aborting all ranks\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = hook
+
+
+def _default_device(topo: Topology) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", topo.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _key_order(key: str) -> int:
+    # By layer only: the sort is stable, so names keep their order within a layer.
+    head = key.partition(".")[0]
+    return int(head) if head.isdigit() else sys.maxsize

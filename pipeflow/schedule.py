@@ -1,0 +1,237 @@
+"""Schedules as data: each stage's instruction list, and a simulator that replays them all."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple, Sequence
+
+__all__ = [
+    "Action", "FORWARD", "BACKWARD", "SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD",
+    "gpipe", "one_f_one_b", "SCHEDULES", "build_schedule", "ScheduleError", "SimResult",
+    "simulate", "format_table",
+]
+
+FORWARD, BACKWARD = "F", "B"
+SEND_ACT, RECV_ACT = "SA", "RA"      # activations travel forward: stage s -> s + 1
+SEND_GRAD, RECV_GRAD = "SG", "RG"    # their gradients travel back: stage s + 1 -> s
+COMPUTE = (FORWARD, BACKWARD)
+SENDS = {SEND_ACT: (+1, "act"), SEND_GRAD: (-1, "grad")}
+RECVS = {RECV_ACT: (-1, "act"), RECV_GRAD: (+1, "grad")}
+
+
+class Action(NamedTuple):
+    """One instruction for one stage: an op on a micro-batch, printed compactly as `F3`."""
+
+    op: str
+    mb: int
+
+    def __repr__(self) -> str:
+        return f"{self.op}{self.mb}"
+
+
+class ScheduleError(RuntimeError):
+    """A schedule that cannot run: a deadlock, an unmatched message or a missing step."""
+
+
+def _forward(stage: int, stages: int, mb: int) -> list[Action]:
+    acts = [Action(RECV_ACT, mb)] if stage > 0 else []
+    acts.append(Action(FORWARD, mb))
+    if stage < stages - 1:
+        acts.append(Action(SEND_ACT, mb))
+    return acts
+
+
+def _backward(stage: int, stages: int, mb: int) -> list[Action]:
+    acts = [Action(RECV_GRAD, mb)] if stage < stages - 1 else []
+    acts.append(Action(BACKWARD, mb))
+    if stage > 0:
+        acts.append(Action(SEND_GRAD, mb))
+    return acts
+
+
+# GPipe, 3 stages, 4 micro-batches (time runs right; one column a unit of compute):
+#
+#   stage 0 | F0 F1 F2 F3 .  .  .  .  .  .  B0 B1 B2 B3
+#   stage 1 | .  F0 F1 F2 F3 .  .  .  .  B0 B1 B2 B3 .
+#   stage 2 | .  .  F0 F1 F2 F3 B0 B1 B2 B3 .  .  .  .
+#
+# Every stage stashes all m micro-batches before its first backward.
+def gpipe(stage: int, stages: int, microbatches: int) -> list[Action]:
+    """All forwards, then all backwards: stash `m` on every stage."""
+    _check(stage, stages, microbatches)
+    acts: list[Action] = []
+    for mb in range(microbatches):
+        acts += _forward(stage, stages, mb)
+    for mb in range(microbatches):
+        acts += _backward(stage, stages, mb)
+    return acts
+
+
+# 1F1B (PipeDream-Flush), 3 stages, 4 micro-batches:
+#
+#   stage 0 | F0 F1 F2 .  .  B0 F3 B1 .  B2 .  B3
+#   stage 1 | .  F0 F1 .  B0 F2 B1 F3 B2 .  B3 .
+#   stage 2 | .  .  F0 B0 F1 B1 F2 B2 F3 B3 .  .
+#
+# (`format_table(build_schedule("1f1b", 3, 4))` prints this table.)
+#
+# Stage s runs p - s - 1 warm-up forwards, then alternates one forward and one backward, then
+# drains: it never holds more than min(p - s, m) micro-batches, against GPipe's m, for the same
+# bubble (p - 1) / (m + p - 1).
+def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[Action]:
+    """Warm-up forwards, then one forward one backward, then the remaining backwards."""
+    _check(stage, stages, microbatches)
+    warmup = min(stages - stage - 1, microbatches)
+    acts: list[Action] = []
+    for mb in range(warmup):
+        acts += _forward(stage, stages, mb)
+    for i in range(microbatches - warmup):
+        acts += _forward(stage, stages, warmup + i)
+        acts += _backward(stage, stages, i)
+    for mb in range(microbatches - warmup, microbatches):
+        acts += _backward(stage, stages, mb)
+    return acts
+
+
+SCHEDULES: dict[str, Callable[[int, int, int], list[Action]]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+}
+
+
+def build_schedule(name: str, stages: int, microbatches: int) -> list[list[Action]]:
+    """Every stage's instruction list for schedule `name`."""
+    try:
+        generator = SCHEDULES[name]
+    except KeyError:
+        raise ScheduleError(f"unknown schedule {name!r}; known: {sorted(SCHEDULES)}") from None
+    return [generator(s, stages, microbatches) for s in range(stages)]
+
+
+def _check(stage: int, stages: int, microbatches: int) -> None:
+    if stages < 1 or microbatches < 1 or not 0 <= stage < stages:
+        raise ScheduleError(
+            f"need stages >= 1, microbatches >= 1 and 0 <= stage < stages; found stage={stage}, "
+            f"stages={stages}, microbatches={microbatches}")
+
+
+@dataclasses.dataclass
+class SimResult:
+    """What a replay of all stages found."""
+
+    makespan: float                  # time from the first instruction to the last
+    busy: list[float]                # compute time per stage
+    peak_stash: list[int]            # most micro-batches forwarded but not yet backwarded
+    timeline: list[list[tuple[float, float, Action]]]  # per stage: (start, end, action)
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction of all stages' time: (p - 1) / (m + p - 1) for GPipe and 1F1B."""
+        total = self.makespan * len(self.busy)
+        return 1.0 - sum(self.busy) / total if total else 0.0
+
+
+def simulate(programs: Sequence[Sequence[Action]], forward_time: float = 1.0,
+             backward_time: float = 1.0, comm_time: float = 0.0) -> SimResult:
+    """Replay every stage's program together and check it can run.
+
+    Sends never block (the engine posts them and moves on); a receive waits until the matching
+    send has been issued. Raises `ScheduleError` on a deadlock (every unfinished stage waits
+    for a message nobody will send), on a send no stage receives, and on a program that does
+    not run each micro-batch's forward and backward exactly once, in that order.
+    """
+    stages = len(programs)
+    _check_programs(programs)
+    clock = [0.0] * stages
+    busy = [0.0] * stages
+    pc = [0] * stages
+    stash = [0] * stages
+    peak = [0] * stages
+    timeline: list[list[tuple[float, float, Action]]] = [[] for _ in range(stages)]
+    in_flight: dict[tuple[str, int, int], float] = {}   # (kind, mb, dest) -> arrival time
+    received: set[tuple[str, int, int]] = set()
+    durations = {FORWARD: forward_time, BACKWARD: backward_time}
+
+    while True:
+        progressed = False
+        for s in range(stages):
+            prog = programs[s]
+            while pc[s] < len(prog):
+                act = prog[pc[s]]
+                if act.op in RECVS:
+                    step, kind = RECVS[act.op]
+                    key = (kind, act.mb, s)
+                    if key not in in_flight:
+                        break                     # blocked until the sender gets there
+                    clock[s] = max(clock[s], in_flight.pop(key))
+                    received.add(key)
+                elif act.op in SENDS:
+                    step, kind = SENDS[act.op]
+                    dest = s + step
+                    if not 0 <= dest < stages:
+                        raise ScheduleError(f"stage {s} sends {act} to stage {dest}, which "
+                                            f"does not exist in a {stages}-stage pipeline")
+                    in_flight[(kind, act.mb, dest)] = clock[s] + comm_time
+                else:
+                    start = clock[s]
+                    clock[s] += durations[act.op]
+                    busy[s] += durations[act.op]
+                    timeline[s].append((start, clock[s], act))
+                    stash[s] += 1 if act.op == FORWARD else -1
+                    peak[s] = max(peak[s], stash[s])
+                pc[s] += 1
+                progressed = True
+        if all(pc[s] == len(programs[s]) for s in range(stages)):
+            break
+        if not progressed:
+            waiting = ", ".join(f"stage {s} at {programs[s][pc[s]]} (instruction {pc[s]})"
+                                for s in range(stages) if pc[s] < len(programs[s]))
+            raise ScheduleError(f"deadlock: every unfinished stage waits on a receive: {waiting}")
+    if in_flight:
+        lost = ", ".join(f"{kind} of micro-batch {mb} to stage {dest}"
+                         for kind, mb, dest in sorted(in_flight))
+        raise ScheduleError(f"send with no matching receive: {lost}")
+    return SimResult(makespan=max(clock) if clock else 0.0, busy=busy, peak_stash=peak,
+                     timeline=timeline)
+
+
+def _check_programs(programs: Sequence[Sequence[Action]]) -> None:
+    """Each stage runs F then B exactly once per micro-batch, with its messages around them."""
+    stages = len(programs)
+    for s, prog in enumerate(programs):
+        forwards = [a.mb for a in prog if a.op == FORWARD]
+        backwards = [a.mb for a in prog if a.op == BACKWARD]
+        mbs = sorted(forwards)
+        if mbs != list(range(len(mbs))) or sorted(backwards) != mbs:
+            raise ScheduleError(
+                f"stage {s}: expected one forward and one backward of each micro-batch "
+                f"0..m-1, found forwards {forwards} and backwards {backwards}")
+        seen_f: set[int] = set()
+        have: set[tuple[str, int]] = set()
+        for act in prog:
+            if act.op in RECVS:
+                have.add((act.op, act.mb))
+            elif act.op == FORWARD:
+                if s > 0 and (RECV_ACT, act.mb) not in have:
+                    raise ScheduleError(f"stage {s} runs {act} before receiving its input")
+                seen_f.add(act.mb)
+            elif act.op == BACKWARD:
+                if act.mb not in seen_f:
+                    raise ScheduleError(f"stage {s} runs {act} before its forward")
+                if s < stages - 1 and (RECV_GRAD, act.mb) not in have:
+                    raise ScheduleError(f"stage {s} runs {act} before receiving its gradient")
+
+
+def format_table(programs: Sequence[Sequence[Action]], **sim_kwargs: float) -> str:
+    """The pipeline order as a table, one column a stage, one row a unit of simulated time."""
+    result = simulate(programs, **sim_kwargs)
+    slots: dict[float, list[str]] = {}
+    for s, events in enumerate(result.timeline):
+        for start, _end, act in events:
+            slots.setdefault(start, [""] * len(programs))[s] = repr(act)
+    width = max([4] + [len(c) for row in slots.values() for c in row])
+    header = "time | " + " ".join(f"{f's{s}':>{width}}" for s in range(len(programs)))
+    lines = [header, "-" * len(header)]
+    for t in sorted(slots):
+        lines.append(f"{t:4g} | " + " ".join(f"{c or '.':>{width}}" for c in slots[t]))
+    return "\n".join(lines)

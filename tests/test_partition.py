@@ -1,0 +1,57 @@
+"""Partitioning a layer list into contiguous stages."""
+
+import itertools
+
+import pytest
+from torch import nn
+
+import pipeflow as pf
+from pipeflow.partition import (check_boundaries, partition_balanced, partition_layers,
+                                partition_uniform)
+
+
+def test_uniform_sizes_differ_by_at_most_one():
+    for n in range(1, 20):
+        for p in range(1, n + 1):
+            b = partition_uniform(n, p)
+            sizes = [b[i + 1] - b[i] for i in range(p)]
+            assert b[0] == 0 and b[-1] == n and max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+
+
+def _brute_force(weights, p):
+    n = len(weights)
+    best = None
+    for cuts in itertools.combinations(range(1, n), p - 1):
+        b = [0, *cuts, n]
+        heaviest = max(sum(weights[b[i]:b[i + 1]]) for i in range(p))
+        best = heaviest if best is None else min(best, heaviest)
+    return best
+
+
+@pytest.mark.parametrize("weights", [[1, 1, 1, 1], [5, 1, 1, 1, 1, 5], [1, 9, 2, 2, 2, 8, 1],
+                                     [3, 0, 0, 7, 1, 1, 1, 1, 4]])
+def test_balanced_partition_is_optimal(weights):
+    for p in range(1, len(weights) + 1):
+        b = partition_balanced(weights, p)
+        heaviest = max(sum(weights[b[i]:b[i + 1]]) for i in range(p))
+        assert heaviest == _brute_force(weights, p)
+        assert all(b[i] < b[i + 1] for i in range(p))
+
+
+def test_parameters_partition_balances_parameter_counts():
+    layers = [pf.LayerSpec(nn.Linear, 64, 64)] + [pf.LayerSpec(nn.Linear, 8, 8)] * 6
+    assert partition_layers(layers, 2, "parameters") == [0, 1, 7]
+    assert partition_layers(layers, 2, "uniform") == [0, 3, 7]
+
+
+def test_more_stages_than_layers_is_a_clear_error():
+    with pytest.raises(pf.ConfigError, match="cannot split 3 layers into 4 pipeline stages"):
+        partition_layers([pf.LayerSpec(nn.Identity)] * 3, 4, "uniform")
+
+
+def test_explicit_boundaries_are_checked():
+    assert check_boundaries([0, 1, 5], 5, 2) == [0, 1, 5]
+    with pytest.raises(pf.ConfigError, match="expected 3 boundaries starting at 0 and ending at 5"):
+        check_boundaries([0, 5], 5, 2)
+    with pytest.raises(pf.ConfigError, match="gives stage 1 no layers"):
+        check_boundaries([0, 2, 2, 5], 5, 3)

@@ -1,0 +1,84 @@
+"""Property tests of the schedules through the simulator: no MPI, no torch."""
+
+import pytest
+
+from pipeflow.schedule import (Action, BACKWARD, FORWARD, RECV_ACT, SEND_ACT, ScheduleError,
+                               build_schedule, format_table, simulate)
+
+GRID = [(p, m) for p in range(1, 9) for m in range(1, 33)]
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+def test_every_microbatch_runs_forward_then_backward_once_per_stage(name):
+    for p, m in GRID:
+        for s, prog in enumerate(build_schedule(name, p, m)):
+            fwd = [a.mb for a in prog if a.op == FORWARD]
+            bwd = [a.mb for a in prog if a.op == BACKWARD]
+            assert sorted(fwd) == list(range(m)) == sorted(bwd), (name, p, m, s)
+            for mb in range(m):
+                assert prog.index(Action(FORWARD, mb)) < prog.index(Action(BACKWARD, mb))
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+def test_no_deadlock_and_bubble_matches_formula(name):
+    for p, m in GRID:
+        result = simulate(build_schedule(name, p, m))   # raises on deadlock or lost sends
+        assert result.bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12), (p, m)
+        assert result.makespan == 2 * (m + p - 1)
+
+
+def test_stash_1f1b_is_min_p_minus_s_and_m():
+    for p, m in GRID:
+        assert simulate(build_schedule("1f1b", p, m)).peak_stash == \
+            [min(p - s, m) for s in range(p)], (p, m)
+
+
+def test_stash_gpipe_is_m():
+    for p, m in GRID:
+        assert simulate(build_schedule("gpipe", p, m)).peak_stash == [m] * p, (p, m)
+
+
+def test_bubble_with_unequal_forward_and_backward_times():
+    # With backward = 2 x forward the bubble fraction is unchanged: both scale the same ramps.
+    for p, m in [(2, 8), (4, 4), (4, 16)]:
+        r = simulate(build_schedule("1f1b", p, m), forward_time=1.0, backward_time=2.0)
+        assert r.bubble == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_simulator_finds_a_deadlock():
+    # Both stages wait for the other's message before sending their own.
+    programs = [[Action(FORWARD, 0), Action("RG", 0), Action(SEND_ACT, 0), Action(BACKWARD, 0)],
+                [Action(RECV_ACT, 0), Action(FORWARD, 0), Action(BACKWARD, 0),
+                 Action("SG", 0)]]
+    with pytest.raises(ScheduleError, match="deadlock.*stage 0 at RG0.*stage 1 at RA0"):
+        simulate(programs)
+
+
+def test_simulator_finds_a_send_with_no_receive():
+    programs = build_schedule("1f1b", 2, 2)
+    programs[0] = programs[0] + [Action(SEND_ACT, 5)]
+    with pytest.raises(ScheduleError, match="send with no matching receive.*micro-batch 5"):
+        simulate(programs)
+
+
+def test_simulator_rejects_missing_backward_and_early_forward():
+    programs = build_schedule("gpipe", 2, 2)
+    with pytest.raises(ScheduleError, match="stage 1.*backwards \\[0\\]"):
+        simulate([programs[0], [a for a in programs[1] if a != Action(BACKWARD, 1)]])
+    bad = [a for a in programs[1] if a != Action(RECV_ACT, 0)]
+    with pytest.raises(ScheduleError, match="F0 before receiving its input"):
+        simulate([programs[0], bad])
+
+
+def test_unknown_schedule_and_bad_sizes():
+    with pytest.raises(ScheduleError, match="unknown schedule 'zb'"):
+        build_schedule("zb", 2, 2)
+    with pytest.raises(ScheduleError, match="microbatches >= 1"):
+        build_schedule("1f1b", 2, 0)
+
+
+def test_table_shows_one_column_per_stage():
+    table = format_table(build_schedule("1f1b", 3, 4)).splitlines()
+    assert table[0].split() == ["time", "|", "s0", "s1", "s2"]
+    assert table[2].split() == ["0", "|", "F0", ".", "."]
+    assert len(table) == 2 + 12
