@@ -161,6 +161,12 @@ class Engine:
         """Restore the latest checkpoint in `directory`, written on any grid."""
         load_checkpoint(self, directory)
 
+    def close(self) -> None:
+        """Free this engine's communicators (an engine per test would otherwise exhaust MPI's
+        context ids)."""
+        self.pipe.free()
+        self.topo.free()
+
     # -- the step -------------------------------------------------------------------------
     def _prepare(self, inputs: Batch | None, targets: Batch | None):
         """Split the batch into micro-batches; agree on its signature across the pipeline.

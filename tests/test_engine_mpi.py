@@ -1,0 +1,169 @@
+"""Pipelined training equals one process, on every schedule, partition and micro-batch count.
+
+Run under `mpirun -n 2` and `mpirun -n 4` with `--with-mpi`. On 4 ranks the 2-stage cases run
+as two independent pipelines side by side (the world split in halves).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mpi4py import MPI
+
+import pipeflow as pf
+from pipeflow.schedule import build_schedule, simulate
+
+from toy import adamw, assert_same_parameters, batches, loss_fn, toy_layers, train_reference
+
+WORLD = MPI.COMM_WORLD
+BATCH = 24
+STEPS = 3
+EXPLICIT = {2: [0, 1, 7], 4: [0, 4, 5, 6, 7]}     # uneven on purpose
+MICROBATCHES = {2: [1, 2, 3, 8], 4: [2, 4, 6, 12]}  # below, equal to and above the stages
+
+
+def _sub_world(stages: int) -> MPI.Comm:
+    if WORLD.size < stages:
+        pytest.skip(f"needs {stages} ranks")
+    return WORLD.Split(color=WORLD.rank // stages, key=WORLD.rank)
+
+
+def _cases():
+    for p in (2, 4):
+        for m in MICROBATCHES[p]:
+            for schedule in ("1f1b", "gpipe"):
+                for part in ("uniform", "parameters", "explicit"):
+                    yield p, m, schedule, part
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("stages,microbatches,schedule,partition", list(_cases()))
+def test_pipeline_trains_like_one_process(stages, microbatches, schedule, partition):
+    comm = _sub_world(stages)
+    layers = toy_layers()
+    config = pf.Config(pipeline=stages, microbatches=microbatches, schedule=schedule,
+                       partition=EXPLICIT[stages] if partition == "explicit" else partition)
+    engine = pf.Engine(layers, loss_fn, adamw, config, comm=comm)
+    data = batches(STEPS, BATCH)
+    losses = [engine.train_step(x, y) for x, y in data]
+    reference, ref_losses = train_reference(layers, data)
+
+    # The same loss, bit for bit, on every rank; and the one-process loss.
+    assert comm.allgather(losses) == [losses] * comm.size
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    # This stage's parameters, then the gathered whole model.
+    ref_state = reference.state_dict()
+    local = engine.module.state_dict()
+    assert_same_parameters(local, {k: ref_state[k] for k in local})
+    full = engine.gather_state_dict()
+    if comm.rank == 0:
+        assert_same_parameters(full, ref_state)
+    else:
+        assert full is None
+    # The stash measured at run time is the simulator's figure.
+    expected = simulate(build_schedule(schedule, stages, microbatches)).peak_stash
+    assert engine.peak_stash == expected[engine.stage]
+    if schedule == "1f1b":
+        assert engine.peak_stash == min(stages - engine.stage, microbatches)
+    engine.close()
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_clipping_by_global_norm_matches_one_process(schedule):
+    comm = _sub_world(2)
+    layers = toy_layers()
+    engine = pf.Engine(layers, loss_fn, adamw,
+                       pf.Config(pipeline=2, microbatches=4, schedule=schedule, clip=0.05),
+                       comm=comm)
+    data = batches(STEPS, BATCH)
+    for x, y in data:
+        engine.train_step(x, y)
+    reference, _ = train_reference(layers, data, clip=0.05)
+    # The clip must have bitten, or this test would prove nothing.
+    unclipped, _ = train_reference(layers, data)
+    assert engine.last_grad_norm > 0.05
+    full = engine.gather_state_dict()
+    if comm.rank == 0:
+        assert_same_parameters(full, reference.state_dict())
+        with pytest.raises(AssertionError):
+            assert_same_parameters(full, unclipped.state_dict())
+    engine.close()
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_eval_step_is_forward_only_and_agrees_everywhere():
+    comm = _sub_world(2)
+    layers = toy_layers()
+    engine = pf.Engine(layers, loss_fn, adamw, pf.Config(pipeline=2, microbatches=3), comm=comm)
+    x, y = batches(1, 12)[0]
+    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    loss = engine.eval_step(x, y)
+    reference = pf.build_sequential(layers, 0)
+    assert loss == pytest.approx(loss_fn(reference(x), y).item(), rel=1e-6)
+    assert comm.allgather(loss) == [loss] * comm.size
+    assert all(torch.equal(before[k], v) for k, v in engine.module.state_dict().items())
+    # A different batch shape afterwards: shapes are exchanged again, not assumed.
+    x2, y2 = batches(1, 6, seed=5)[0]
+    assert engine.train_step(x2, y2) == pytest.approx(loss_fn(reference(x2), y2).item(),
+                                                      rel=1e-6)
+    engine.close()
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bad_batches_raise_the_same_clear_error_on_every_rank():
+    comm = _sub_world(2)
+    engine = pf.Engine(toy_layers(), loss_fn, adamw, pf.Config(pipeline=2, microbatches=4),
+                       comm=comm)
+    x, y = batches(1, 10)[0]
+    with pytest.raises(pf.BatchError, match="batch of 10 samples does not divide into 1 "
+                                             "replica\\(s\\) x 4 micro-batches"):
+        engine.train_step(x, y)
+    x, y = batches(1, 8)[0]
+    # Only the last stage lacks its targets; every rank learns of it.
+    with pytest.raises(pf.BatchError, match="stage 1 of 2.*targets=None"):
+        engine.train_step(x, None if engine.is_last else y)
+    # Other ranks may pass None for what they do not use.
+    loss = engine.train_step(x if engine.is_first else None, y if engine.is_last else None)
+    assert comm.allgather(loss) == [loss] * comm.size
+    engine.close()
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_grid_that_does_not_fit_the_world_is_an_error_on_every_rank():
+    with pytest.raises(pf.ConfigError, match=f"needs {WORLD.size + 1} ranks, but the job has "
+                                             f"{WORLD.size}"):
+        pf.Engine(toy_layers(), loss_fn, adamw, pf.Config(pipeline=WORLD.size + 1))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_checkpoint_resumes_onto_a_different_grid(tmp_path_factory):
+    comm = _sub_world(2)
+    # Every pipeline in the world writes its own folder; rank 0 of the pipeline names it.
+    folder = comm.bcast(str(tmp_path_factory.mktemp("ckpt")) if comm.rank == 0 else None)
+    layers = toy_layers()
+    data = batches(4, BATCH)
+    engine = pf.Engine(layers, loss_fn, adamw, pf.Config(pipeline=2, microbatches=4),
+                       comm=comm)
+    for x, y in data[:2]:
+        engine.train_step(x, y)
+    engine.save(folder)
+    # Resume on the same ranks with another partition and schedule.
+    resumed = pf.Engine(layers, loss_fn, adamw,
+                        pf.Config(pipeline=2, microbatches=2, schedule="gpipe",
+                                  partition=[0, 5, 7]), comm=comm)
+    resumed.load(folder)
+    assert resumed.step_count == 2
+    for x, y in data[2:]:
+        resumed.train_step(x, y)
+    reference, _ = train_reference(layers, data)
+    full = resumed.gather_state_dict()
+    if comm.rank == 0:
+        assert_same_parameters(full, reference.state_dict())
+    engine.close()
+    resumed.close()
+    comm.Free()

@@ -1,0 +1,88 @@
+"""Small models for the engine's tests: cheap, deterministic, with tuples crossing stages."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import pipeflow as pf
+
+VOCAB, WIDTH, SEQ = 13, 8, 5
+
+
+class Embed(nn.Module):
+    def __init__(self, vocab: int, width: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+
+    def forward(self, tokens):
+        # A tuple crosses the stage boundary: float activations and the int tokens.
+        return self.emb(tokens), tokens
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+
+    def forward(self, x):
+        h, tokens = x
+        keep = (tokens % 3 != 0).unsqueeze(-1).to(h.dtype)
+        return h + self.down(torch.tanh(self.up(h))) * keep, tokens
+
+
+class Head(nn.Module):
+    def __init__(self, width: int, vocab: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.out = nn.Linear(width, vocab)
+
+    def forward(self, x):
+        h, _ = x
+        return self.out(self.norm(h))
+
+
+def loss_fn(logits, targets):
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def toy_layers(blocks: int = 5) -> list[pf.LayerSpec]:
+    # Blocks of different widths give the "parameters" partition something to balance.
+    return ([pf.LayerSpec(Embed, VOCAB, WIDTH)]
+            + [pf.LayerSpec(Block, WIDTH, 4 * (i + 1)) for i in range(blocks)]
+            + [pf.LayerSpec(Head, WIDTH, VOCAB)])
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def batches(steps: int, batch: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, VOCAB, (batch, SEQ), generator=g),
+             torch.randint(0, VOCAB, (batch, SEQ), generator=g)) for _ in range(steps)]
+
+
+def train_reference(layers, data, clip: float = 0.0, seed: int = 0):
+    """`build_sequential` trained in one process on each whole batch: the ground truth."""
+    model = pf.build_sequential(layers, seed)
+    opt = adamw(model.parameters())
+    losses = []
+    for x, y in data:
+        loss = loss_fn(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+def assert_same_parameters(state, reference_state, rtol: float = 1e-5):
+    assert list(state) == list(reference_state)
+    for name, ref in reference_state.items():
+        diff = (state[name] - ref).abs().max().item()
+        scale = ref.abs().max().item()
+        assert diff <= rtol * scale, f"{name}: max |diff| {diff:.3g} > {rtol} x {scale:.3g}"
