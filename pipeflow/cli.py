@@ -1,0 +1,86 @@
+"""The command line: `pipeflow train CONFIG`, `pipeflow plan …`, `pipeflow schedule …`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+__all__ = ["main"]
+
+
+def _train(args: argparse.Namespace) -> int:
+    from mpi4py import MPI
+
+    from pipeflow.config import ConfigError
+    from pipeflow.train import load_run_config, train
+
+    try:
+        config, model, run = load_run_config(args.config)
+        if args.steps is not None:
+            run.steps = args.steps
+        if args.save_dir is not None:
+            run.save_dir = args.save_dir
+        if args.resume:
+            run.resume = True
+        train(config, model, run)
+    except ConfigError as exc:
+        # Raised alike on every rank (grid, batch and config checks agree before any
+        # message moves): one report from rank 0, a clean exit everywhere.
+        if MPI.COMM_WORLD.rank == 0:
+            print(f"pipeflow: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _schedule(args: argparse.Namespace) -> int:
+    from pipeflow.schedule import build_schedule, format_table, simulate
+
+    programs = build_schedule(args.schedule, args.stages, args.microbatches)
+    result = simulate(programs)
+    print(format_table(programs))
+    print(f"\nbubble {result.bubble:.3f} (formula (p-1)/(m+p-1) = "
+          f"{(args.stages - 1) / (args.microbatches + args.stages - 1):.3f}); "
+          f"peak stash per stage {result.peak_stash}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pipeflow", description="Pipeline-parallel training across MPI ranks. "
+        "Launch training as `mpirun -n N pipeflow train CONFIG.toml`.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train the GPT described by a TOML file")
+    train.add_argument("config", help="TOML file with [engine], [model] and [train] tables")
+    train.add_argument("--steps", type=int, help="override [train] steps")
+    train.add_argument("--save-dir", help="override [train] save_dir (checkpoint folder)")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the latest checkpoint in save_dir")
+    train.set_defaults(func=_train)
+
+    show = sub.add_parser("schedule", help="print a schedule's pipeline order, bubble and stash")
+    show.add_argument("--stages", "-p", type=int, default=4)
+    show.add_argument("--microbatches", "-m", type=int, default=8)
+    show.add_argument("--schedule", "-s", default="1f1b")
+    show.set_defaults(func=_schedule)
+
+    try:
+        from pipeflow.planner import cli as planner_cli
+    except ImportError:  # pragma: no cover - the planner is optional at import time
+        planner_cli = None
+    if planner_cli is not None:
+        plan = sub.add_parser("plan", help="from a compute budget and a cluster to a launch "
+                              "command (Chinchilla sizing, cost model, search)")
+        planner_cli.add_arguments(plan)
+        plan.set_defaults(func=planner_cli.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

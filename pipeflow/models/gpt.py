@@ -1,0 +1,179 @@
+"""A small GPT (nanoGPT-style) written as a list of `LayerSpec`s: embedding, blocks, head."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pipeflow.layers import LayerSpec
+
+__all__ = ["GPTConfig", "Embedding", "Block", "Head", "gpt_layers", "gpt_loss",
+           "num_parameters", "flops_per_token"]
+
+
+@dataclasses.dataclass
+class GPTConfig:
+    """The shape of the model. The defaults train on bytes in seconds on one CPU core."""
+
+    n_layers: int = 4          # transformer blocks
+    d_model: int = 128         # width of the residual stream
+    n_heads: int = 4           # attention heads; d_model / n_heads is the head size
+    seq_len: int = 64          # longest context: the number of learned positions
+    vocab_size: int = 256      # bytes
+    dropout: float = 0.0
+    bias: bool = True          # biases in the linear layers and LayerNorms
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive integer, found {value!r}")
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(
+                f"GPTConfig.d_model ({self.d_model}) must be divisible by n_heads "
+                f"({self.n_heads}); choose n_heads among the divisors of d_model, e.g. "
+                f"{[h for h in (1, 2, 4, 8, 16) if self.d_model % h == 0]}")
+        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), found {self.dropout!r}")
+        if not isinstance(self.bias, bool):
+            raise ValueError(f"GPTConfig.bias must be true or false, found {self.bias!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+def _init_linear(layer: nn.Linear, std: float = 0.02) -> None:
+    nn.init.normal_(layer.weight, mean=0.0, std=std)
+    if layer.bias is not None:
+        nn.init.zeros_(layer.bias)
+
+
+class Embedding(nn.Module):
+    """Token ids [B, T] -> hidden states [B, T, d]: token plus learned position embeddings."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.seq_len = cfg.seq_len
+        self.tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.positions = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        nn.init.normal_(self.tokens.weight, mean=0.0, std=0.02)
+        nn.init.normal_(self.positions.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        if T > self.seq_len:
+            raise ValueError(f"sequence of {T} tokens is longer than GPTConfig.seq_len "
+                             f"({self.seq_len}); raise seq_len or feed shorter windows")
+        pos = torch.arange(T, device=idx.device)
+        return self.drop(self.tokens(idx) + self.positions(pos))
+
+
+class Block(nn.Module):
+    """One transformer block, pre-LayerNorm: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.n_heads = cfg.n_heads
+        self.dropout = cfg.dropout
+        self.ln_1 = nn.LayerNorm(d, bias=cfg.bias)
+        self.qkv = nn.Linear(d, 3 * d, bias=cfg.bias)
+        self.attn_proj = nn.Linear(d, d, bias=cfg.bias)
+        self.ln_2 = nn.LayerNorm(d, bias=cfg.bias)
+        self.fc = nn.Linear(d, 4 * d, bias=cfg.bias)
+        self.mlp_proj = nn.Linear(4 * d, d, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+        _init_linear(self.qkv)
+        _init_linear(self.fc)
+        # Each block adds two projections into the residual stream, so its variance grows
+        # with 2 * n_layers additions; GPT-2 scales these inits by 1/sqrt(2 * n_layers) to
+        # keep the stream's scale independent of depth at initialisation.
+        residual_std = 0.02 / math.sqrt(2 * cfg.n_layers)
+        _init_linear(self.attn_proj, std=residual_std)
+        _init_linear(self.mlp_proj, std=residual_std)
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        # [B, T, d] -> [B, heads, T, head_dim]
+        q, k, v = (t.view(B, T, self.n_heads, d // self.n_heads).transpose(1, 2)
+                   for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, d)
+        return self.drop(self.attn_proj(y))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.mlp_proj(F.gelu(self.fc(x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Head(nn.Module):
+    """Hidden states [B, T, d] -> logits [B, T, vocab]: final LayerNorm and a linear map."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        # GPT-2 ties this weight to the token embedding. Here the two usually live on
+        # different pipeline stages, and summing a tied weight's gradients across stages is
+        # a later engine feature, so the head keeps its own weight for now.
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.bias)
+        _init_linear(self.lm_head)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+def gpt_layers(cfg: GPTConfig) -> list[LayerSpec]:
+    """The model as pipeline layers: Embedding, `n_layers` Blocks, Head."""
+    return [LayerSpec(Embedding, cfg),
+            *[LayerSpec(Block, cfg) for _ in range(cfg.n_layers)],
+            LayerSpec(Head, cfg)]
+
+
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every token of the batch: logits [B, T, V], targets [B, T]."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def num_parameters(cfg: GPTConfig, embeddings: bool = True) -> int:
+    """Parameter count from the formula (the tests check it against the built model).
+
+    With `embeddings=False` the token and position tables are left out: they are lookups,
+    not matrix products, so they cost no FLOPs.
+    """
+    d, V, L, b = cfg.d_model, cfg.vocab_size, cfg.n_layers, int(cfg.bias)
+    layer_norm = d + b * d
+    block = (2 * layer_norm
+             + 3 * d * d + b * 3 * d       # qkv
+             + d * d + b * d               # attention projection
+             + 4 * d * d + b * 4 * d       # fc
+             + 4 * d * d + b * d)          # mlp projection
+    head = layer_norm + d * V + b * V
+    embedding = V * d + cfg.seq_len * d
+    return L * block + head + (embedding if embeddings else 0)
+
+
+def flops_per_token(cfg: GPTConfig) -> int:
+    """Training FLOPs per token (forward and backward): `6 N + 12 L d T`.
+
+    `N` counts the parameters that take part in matrix products (all but the embedding
+    tables), 2 FLOPs per multiply-add and three passes (forward, backward for activations,
+    backward for weights). `12 L d T` is attention's scores and weighted sum (each `2 d T`
+    per token and layer, times 3 passes), counted over the full `T x T` square as in the PaLM
+    paper (appendix B), although the causal mask lets a kernel skip half of it.
+    """
+    return (6 * num_parameters(cfg, embeddings=False)
+            + 12 * cfg.n_layers * cfg.d_model * cfg.seq_len)
