@@ -1,0 +1,16 @@
+"""The planner: Chinchilla sizing, a memory and time cost model, and the grid search."""
+
+from pipeflow.planner.cost import Estimate, Grid, estimate
+from pipeflow.planner.hardware import PRESETS, Cluster, Hardware, LayerTimes, get_hardware
+from pipeflow.planner.plan import Plan, make_plan, render_table, to_json, train_toml
+from pipeflow.planner.scaling import (BESIROGLU_FIT, HOFFMANN_FIT, METHODS, Allocation,
+                                      allocate, allocate_for_params)
+from pipeflow.planner.search import PlanError, SearchResult, search
+from pipeflow.planner.shapes import Shape, param_count, shape_for_params
+
+__all__ = [
+    "Allocation", "BESIROGLU_FIT", "Cluster", "Estimate", "Grid", "HOFFMANN_FIT", "Hardware",
+    "LayerTimes", "METHODS", "PRESETS", "Plan", "PlanError", "SearchResult", "Shape",
+    "allocate", "allocate_for_params", "estimate", "get_hardware", "make_plan", "param_count",
+    "render_table", "search", "shape_for_params", "to_json", "train_toml",
+]

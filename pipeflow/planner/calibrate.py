@@ -1,0 +1,223 @@
+"""Measure this machine for the cost model: layer times, optimizer step, link bandwidth."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Sequence
+
+from pipeflow.planner.cost import block_forward_flops
+from pipeflow.planner.hardware import Hardware, LayerTimes
+from pipeflow.planner.shapes import Shape
+
+__all__ = ["measure_layer_times", "measure_link", "estimate_shared_memory_link", "calibrate",
+           "fit_line", "sleeping_barrier", "DEFAULT_MICRO_BATCHES"]
+
+# torch and mpi4py are imported inside the functions: the planner package stays importable
+# (and its pure parts testable) without either.
+
+DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares (c0, c1) of y = c0 + c1·x."""
+    n = len(xs)
+    if n == 1:
+        return 0.0, ys[0] / xs[0]
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    c1 = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return my - c1 * mx, c1
+
+
+def _best_of(fn: Callable[[], float], repeats: int) -> float:
+    # The minimum over repeats: on a shared machine every disturbance only adds time, so the
+    # fastest run is the best estimate of the undisturbed cost (as `timeit` advises).
+    return min(fn() for _ in range(repeats))
+
+
+def measure_layer_times(shape: Shape, micro_batch_sizes: Sequence[int] = DEFAULT_MICRO_BATCHES,
+                        repeats: int = 5, threads: int = 1, seed: int = 0,
+                        log: Callable[[str], None] | None = None) -> LayerTimes:
+    """Forward and backward seconds of the GPT's embedding, one block and the head with its
+    loss, at each micro-batch size, fitted as t(b) = c0 + c1·b; and the optimizer step.
+
+    Runs the layers of `pipeflow.models.gpt` exactly as the engine does (fp32, on CPU with
+    `threads` torch threads), so the times include what the FLOP count leaves out.
+    """
+    import torch
+
+    from pipeflow.models.gpt import Block, Embedding, GPTConfig, Head, gpt_loss
+
+    cfg = GPTConfig(n_layers=shape.n_layers, d_model=shape.d_model, n_heads=shape.n_heads,
+                    seq_len=shape.seq_len, vocab_size=shape.vocab_size)
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(seed)
+    try:
+        torch.manual_seed(seed)
+        layers = {"embed": Embedding(cfg), "block": Block(cfg), "head": Head(cfg)}
+        samples: dict[str, dict[str, list[float]]] = {
+            k: {"forward": [], "backward": []} for k in layers}
+        for b in micro_batch_sizes:
+            ids = torch.randint(0, shape.vocab_size, (b, shape.seq_len), generator=gen)
+            hidden = torch.randn(b, shape.seq_len, shape.d_model, generator=gen)
+
+            def run(kind: str, phase: str) -> float:
+                module = layers[kind]
+                if kind == "embed":
+                    x = ids
+                else:
+                    x = hidden.clone().requires_grad_(True)
+                t0 = time.perf_counter()
+                out = module(x)
+                if kind == "head":
+                    out = gpt_loss(out, ids)
+                t1 = time.perf_counter()
+                if phase == "forward":
+                    return t1 - t0
+                grad = None if kind == "head" else torch.ones_like(out)
+                t1 = time.perf_counter()
+                out.backward(grad)
+                return time.perf_counter() - t1
+
+            for kind in layers:
+                for phase in ("forward", "backward"):
+                    run(kind, phase)                       # warm-up: allocator, kernels
+                    samples[kind][phase].append(_best_of(lambda: run(kind, phase), repeats))
+        times = {k: {ph: fit_line(list(micro_batch_sizes), v) for ph, v in phs.items()}
+                 for k, phs in samples.items()}
+        per_param = _measure_optimizer(layers["block"], repeats)
+    finally:
+        torch.set_num_threads(old_threads)
+    if log:
+        b = max(micro_batch_sizes)
+        log(f"calibrate: block forward {samples['block']['forward'][-1] * 1e3:.2f} ms, backward "
+            f"{samples['block']['backward'][-1] * 1e3:.2f} ms at micro-batch {b}; optimizer "
+            f"{per_param * 1e9:.2f} ns/parameter")
+    return LayerTimes(shape.to_dict(), times, per_param)
+
+
+def _measure_optimizer(module: Any, repeats: int) -> float:
+    """Seconds per parameter of the engine's step: the gradient norm, AdamW, zero_grad."""
+    import torch
+
+    params = [p for p in module.parameters()]
+    count = sum(p.numel() for p in params)
+    opt = torch.optim.AdamW(params, lr=1e-4)
+
+    def once() -> float:
+        for p in params:
+            p.grad = torch.randn_like(p)
+        t0 = time.perf_counter()
+        sq = torch.zeros(1, dtype=torch.float64)
+        for p in params:
+            sq += p.grad.detach().double().pow(2).sum()
+        float(sq.item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    once()
+    return _best_of(once, repeats) / count
+
+
+def sleeping_barrier(comm: Any) -> None:
+    """A barrier that sleeps while it waits: MPICH's blocking barrier spins, and with one core
+    per rank a spinning idle rank would steal time from the rank that is measuring."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(1e-4)
+
+
+def measure_link(comm: Any, sizes: Sequence[int] = (1 << 10, 1 << 16, 1 << 20, 1 << 22),
+                 repeats: int = 20) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency s) between ranks 0 and 1 of `comm` by ping-pong; one-way
+    time t(n) = latency + n/bandwidth, fitted over `sizes`. Collective: every rank calls it."""
+    import numpy as np
+
+    rank = comm.Get_rank()
+    one_way: list[float] = []
+    for n in sizes:
+        buf = np.zeros(n, dtype=np.uint8)
+        best = float("inf")
+        for i in range(repeats + 2):
+            sleeping_barrier(comm)
+            if rank == 0:
+                t0 = time.perf_counter()
+                comm.Send(buf, dest=1, tag=7)
+                comm.Recv(buf, source=1, tag=7)
+                if i >= 2:
+                    best = min(best, (time.perf_counter() - t0) / 2)
+            elif rank == 1:
+                comm.Recv(buf, source=0, tag=7)
+                comm.Send(buf, dest=0, tag=7)
+        one_way.append(best)
+    latency, inv_bw = fit_line([float(n) for n in sizes], one_way) if rank == 0 else (0.0, 1.0)
+    result = (1.0 / max(inv_bw, 1e-15), max(latency, 0.0)) if rank == 0 else None
+    return comm.bcast(result, root=0)
+
+
+def estimate_shared_memory_link(nbytes: int = 1 << 25, repeats: int = 5) -> tuple[float, float]:
+    """Without a second rank: a shared-memory MPI transport copies twice (sender to shared
+    segment to receiver), so half the measured memcpy bandwidth; latency an assumed 5 µs."""
+    import numpy as np
+
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        return time.perf_counter() - t0
+
+    once()
+    return nbytes / _best_of(once, repeats) / 2, 5e-6
+
+
+def _physical_memory() -> float:
+    try:
+        return float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 8e9
+
+
+def calibrate(shape: Shape, comm: Any = None, ranks_per_node: int = 1,
+              micro_batch_sizes: Sequence[int] = DEFAULT_MICRO_BATCHES, repeats: int = 5,
+              log: Callable[[str], None] | None = None) -> Hardware:
+    """A "cpu-local" Hardware for `shape` on this machine: measured layer times replace
+    peak × efficiency, and the link is measured by ping-pong when `comm` has two ranks or
+    more (else estimated from memory bandwidth). Collective over `comm`; every rank returns
+    the same description."""
+    rank = comm.Get_rank() if comm is not None else 0
+    layer_times = None
+    if rank == 0:
+        layer_times = measure_layer_times(shape, micro_batch_sizes, repeats, log=log)
+    if comm is not None and comm.Get_size() > 1:
+        sleeping_barrier(comm)
+        layer_times = comm.bcast(layer_times, root=0)
+        bandwidth, latency = measure_link(comm)
+        link_note = f"measured by ping-pong between 2 of {comm.Get_size()} MPI ranks"
+    else:
+        bandwidth, latency = estimate_shared_memory_link()
+        link_note = ("estimated: half the memcpy bandwidth, 5 µs latency (run under "
+                     "`mpirun -n 2` to measure)")
+    assert layer_times is not None
+    if log:
+        log(f"calibrate: link {bandwidth / 1e9:.2f} GB/s, latency {latency * 1e6:.1f} µs "
+            f"({link_note})")
+    b = max(micro_batch_sizes)
+    rate = block_forward_flops(shape, b) / layer_times.time("block", "forward", b)
+    memory = _physical_memory() / max(1, ranks_per_node)
+    return Hardware(
+        "cpu-local", peak_flops=rate, memory_bytes=memory, memory_bandwidth=bandwidth,
+        intra_node_bandwidth=bandwidth, inter_node_bandwidth=bandwidth,
+        intra_node_latency=latency, inter_node_latency=latency, efficiency=1.0,
+        link_efficiency=1.0, memory_reserve_fraction=0.10,
+        sources={"layer_times": f"measured on this machine, 1 torch thread, micro-batches "
+                                f"{list(micro_batch_sizes)}, best of {repeats}",
+                 "peak_flops": "the block forward's measured FLOP rate (so MFU is relative "
+                               "to what this CPU reaches)",
+                 "memory": f"physical memory / {ranks_per_node} ranks",
+                 "link": link_note},
+        layer_times=layer_times)

@@ -1,0 +1,207 @@
+"""GPU presets and cluster descriptions, every figure with its source."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+__all__ = ["Hardware", "LayerTimes", "Cluster", "PRESETS", "ALIASES", "get_hardware",
+           "HardwareError", "GB", "GiB"]
+
+GB = 1e9
+GiB = 2.0 ** 30
+
+
+class HardwareError(ValueError):
+    """An unknown preset or an impossible cluster; the message says what is accepted."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerTimes:
+    """Measured seconds per micro-batch for each layer kind of one model shape.
+
+    `times[kind][phase] = (c0, c1)` means t(b) = c0 + c1·b for micro-batch size b: a fixed
+    cost per call (Python, kernel launch) plus a cost per sequence. Kinds are "embed",
+    "block" and "head" (the output head with the loss); phases "forward" and "backward".
+    """
+
+    shape: Mapping[str, int]
+    times: Mapping[str, Mapping[str, tuple[float, float]]]
+    optimizer_s_per_param: float
+
+    def time(self, kind: str, phase: str, micro_batch_size: int) -> float:
+        c0, c1 = self.times[kind][phase]
+        return max(0.0, c0 + c1 * micro_batch_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"shape": dict(self.shape),
+                "times": {k: {ph: list(v) for ph, v in t.items()} for k, t in self.times.items()},
+                "optimizer_s_per_param": self.optimizer_s_per_param}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "LayerTimes":
+        return cls(dict(d["shape"]),
+                   {k: {ph: tuple(v) for ph, v in t.items()} for k, t in d["times"].items()},
+                   float(d["optimizer_s_per_param"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One accelerator and the links around it. Bandwidths are bytes/s per GPU per direction."""
+
+    name: str
+    peak_flops: float             # dense bf16 FLOP/s (the fp32 engine reaches less; see cost)
+    memory_bytes: float
+    memory_bandwidth: float       # HBM bytes/s: bounds the optimizer step
+    intra_node_bandwidth: float   # NVLink
+    inter_node_bandwidth: float   # InfiniBand NIC per GPU
+    intra_node_latency: float = 5e-6
+    inter_node_latency: float = 10e-6
+    # Fraction of peak the layers' matrix multiplies reach. An assumption, not a datasheet
+    # figure: Narayanan et al. 2021 measure 52% of A100 peak end to end (bubble and
+    # communication included) for GPT-3 175B; layers alone run a little faster.
+    efficiency: float = 0.5
+    # Fraction of a link's nominal bandwidth collectives reach (NCCL bus bandwidth is
+    # typically 75-90% of nominal). An assumption.
+    link_efficiency: float = 0.8
+    # Kept free for the CUDA context, library workspaces and allocator fragmentation.
+    memory_reserve_fraction: float = 0.10
+    sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    layer_times: LayerTimes | None = None   # set by calibration: replaces peak × efficiency
+
+    @property
+    def usable_memory(self) -> float:
+        return self.memory_bytes * (1.0 - self.memory_reserve_fraction)
+
+    @property
+    def calibrated(self) -> bool:
+        return self.layer_times is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["sources"] = dict(self.sources)
+        d["layer_times"] = self.layer_times.to_dict() if self.layer_times else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Hardware":
+        d = dict(d)
+        lt = d.get("layer_times")
+        d["layer_times"] = LayerTimes.from_dict(lt) if lt else None
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise HardwareError(f"unknown hardware field(s) {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Hardware":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+
+_A100_SRC = {
+    "peak_flops": "NVIDIA A100 datasheet: BF16 Tensor Core 312 TFLOPS dense (624 sparse)",
+    "memory": "NVIDIA A100 datasheet: 40 GB HBM2 at 1,555 GB/s; 80 GB HBM2e at 2,039 GB/s (SXM)",
+    "intra_node_bandwidth": "NVIDIA A100 datasheet: NVLink 600 GB/s (both directions; "
+                            "300 GB/s each way)",
+    "inter_node_bandwidth": "NVIDIA DGX A100 datasheet: 8× ConnectX-6 HDR InfiniBand 200 Gb/s, "
+                            "one per GPU (25 GB/s each way)",
+}
+_H100_SRC = {
+    "peak_flops": "NVIDIA H100 datasheet (SXM): BF16 Tensor Core 1,979 TFLOPS with sparsity, "
+                  "989 dense",
+    "memory": "NVIDIA H100 datasheet (SXM): 80 GB HBM3 at 3.35 TB/s",
+    "intra_node_bandwidth": "NVIDIA H100 datasheet: NVLink 900 GB/s (both directions; "
+                            "450 GB/s each way)",
+    "inter_node_bandwidth": "NVIDIA DGX H100 datasheet: 8× ConnectX-7 NDR InfiniBand 400 Gb/s, "
+                            "one per GPU (50 GB/s each way)",
+}
+_H200_SRC = {
+    "peak_flops": "NVIDIA H200 datasheet (SXM): BF16 Tensor Core 1,979 TFLOPS with sparsity, "
+                  "989 dense",
+    "memory": "NVIDIA H200 datasheet (SXM): 141 GB HBM3e at 4.8 TB/s",
+    "intra_node_bandwidth": "NVIDIA H200 datasheet: NVLink 900 GB/s (both directions; "
+                            "450 GB/s each way)",
+    "inter_node_bandwidth": "NVIDIA DGX H200 datasheet: 8× ConnectX-7 NDR InfiniBand 400 Gb/s, "
+                            "one per GPU (50 GB/s each way)",
+}
+_COMMON_SRC = {
+    "latency": "assumption: order of NCCL small-message latency, 5 µs NVLink, 10 µs InfiniBand",
+    "efficiency": "assumption: 50% of peak; Narayanan et al. 2021 report 52% of A100 peak end "
+                  "to end for GPT-3 175B",
+    "link_efficiency": "assumption: collectives reach ~80% of nominal link bandwidth",
+}
+
+PRESETS: dict[str, Hardware] = {
+    "a100-40gb": Hardware("A100 SXM 40GB", 312e12, 40 * GB, 1555 * GB, 300 * GB, 25 * GB,
+                          sources=_A100_SRC | _COMMON_SRC),
+    "a100-80gb": Hardware("A100 SXM 80GB", 312e12, 80 * GB, 2039 * GB, 300 * GB, 25 * GB,
+                          sources=_A100_SRC | _COMMON_SRC),
+    "h100": Hardware("H100 SXM 80GB", 989e12, 80 * GB, 3350 * GB, 450 * GB, 50 * GB,
+                     sources=_H100_SRC | _COMMON_SRC),
+    "h200": Hardware("H200 SXM 141GB", 989e12, 141 * GB, 4800 * GB, 450 * GB, 50 * GB,
+                     sources=_H200_SRC | _COMMON_SRC),
+}
+ALIASES = {"a100": "a100-80gb", "a100-40": "a100-40gb", "a100-80": "a100-80gb",
+           "h100-sxm": "h100", "h100-80gb": "h100", "h200-sxm": "h200", "h200-141gb": "h200"}
+
+
+def get_hardware(name: str) -> Hardware:
+    key = name.lower()
+    key = ALIASES.get(key, key)
+    if key not in PRESETS:
+        raise HardwareError(f"unknown GPU {name!r}; presets are {sorted(PRESETS)} "
+                            f"(aliases {sorted(ALIASES)}), or calibrate this machine with "
+                            f"--calibrate / load one with --hardware-file")
+    return PRESETS[key]
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """`gpus` accelerators of one kind, `gpus_per_node` to a node.
+
+    Ranks fill nodes in order, and the grid places a stage's data-parallel replicas on
+    consecutive ranks (rank = stage·data + replica), as Megatron-LM does: the all-reduce stays
+    inside a node as long as the data group does, and the pipeline's point-to-point traffic
+    crosses nodes.
+    """
+
+    hardware: Hardware
+    gpus: int
+    gpus_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.gpus, int) or isinstance(self.gpus, bool) or self.gpus < 1:
+            raise HardwareError(f"--gpus must be a positive integer, found {self.gpus!r}; a "
+                                f"plan needs at least one GPU")
+        if (not isinstance(self.gpus_per_node, int) or isinstance(self.gpus_per_node, bool)
+                or self.gpus_per_node < 1):
+            raise HardwareError(f"--gpus-per-node must be a positive integer, found "
+                                f"{self.gpus_per_node!r}")
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.gpus // self.gpus_per_node)
+
+    def rank(self, stage: int, replica: int, data: int) -> int:
+        return stage * data + replica
+
+    def node(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def same_node(self, ranks: list[int]) -> bool:
+        return len({self.node(r) for r in ranks}) <= 1
+
+    def link(self, ranks: list[int]) -> tuple[float, float]:
+        """(bandwidth, latency) of the slowest link joining `ranks`, efficiency applied."""
+        hw = self.hardware
+        if self.same_node(ranks):
+            return hw.intra_node_bandwidth * hw.link_efficiency, hw.intra_node_latency
+        return hw.inter_node_bandwidth * hw.link_efficiency, hw.inter_node_latency

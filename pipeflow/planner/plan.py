@@ -1,0 +1,408 @@
+"""From a budget and a cluster to a plan: model size, tokens, grid, and the files that run it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+from pipeflow.planner.cost import RECOMPUTE, SCHEDULES, Estimate
+from pipeflow.planner.hardware import GB, Cluster
+from pipeflow.planner.scaling import (METHODS, SECONDS_PER_DAY, Allocation, allocate,
+                                      allocate_for_params)
+from pipeflow.planner.search import PlanError, SearchResult, search
+from pipeflow.planner.shapes import (DEFAULT_SEQ_LEN, DEFAULT_VOCAB, Shape, ShapeError,
+                                     shape_for_params, smallest_shape)
+
+__all__ = ["Plan", "make_plan", "default_batch_tokens", "default_lr", "nice_batch",
+           "render_table", "to_json", "train_toml", "DEFAULT_MFU"]
+
+# The model FLOPs utilisation assumed to turn GPU-days into FLOPs before a plan exists;
+# afterwards the plan's own predicted utilisation replaces it.
+DEFAULT_MFU = 0.40
+
+# Brown et al. 2020 (GPT-3), Table 2.1: (parameters, batch tokens, learning rate).
+GPT3_TABLE = ((125e6, 0.5e6, 6.0e-4), (350e6, 0.5e6, 3.0e-4), (760e6, 0.5e6, 2.5e-4),
+              (1.3e9, 1e6, 2.0e-4), (2.7e9, 1e6, 1.6e-4), (6.7e9, 2e6, 1.2e-4),
+              (13e9, 2e6, 1.0e-4), (175e9, 3.2e6, 0.6e-4))
+
+
+def _nearest_gpt3(params: float) -> tuple[float, float, float]:
+    return min(GPT3_TABLE, key=lambda row: abs(math.log(row[0] / params)))
+
+
+def default_batch_tokens(params: float) -> float:
+    """The GPT-3 batch size of the nearest GPT-3 model (Brown et al. 2020, Table 2.1)."""
+    return _nearest_gpt3(params)[1]
+
+
+def default_lr(params: float) -> float:
+    """The GPT-3 learning rate of the nearest GPT-3 model (Brown et al. 2020, Table 2.1)."""
+    return _nearest_gpt3(params)[2]
+
+
+def nice_batch(sequences: float) -> int:
+    """The nearest 2^k or 3·2^k (GPT-3's 1536): numbers with many divisors give the search
+    many data × micro-batch splits."""
+    target = max(1.0, sequences)
+    nice = sorted({c * 2 ** k for k in range(0, 40) for c in (1, 3)})
+    return min(nice, key=lambda n: (abs(math.log(n / target)), n))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A planned training run: what to train, for how long, and on which grid."""
+
+    allocation: Allocation      # N and D as trained (the shaped model's N)
+    optimal_params: float       # N_opt before shaping
+    budget_source: str
+    shape: Shape
+    cluster: Cluster
+    global_batch: int           # sequences per step
+    result: SearchResult
+    precision: str
+    mfu_assumed: float | None   # set when the budget came from GPU-days
+    notes: tuple[str, ...] = ()
+
+    @property
+    def best(self) -> Estimate:
+        return self.result.best
+
+    @property
+    def batch_tokens(self) -> int:
+        return self.global_batch * self.shape.seq_len
+
+    @property
+    def steps(self) -> int:
+        return max(1, math.ceil(self.allocation.tokens / self.batch_tokens))
+
+    @property
+    def train_days(self) -> float:
+        return self.steps * self.best.step_time_s / SECONDS_PER_DAY
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation (6·N per token) over the GPUs the plan uses."""
+        hw = self.cluster.hardware
+        achieved = 6.0 * self.shape.params * self.batch_tokens / self.best.step_time_s
+        return achieved / (self.best.grid.gpus * hw.peak_flops)
+
+    def command(self, config_path: str = "plan.toml") -> str:
+        return f"mpirun -n {self.best.grid.gpus} pipeflow train {config_path}"
+
+
+def make_plan(cluster: Cluster, *, compute: float | None = None, days: float | None = None,
+              params: float | None = None, shape: Shape | None = None,
+              tokens: float | None = None, method: str = "hoffmann",
+              seq_len: int = DEFAULT_SEQ_LEN, vocab_size: int = DEFAULT_VOCAB,
+              global_batch: int | None = None, global_batch_tokens: float | None = None,
+              precision: str = "bf16", schedules: Sequence[str] = SCHEDULES,
+              recompute: Sequence[str] = RECOMPUTE, max_micro_batch: int = 16,
+              mfu: float | None = None) -> Plan:
+    """Size the model for the budget (or take the user's), then search the grid.
+
+    The budget is `compute` FLOPs, or `days` on the whole cluster at `mfu` (when `mfu` is
+    None: at the utilisation the plan itself predicts, found by a few rounds of sizing and
+    planning). With a fixed model (`shape` or `params`) and no budget, tokens are the
+    compute-optimal count for that size, or `tokens`.
+    """
+    if method not in METHODS:
+        raise PlanError(f"unknown --method {method!r}; expected one of {list(METHODS)}")
+    given = [name for name, v in (("--compute", compute), ("--days", days), ("--tokens", tokens))
+             if v is not None]
+    if len(given) > 1:
+        raise PlanError(f"give one budget, found {' and '.join(given)}: --compute FLOPs, "
+                        f"--days on the cluster, or --tokens for a fixed model")
+    if compute is not None and not (math.isfinite(compute) and compute > 0):
+        raise PlanError(f"--compute must be a positive number of FLOPs, found {compute!r}")
+    if days is not None and not (math.isfinite(days) and days > 0):
+        raise PlanError(f"--days must be positive, found {days!r}")
+    if tokens is not None and not tokens > 0:
+        raise PlanError(f"--tokens must be positive, found {tokens!r}")
+    if tokens is not None and shape is None and params is None:
+        raise PlanError("--tokens needs a fixed model: give --params or --layers/--width too")
+    if mfu is not None and not 0 < mfu <= 1:
+        raise PlanError(f"--mfu must be in (0, 1], found {mfu!r}")
+    if shape is None and params is not None:
+        shape = shape_for_params(params, seq_len, vocab_size)
+    hw = cluster.hardware
+    notes: list[str] = []
+
+    def size(budget: float | None) -> tuple[Allocation, float, Shape]:
+        if shape is not None:
+            if budget is None:
+                alloc = allocate_for_params(shape.params, method)
+                if tokens is not None:
+                    alloc = allocate_for_params(shape.params, method, 6.0 * shape.params * tokens)
+            else:
+                alloc = allocate_for_params(shape.params, method, budget)
+            return alloc, shape.params, shape
+        assert budget is not None
+        optimal = allocate(budget, method).params
+        try:
+            shaped = shape_for_params(optimal, seq_len, vocab_size)
+        except ShapeError:
+            small = smallest_shape(seq_len, vocab_size)
+            least = _least_budget(method, small.params)
+            raise PlanError(
+                f"a budget of {budget:.3g} FLOPs is too small for any GPT with a "
+                f"{vocab_size}-token vocabulary: its compute-optimal size is {optimal:.3g} "
+                f"parameters, and the smallest shape ({small.describe()}) has "
+                f"{small.params:.3g}. Give at least --compute {least:.2g}, or shrink "
+                f"--vocab/--seq-len") from None
+        return allocate_for_params(shaped.params, method, budget), optimal, shaped
+
+    def batch_for(s: Shape) -> int:
+        if global_batch is not None:
+            return global_batch
+        want = global_batch_tokens or default_batch_tokens(s.params)
+        return nice_batch(want / s.seq_len)
+
+    def run(alloc_shape: Shape, batch: int) -> SearchResult:
+        return search(alloc_shape, cluster, batch, precision, schedules, recompute,
+                      max_micro_batch)
+
+    if days is None:
+        alloc, optimal, shaped = size(compute)
+        batch = batch_for(shaped)
+        result = run(shaped, batch)
+        source = ("given" if compute is not None else
+                  "6·N·D at the given tokens" if tokens is not None else
+                  "compute-optimal for the given model")
+        mfu_used = None
+    else:
+        # GPU-days to FLOPs needs the utilisation, which needs a plan, which needs the
+        # model size: iterate from an assumed utilisation until the shape settles.
+        mfu_used = mfu if mfu is not None else DEFAULT_MFU
+        seen: list[Shape] = []
+        for _ in range(6):
+            budget = cluster.gpus * days * SECONDS_PER_DAY * hw.peak_flops * mfu_used
+            alloc, optimal, shaped = size(budget)
+            batch = batch_for(shaped)
+            result = run(shaped, batch)
+            if mfu is not None:
+                break
+            achieved = 6.0 * shaped.params * batch * shaped.seq_len / result.best.step_time_s
+            # The budget counts every GPU of the cluster, used by the plan or not.
+            mfu_used = achieved / (cluster.gpus * hw.peak_flops)
+            if shaped in seen:
+                break
+            seen.append(shaped)
+        if mfu is None:
+            # Tokens for exactly `days` at this plan's predicted throughput (the shape is
+            # discrete, so sizing alone can only come close).
+            budget = cluster.gpus * days * SECONDS_PER_DAY * hw.peak_flops * mfu_used
+            alloc = allocate_for_params(shaped.params, method, budget)
+        source = (f"{cluster.gpus} GPUs × {days:g} days × {hw.peak_flops / 1e12:.0f} TFLOP/s "
+                  f"× {mfu_used:.1%} utilisation"
+                  + (" (given)" if mfu is not None else " (predicted by the plan)"))
+    if global_batch is None and result.best.grid.global_batch != batch:  # pragma: no cover
+        raise AssertionError("search returned a grid for another batch")
+    if result.best.grid.gpus < cluster.gpus:
+        notes.append(f"the fastest plan uses {result.best.grid.gpus} of the {cluster.gpus} "
+                     f"GPUs: no faster grid divides the batch of {batch} sequences")
+    return Plan(alloc, optimal, source, shaped, cluster, batch, result, precision, mfu_used,
+                tuple(notes))
+
+
+def _least_budget(method: str, params: float) -> float:
+    """The smallest budget whose compute-optimal model is at least `params`."""
+    lo, hi = 1.0, 1e40
+    for _ in range(200):
+        mid = math.sqrt(lo * hi)
+        if allocate(mid, method).params >= 0.5 * params:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+# -- output -----------------------------------------------------------------------------
+
+def _stage_rows(est: Estimate) -> list[dict[str, Any]]:
+    return [{"stage": s.stage, "layers": list(s.layers), "blocks": s.blocks,
+             "params": s.params, "recompute": s.recompute, "stash": s.stash,
+             "memory_gb": round(s.memory_gb, 3),
+             "memory_breakdown_gb": {"weights_grads_optimizer": round(s.state_bytes / GB, 3),
+                                     "activation_stash": round(s.activation_bytes / GB, 3),
+                                     "transient": round(s.transient_bytes / GB, 3)},
+             "microbatch_s": s.microbatch_s, "p2p_s": s.p2p_s,
+             "allreduce_s": s.allreduce_s, "optimizer_s": s.optimizer_s}
+            for s in est.stages]
+
+
+def _grid_row(est: Estimate, best: Estimate) -> dict[str, Any]:
+    g = est.grid
+    return {"pipeline": g.pipeline, "data": g.data, "microbatches": g.microbatches,
+            "micro_batch_size": g.micro_batch_size, "schedule": g.schedule,
+            "recompute": est.recompute, "step_time_s": est.step_time_s,
+            "slower_than_best": est.step_time_s / best.step_time_s - 1.0,
+            "memory_gb": [round(x, 3) for x in est.memory_gb]}
+
+
+def to_json(plan: Plan, config_path: str = "plan.toml", top: int = 5) -> dict[str, Any]:
+    """The plan as one JSON-able object."""
+    best, g, a, hw = plan.best, plan.best.grid, plan.allocation, plan.cluster.hardware
+    reasons: dict[str, int] = {}
+    for r in plan.result.rejected:
+        reasons["memory"] = reasons.get("memory", 0) + 1
+    return {
+        "method": a.method, "method_description": a.description, "loss_fit": a.loss_fit,
+        "compute": a.compute, "compute_source": plan.budget_source,
+        "params": plan.shape.params, "params_optimal": plan.optimal_params,
+        "tokens": a.tokens, "tokens_per_param": a.tokens_per_param, "loss": a.loss,
+        "model": plan.shape.to_dict(),
+        "gpu": hw.name, "calibrated": hw.calibrated, "gpus": plan.cluster.gpus,
+        "gpus_per_node": plan.cluster.gpus_per_node, "gpus_used": g.gpus,
+        "pipeline": g.pipeline, "data": g.data, "microbatches": g.microbatches,
+        "micro_batch_size": g.micro_batch_size, "schedule": g.schedule,
+        "partition": best.boundaries, "recompute": best.recompute,
+        "precision": plan.precision, "global_batch": plan.global_batch,
+        "global_batch_tokens": plan.batch_tokens, "steps": plan.steps,
+        "step_time_s": best.step_time_s, "bubble": best.bubble,
+        "mfu": None if hw.calibrated else plan.mfu, "train_days": plan.train_days,
+        "memory_gb": [round(x, 3) for x in best.memory_gb],
+        "usable_memory_gb": hw.usable_memory / GB,
+        "stages": _stage_rows(best),
+        "command": plan.command(config_path),
+        "runners_up": [_grid_row(e, best) for e in plan.result.ranked[1:1 + top]],
+        "considered": plan.result.considered, "fitting": len(plan.result.ranked),
+        "rejected": reasons,
+        "rejected_examples": [{"grid": r.grid.describe(), "reason": r.reason}
+                              for r in _examples(plan.result.rejected, 3)],
+        "notes": list(plan.notes),
+    }
+
+
+def _examples(rejected: Sequence[Any], k: int) -> list[Any]:
+    # The rejections closest to fitting say most about what the memory allows.
+    return sorted(rejected, key=lambda r: (r.peak_memory_gb, r.grid.gpus))[:k]
+
+
+def _si(x: float) -> str:
+    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def render_table(plan: Plan, config_path: str = "plan.toml", top: int = 5) -> str:
+    """The plan as plain text: budget, model, cluster, the best grid stage by stage,
+    runners-up, rejections and the command."""
+    best, g, a, hw, sh = (plan.best, plan.best.grid, plan.allocation, plan.cluster.hardware,
+                          plan.shape)
+    lines = [f"pipeflow plan — method: {a.method}", f"  {a.description}", ""]
+    kv = [
+        ("budget", f"{a.compute:.3g} FLOPs ({plan.budget_source})"),
+        ("model", f"{_si(sh.params)} parameters (optimum {_si(plan.optimal_params)}): "
+                  f"{sh.describe()}"),
+        ("tokens", f"{_si(a.tokens)} ({a.tokens_per_param:.1f} per parameter); predicted "
+                   f"loss {a.loss:.3f} ({a.loss_fit})"),
+        ("cluster", f"{plan.cluster.gpus} × {hw.name}, {plan.cluster.gpus_per_node} per node, "
+                    f"{hw.usable_memory / GB:.1f} GB usable each"
+                    + (" (calibrated on this machine)" if hw.calibrated else
+                       f", {hw.efficiency:.0%} of peak assumed")),
+        ("batch", f"{plan.global_batch} sequences × {sh.seq_len} = {_si(plan.batch_tokens)} "
+                  f"tokens per step, {plan.steps:,} steps, precision {plan.precision}"),
+    ]
+    lines += [f"{k:<9}{v}" for k, v in kv]
+    lines += ["", f"best plan: pipeline {g.pipeline} × data {g.data} = {g.gpus} GPUs, "
+                  f"{g.microbatches} micro-batches of {g.micro_batch_size}, {g.schedule}"]
+    util = "" if hw.calibrated else f", MFU {plan.mfu:.0%}"
+    lines.append(f"  step {best.step_time_s:.4g} s (bubble {best.bubble:.1%}, all-reduce + "
+                 f"optimizer {best.tail_s:.3g} s){util}, {plan.train_days:.3g} days")
+    lines.append(f"  {'stage':>5} {'layers':>9} {'params':>8} {'recompute':>9} {'stash':>5} "
+                 f"{'state GB':>8} {'acts GB':>8} {'total GB':>8} {'ms/micro':>9}")
+    for s in best.stages:
+        lines.append(f"  {s.stage:>5} {f'{s.layers[0]}-{s.layers[1] - 1}':>9} "
+                     f"{_si(s.params):>8} {s.recompute:>9} {s.stash:>5} "
+                     f"{s.state_bytes / GB:>8.2f} {s.activation_bytes / GB:>8.2f} "
+                     f"{s.memory_gb:>8.2f} {s.microbatch_s * 1e3:>9.3g}")
+    ranked = plan.result.ranked
+    if len(ranked) > 1:
+        lines += ["", f"runners-up ({len(ranked) - 1} other plans fit):",
+                  f"  {'grid':<28} {'step s':>9} {'vs best':>8} {'peak GB':>8}  recompute"]
+        for e in ranked[1:1 + top]:
+            lines.append(f"  {e.grid.describe():<28} {e.step_time_s:>9.4g} "
+                         f"{e.step_time_s / best.step_time_s - 1:>+8.1%} "
+                         f"{e.peak_memory_bytes / GB:>8.2f}  {_compact(e.recompute)}")
+    rej = plan.result.rejected
+    lines += ["", f"rejected: {len(rej)} of {plan.result.considered} grids do not fit memory"]
+    for r in _examples(rej, 3):
+        lines.append(f"  {r.grid.describe():<28} {r.reason}")
+    for note in plan.notes:
+        lines.append(f"note: {note}")
+    lines += ["", f"command: {plan.command(config_path)}"]
+    return "\n".join(lines)
+
+
+def _compact(modes: Sequence[str]) -> str:
+    return modes[0] if len(set(modes)) == 1 else ",".join(modes)
+
+
+def train_toml(plan: Plan, command_line: str = "pipeflow plan") -> str:
+    """The TOML `pipeflow train` runs. Values the engine does not accept yet (precision,
+    recomputation) are written as the engine's defaults, the planned ones in comments."""
+    best, g, sh = plan.best, plan.best.grid, plan.shape
+    precisions, recomputes = _engine_accepts()
+    precision = plan.precision if plan.precision in precisions else "fp32"
+    modes = best.recompute
+    uniform = len(set(modes)) == 1 and modes[0] in recomputes
+    recompute = modes[0] if uniform else "none"
+    lines = [
+        f"# Written by `{command_line}`.",
+        f"# {plan.allocation.method}: {_si(sh.params)} parameters, {_si(plan.allocation.tokens)} "
+        f"tokens, {plan.allocation.compute:.3g} FLOPs; predicted loss "
+        f"{plan.allocation.loss:.3f}.",
+        f"# Predicted on {g.gpus} × {plan.cluster.hardware.name}: {best.step_time_s:.4g} s per "
+        f"step, {plan.train_days:.3g} days; memory per stage (GB): "
+        f"{', '.join(f'{x:.1f}' for x in best.memory_gb)}.",
+        f"# Run: {plan.command('<this file>')}",
+        "",
+        "[engine]",
+        f"pipeline = {g.pipeline}",
+        f"data = {g.data}",
+        f"microbatches = {g.microbatches}      # of {g.micro_batch_size} sequence(s) each",
+        f'schedule = "{g.schedule}"',
+        f"partition = {best.boundaries}      # stage boundaries in the layer list "
+        f"(embedding, {sh.n_layers} blocks, head), balanced by predicted time",
+    ]
+    if precision == plan.precision:
+        lines.append(f'precision = "{precision}"')
+    else:
+        lines.append(f'precision = "{precision}"      # planned: "{plan.precision}"; the engine '
+                     f"does not accept it yet, and {precision} needs more memory than planned")
+    if uniform:
+        lines.append(f'recompute = "{recompute}"')
+    else:
+        lines.append(f'recompute = "{recompute}"      # planned per stage: {modes}; the engine '
+                     f"does not accept it yet")
+    lines += [
+        "clip = 1.0",
+        "seed = 0",
+        "",
+        "[model]",
+        f"n_layers = {sh.n_layers}",
+        f"d_model = {sh.d_model}",
+        f"n_heads = {sh.n_heads}",
+        f"seq_len = {sh.seq_len}",
+        f"vocab_size = {sh.vocab_size}",
+        "",
+        "[train]",
+        f"steps = {plan.steps}",
+        f"batch_size = {plan.global_batch}      # global batch, sequences "
+        f"({_si(plan.batch_tokens)} tokens)",
+        f"lr = {default_lr(sh.params):.2g}      # GPT-3's for the nearest size "
+        f"(Brown et al. 2020, Table 2.1)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _engine_accepts() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The precisions and recomputations `pipeflow.Config` accepts today."""
+    try:
+        from pipeflow import config
+        return tuple(config.PRECISIONS), tuple(config.RECOMPUTE)
+    except (ImportError, AttributeError):  # pragma: no cover - engine without those lists
+        return ("fp32",), ("none",)

@@ -1,0 +1,36 @@
+"""Test-session guards: the MPI tests must really run under mpirun, none silently skipped."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # tests/toy.py
+
+_skipped: list[str] = []
+
+
+def _with_mpi(config) -> bool:
+    return bool(config.getoption("--with-mpi", default=False))
+
+
+def pytest_configure(config):
+    if _with_mpi(config):
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.size < 2:
+            raise pytest.UsageError(
+                "--with-mpi needs at least 2 ranks: run `mpirun -n 2 python -m pytest "
+                "--with-mpi -m mpi` (a 1-rank run would test no pipeline)")
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped:
+        _skipped.append(report.nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # Under mpirun a skipped test is a test that did not run where it should have.
+    if _with_mpi(session.config) and _skipped and exitstatus == 0:
+        print(f"\nerror: {len(_skipped)} MPI test(s) skipped under mpirun: {_skipped[:5]}",
+              file=sys.stderr)
+        session.exitstatus = 1

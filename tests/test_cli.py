@@ -1,0 +1,61 @@
+"""The command line in one process: train, schedule and clear errors."""
+
+import pytest
+
+from pipeflow.cli import main
+from pipeflow.train import TrainConfig, lr_at
+
+SMALL = """
+[engine]
+microbatches = 2
+[model]
+n_layers = 2
+d_model = 32
+n_heads = 2
+seq_len = 16
+[train]
+steps = 12
+batch_size = 4
+lr = 3e-3
+warmup = 2
+log_every = 4
+eval_batches = 1
+"""
+
+
+def test_train_logs_loss_throughput_and_step_time(tmp_path, capsys):
+    path = tmp_path / "run.toml"
+    path.write_text(SMALL)
+    assert main(["train", str(path), "--save-dir", str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    assert "step     0  loss" in out and "tok/s" in out and "ms/step" in out
+    assert "12 steps in" in out
+    assert (tmp_path / "ck" / "latest").read_text() == "step-00000012"
+    # Resuming at the last step trains nothing more.
+    assert main(["train", str(path), "--save-dir", str(tmp_path / "ck"), "--resume"]) == 0
+
+
+def test_bad_config_file_is_a_clear_error(tmp_path, capsys):
+    path = tmp_path / "bad.toml"
+    path.write_text(SMALL.replace("[train]", "[train]\nbatchsize = 3"))
+    assert main(["train", str(path)]) == 2
+    assert "unknown key(s) ['batchsize'] in [train]" in capsys.readouterr().err
+    path.write_text(SMALL.replace("microbatches = 2", "microbatches = 3"))
+    assert main(["train", str(path)]) == 2
+    assert "does not divide into 1 replica(s) x 3 micro-batches" in capsys.readouterr().err
+    assert main(["train", str(tmp_path / "missing.toml")]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+def test_schedule_command_prints_table_bubble_and_stash(capsys):
+    assert main(["schedule", "-p", "4", "-m", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "bubble 0.273" in out and "peak stash per stage [4, 3, 2, 1]" in out
+
+
+def test_learning_rate_warms_up_then_decays_to_the_floor():
+    run = TrainConfig(steps=100, lr=1.0, warmup=10, min_lr_ratio=0.1)
+    assert lr_at(0, run) == pytest.approx(0.1)
+    assert lr_at(9, run) == pytest.approx(1.0)
+    assert lr_at(99, run) == pytest.approx(0.1, abs=1e-3)
+    assert all(lr_at(s, run) >= lr_at(s + 1, run) for s in range(10, 99))

@@ -1,0 +1,122 @@
+"""The engine's single-rank path, config and checkpoints: plain pytest, no mpirun."""
+
+import os
+
+import pytest
+import torch
+
+import pipeflow as pf
+from pipeflow.checkpoint import CheckpointError
+
+from toy import adamw, assert_same_parameters, batches, loss_fn, toy_layers, train_reference
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_one_stage_trains_like_build_sequential(microbatches, schedule):
+    layers = toy_layers()
+    engine = pf.Engine(layers, loss_fn, adamw,
+                       pf.Config(microbatches=microbatches, schedule=schedule))
+    data = batches(3, 8)
+    losses = [engine.train_step(x, y) for x, y in data]
+    reference, ref_losses = train_reference(layers, data)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_same_parameters(engine.gather_state_dict(), reference.state_dict())
+    # One stage: 1F1B runs each backward right after its forward; GPipe holds them all.
+    assert engine.peak_stash == (1 if schedule == "1f1b" else microbatches)
+    engine.close()
+
+
+def test_build_sequential_is_seeded_per_layer():
+    layers = toy_layers()
+    a, b = pf.build_sequential(layers, 0), pf.build_sequential(layers, 0)
+    c = pf.build_sequential(layers, 1)
+    assert all(torch.equal(a.state_dict()[k], b.state_dict()[k]) for k in a.state_dict())
+    assert not torch.equal(a.state_dict()["1.up.weight"], c.state_dict()["1.up.weight"])
+    # Layer i's weights do not depend on the layers before it.
+    shorter = pf.build_sequential(layers[:3], 0)
+    assert torch.equal(shorter.state_dict()["2.up.weight"], a.state_dict()["2.up.weight"])
+    with pytest.raises(TypeError, match="layer 1 is a Linear, expected a pipeflow.LayerSpec"):
+        pf.build_sequential([layers[0], torch.nn.Linear(2, 2)])
+
+
+def test_config_round_trips_through_toml(tmp_path):
+    config = pf.Config(pipeline=2, microbatches=8, schedule="gpipe", partition=[0, 2, 7],
+                       clip=1.0, seed=3)
+    config.save(tmp_path / "c.toml")
+    assert pf.Config.load(tmp_path / "c.toml") == config
+    assert "[engine]" in (tmp_path / "c.toml").read_text()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(pipeline=0), "Config.pipeline must be a positive integer, found 0"),
+    (dict(schedule="zigzag"), "Config.schedule must be one of \\['1f1b', 'gpipe'\\], found 'zigzag'"),
+    (dict(precision="bf16"), "mixed precision .* not implemented"),
+    (dict(partition="magic"), "Config.partition must be one of"),
+    (dict(clip=-1.0), "Config.clip must be a norm >= 0"),
+])
+def test_bad_config_values_are_clear_errors(kwargs, message):
+    with pytest.raises(pf.ConfigError, match=message):
+        pf.Config(**kwargs)
+    with pytest.raises(pf.ConfigError, match="unknown engine setting\\(s\\) \\['stages'\\]"):
+        pf.Config.from_dict({"stages": 2})
+
+
+def test_save_and_load_resume_training_exactly(tmp_path):
+    layers = toy_layers()
+    data = batches(4, 8)
+    engine = pf.Engine(layers, loss_fn, adamw, pf.Config(microbatches=2))
+    for x, y in data[:2]:
+        engine.train_step(x, y)
+    folder = engine.save(tmp_path)
+    assert os.path.basename(folder) == "step-00000002"
+    assert (tmp_path / "latest").read_text() == "step-00000002"
+    resumed = pf.Engine(layers, loss_fn, adamw, pf.Config(microbatches=4))
+    resumed.load(tmp_path)
+    for x, y in data[2:]:
+        resumed.train_step(x, y)
+    reference, _ = train_reference(layers, data)
+    assert_same_parameters(resumed.gather_state_dict(), reference.state_dict())
+    engine.close()
+    resumed.close()
+
+
+def test_an_interrupted_save_leaves_the_last_whole_checkpoint(tmp_path):
+    layers = toy_layers()
+    engine = pf.Engine(layers, loss_fn, adamw, pf.Config())
+    engine.train_step(*batches(1, 4)[0])
+    engine.save(tmp_path)
+    saved = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    # A later save that died before its engine.json: shards only, `latest` not moved.
+    (tmp_path / "step-00000009").mkdir()
+    (tmp_path / "step-00000009" / "layer-00000.pt").write_bytes(b"half")
+    engine.train_step(*batches(1, 4, seed=2)[0])
+    engine.load(tmp_path)
+    assert engine.step_count == 1
+    assert all(torch.equal(saved[k], v) for k, v in engine.module.state_dict().items())
+    with pytest.raises(CheckpointError, match="no checkpoint in .*expected a 'latest' file"):
+        engine.load(tmp_path / "step-00000009")
+    assert not list(tmp_path.rglob("*.tmp"))
+    engine.close()
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path):
+    engine = pf.Engine(toy_layers(), loss_fn, adamw, pf.Config())
+    engine.save(tmp_path)
+    other = pf.Engine(toy_layers(blocks=2), loss_fn, adamw, pf.Config())
+    with pytest.raises(CheckpointError, match="holds 7 layers, the model has 4"):
+        other.load(tmp_path)
+    engine.close()
+    other.close()
+
+
+def test_single_rank_failure_raises_with_the_instruction():
+    class Broken(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("broken layer")
+
+    engine = pf.Engine(toy_layers() + [pf.LayerSpec(Broken)], loss_fn, adamw, pf.Config())
+    with pytest.raises(RuntimeError, match="rank 0 \\(stage 0 of 1.*instruction F0 of step 0: "
+                                           "broken layer"):
+        engine.train_step(*batches(1, 4)[0])
+    engine.close()

@@ -1,0 +1,38 @@
+"""A failure on one rank ends the whole job within seconds, naming the rank: no hang."""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MPIRUN = shutil.which("mpirun") or shutil.which("mpiexec")
+
+
+def _clean_env():
+    # A fresh launch: no MPI/PMI state inherited from a parent job or singleton init.
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "I_MPI_"))}
+
+
+@pytest.mark.skipif(MPIRUN is None, reason="needs mpirun on PATH")
+@pytest.mark.parametrize("mode,expected", [
+    ("in-layer", "rank 1 (stage 1 of 2, replica 0 of 1) failed at instruction F0 of step 2"),
+    ("outside", "rank 1 raised an uncaught ValueError; aborting all ranks"),
+])
+def test_failure_on_one_rank_ends_the_job_fast(mode, expected):
+    start = time.monotonic()
+    proc = subprocess.run([MPIRUN, "-n", "2", sys.executable, os.path.join(HERE, "scripts",
+                                                                          "crash.py"), mode],
+                          capture_output=True, text=True, timeout=120, env=_clean_env())
+    elapsed = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "finished without failing" not in out
+    assert expected in out, out
+    assert "boom" in out or "user code failed" in out
+    # Start-up (python, torch, MPI) takes a few seconds here; the abort itself is immediate.
+    assert elapsed < 60, f"the job took {elapsed:.0f} s to end"

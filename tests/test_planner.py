@@ -1,0 +1,347 @@
+"""The planner: Chinchilla sizing, model shapes, the cost model and the search (no MPI)."""
+
+import ast
+import dataclasses
+import json
+import math
+import pathlib
+import sys
+
+import pytest
+
+from pipeflow.planner import cli
+from pipeflow.planner.cost import (PRECISIONS, Grid, activation_bytes_per_layer,
+                                   balanced_boundaries, bubble_fraction, estimate,
+                                   ring_allreduce_time, stage_memory, stash_microbatches)
+from pipeflow.planner.hardware import GB, PRESETS, Cluster, Hardware, HardwareError, LayerTimes
+from pipeflow.planner.plan import make_plan, nice_batch, to_json, train_toml
+from pipeflow.planner.scaling import (APPROACH1_G, BESIROGLU_FIT, HOFFMANN_FIT, TABLE3,
+                                      allocate, allocate_for_params, compute_from_gpu_days)
+from pipeflow.planner.search import PlanError, minimum_gpus, search
+from pipeflow.planner.shapes import ASPECT_RANGE, Shape, ShapeError, param_count, shape_for_params
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+H100 = PRESETS["h100"]
+
+
+def within(x, ref, tol):
+    return abs(x - ref) <= tol * abs(ref)
+
+
+# -- scaling ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("params,flops,tokens", TABLE3)
+def test_approach1_reproduces_table3_within_10_percent(params, flops, tokens):
+    a = allocate(flops, "hoffmann")
+    assert within(a.params, params, 0.10) and within(a.tokens, tokens, 0.10)
+    assert math.isclose(6 * a.params * a.tokens, flops, rel_tol=1e-9)
+    b = allocate_for_params(params, "hoffmann")
+    assert within(b.compute, flops, 0.10) and within(b.tokens, tokens, 0.10)
+
+
+def test_approach1_named_rows_and_exponent():
+    one_b = allocate_for_params(1e9)
+    assert within(one_b.compute, 1.21e20, 0.10) and within(one_b.tokens, 20.2e9, 0.10)
+    gopher = allocate(5.76e23)
+    assert within(gopher.params, 67e9, 0.10) and within(gopher.tokens, 1.5e12, 0.10)
+    # a = b = 0.50: a 100× budget is a 10× model on 10× the tokens, ~20 tokens per parameter.
+    small, big = allocate(1e20), allocate(1e22)
+    assert math.isclose(big.params / small.params, 10, rel_tol=1e-9)
+    assert math.isclose(big.tokens / small.tokens, 10, rel_tol=1e-9)
+    assert 19 < small.tokens_per_param < 22 and 0.085 < APPROACH1_G < 0.095
+
+
+@pytest.mark.parametrize("fit", [HOFFMANN_FIT, BESIROGLU_FIT])
+@pytest.mark.parametrize("compute", [1e19, 5.76e23, 1e26])
+def test_parametric_optimum_is_the_closed_form_and_the_true_minimum(fit, compute):
+    G = (fit.alpha * fit.A / (fit.beta * fit.B)) ** (1 / (fit.alpha + fit.beta))
+    n_closed = G * (compute / 6) ** (fit.beta / (fit.alpha + fit.beta))
+    n, d = fit.optimum(compute)
+    assert math.isclose(n, n_closed, rel_tol=1e-12)
+    assert math.isclose(6 * n * d, compute, rel_tol=1e-9)
+    # Minimise L(N, C/6N) numerically over log N; the closed form must sit at the minimum.
+    lo, hi = math.log(1e3), math.log(compute / 6 / 1e3)
+    f = lambda x: fit.loss(math.exp(x), compute / 6 / math.exp(x))  # noqa: E731
+    for _ in range(200):
+        m1, m2 = lo + (hi - lo) / 3, hi - (hi - lo) / 3
+        lo, hi = (lo, m2) if f(m1) < f(m2) else (m1, hi)
+    assert within(math.exp(lo), n, 1e-3)
+    assert fit.loss(n, d) < fit.loss(n / 2, d * 2) and fit.loss(n, d) < fit.loss(n * 2, d / 2)
+
+
+def test_methods_differ_and_name_themselves():
+    c = 5.76e23
+    hoff, par, bes = (allocate(c, m) for m in ("hoffmann", "parametric", "besiroglu"))
+    assert hoff.method == "hoffmann" and "approach 1" in hoff.description
+    assert "Besiroglu" in bes.description and "Besiroglu" in bes.loss_fit
+    # Hoffmann's rounded approach-3 constants favour smaller models than approach 1 (their
+    # Table A3 shows the same ordering); the corrected fit lands near 20 tokens/parameter.
+    assert par.params < hoff.params
+    assert 15 < bes.tokens_per_param < 25
+    assert math.isclose(par.loss, HOFFMANN_FIT.loss(par.params, par.tokens))
+    assert bes.loss > BESIROGLU_FIT.E and hoff.loss > HOFFMANN_FIT.E
+
+
+def test_compute_from_gpu_days():
+    assert compute_from_gpu_days(64, 7, 989e12, 0.4) == pytest.approx(64 * 7 * 86400 * 989e12 * 0.4)
+    with pytest.raises(ValueError, match="--gpus must be a positive integer, found 0"):
+        compute_from_gpu_days(0, 7, 989e12, 0.4)
+
+
+# -- shapes -----------------------------------------------------------------------------
+
+def test_param_count_formula_matches_gpt3_xl():
+    # GPT-3 XL (Brown et al. 2020): 24 layers, d_model 2048 -> "1.3B".
+    assert param_count(24, 2048, 2048, 50304) == 12 * 24 * 2048**2 + 50304 * 2048 + 2048 * 2048
+    assert within(param_count(24, 2048, 2048, 50304), 1.3e9, 0.02)
+
+
+@pytest.mark.parametrize("target", [3e7, 1.25e8, 5e8, 1e9, 2.8e9, 1.3e10, 7e10, 1e12])
+def test_shape_for_params_is_close_and_well_proportioned(target):
+    s = shape_for_params(target)
+    assert within(s.params, target, 0.05)
+    lo, hi = ASPECT_RANGE
+    assert lo <= s.d_model / s.n_layers <= hi
+    assert s.d_model % s.n_heads == 0 and s.head_dim in (64, 128)
+    assert s.n_layers < 8 or s.n_layers % 2 == 0
+
+
+def test_shape_errors_say_what_to_change():
+    with pytest.raises(ShapeError, match="smallest GPT"):
+        shape_for_params(1e5)
+    with pytest.raises(ShapeError, match="not divisible by n_heads"):
+        Shape(4, 100, 3)
+
+
+# -- cost model -------------------------------------------------------------------------
+
+def test_activation_formulas_korthikanti():
+    s, b, h, a = 2048, 2, 4096, 32
+    assert activation_bytes_per_layer(s, b, h, a) == s * b * h * (34 + 5 * a * s / h)
+    assert activation_bytes_per_layer(s, b, h, a, "selective") == 34 * s * b * h
+    assert activation_bytes_per_layer(s, b, h, a, "full") == 2 * s * b * h
+    assert activation_bytes_per_layer(s, b, h, a, "full", scale=2.0) == 4 * s * b * h
+
+
+def test_stash_and_bubble():
+    assert [stash_microbatches(s, 4, 8, "1f1b") for s in range(4)] == [4, 3, 2, 1]
+    assert [stash_microbatches(s, 4, 2, "1f1b") for s in range(4)] == [2, 2, 2, 1]
+    assert [stash_microbatches(s, 4, 8, "gpipe") for s in range(4)] == [8, 8, 8, 8]
+    assert bubble_fraction(4, 12) == 3 / 15 and bubble_fraction(1, 5) == 0
+
+
+def test_stage_memory_is_state_plus_stash():
+    shape = Shape(8, 1024, 16)
+    prec = PRECISIONS["bf16"]
+    grid = Grid(4, 1, 2, 8, "1f1b")
+    state, acts, transient = stage_memory(shape, prec, grid, 1, (3, 5), "none")
+    assert state == 2 * 12 * 1024**2 * 18            # two blocks, 18 bytes per parameter
+    per_block = activation_bytes_per_layer(2048, 2, 1024, 16)
+    assert acts == 3 * 2 * per_block and transient == 0   # stage 1 of 4 stashes 3
+    # Recomputation shrinks the stash; the rebuilt block comes on top once.
+    _, acts_full, tr_full = stage_memory(shape, prec, grid, 1, (3, 5), "full")
+    assert acts_full == 3 * 2 * (2 * 2048 * 2 * 1024)
+    assert tr_full == per_block - 2 * 2048 * 2 * 1024
+
+
+def _ideal_hardware(block_s=1e-3):
+    times = {"embed": {"forward": (0.0, 0.0), "backward": (0.0, 0.0)},
+             "block": {"forward": (0.0, block_s), "backward": (0.0, 2 * block_s)},
+             "head": {"forward": (0.0, 0.0), "backward": (0.0, 0.0)}}
+    lt = LayerTimes({}, times, optimizer_s_per_param=0.0)
+    return Hardware("ideal", 1e12, 1e15, 1e12, 1e30, 1e30, 0.0, 0.0, link_efficiency=1.0,
+                    layer_times=lt)
+
+
+@pytest.mark.parametrize("p,m", [(1, 1), (1, 7), (2, 4), (4, 4), (4, 16), (8, 3)])
+def test_step_time_is_m_plus_p_minus_1_stage_times_for_equal_stages(p, m):
+    shape = Shape(16, 128, 2, seq_len=16, vocab_size=128)
+    cluster = Cluster(_ideal_hardware(), gpus=p, gpus_per_node=p)
+    est = estimate(shape, cluster, Grid(p, 1, 1, m), "none", "fp32")
+    stage_s = (16 // p) * 3e-3
+    assert est.step_time_s == pytest.approx((m + p - 1) * stage_s)
+    assert est.pipeline_s * est.bubble == pytest.approx((p - 1) * stage_s)
+    assert [s.blocks for s in est.stages] == [16 // p] * p
+
+
+def test_allreduce_crosses_nodes_only_when_the_data_group_does():
+    shape = Shape(8, 1024, 16)
+    grid = Grid(1, 16, 1, 2)
+    one_node = estimate(shape, Cluster(H100, 16, 16), grid, "none").stages[0]
+    two_nodes = estimate(shape, Cluster(H100, 16, 8), grid, "none").stages[0]
+    nbytes = one_node.params * 4
+    assert one_node.allreduce_s == pytest.approx(ring_allreduce_time(
+        nbytes, 16, H100.intra_node_bandwidth * H100.link_efficiency, H100.intra_node_latency))
+    assert two_nodes.allreduce_s == pytest.approx(ring_allreduce_time(
+        nbytes, 16, H100.inter_node_bandwidth * H100.link_efficiency, H100.inter_node_latency))
+    assert ring_allreduce_time(1e9, 1, 1e9, 1e-6) == 0
+    assert ring_allreduce_time(1e9, 4, 1e9, 0) == pytest.approx(1.5)
+
+
+def test_balanced_boundaries_minimise_the_heaviest_stage():
+    import itertools
+    for weights in ([1, 1, 1, 1], [5, 1, 1, 1, 1, 5], [0.5, 3, 3, 3, 3, 4], [3, 0, 0, 7, 1, 1]):
+        for p in range(1, len(weights) + 1):
+            b = balanced_boundaries(weights, p)
+            heaviest = max(sum(weights[b[i]:b[i + 1]]) for i in range(p))
+            brute = min(max(sum(weights[c[i]:c[i + 1]]) for i in range(p))
+                        for cuts in itertools.combinations(range(1, len(weights)), p - 1)
+                        for c in [[0, *cuts, len(weights)]])
+            assert heaviest == pytest.approx(brute)
+            assert b[0] == 0 and b[-1] == len(weights) and all(x < y for x, y in zip(b, b[1:]))
+
+
+# -- search -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("params,gpus,gpu", [(5e8, 8, "a100-40gb"), (1e9, 64, "h100"),
+                                             (2.8e9, 16, "a100-40gb"), (13e9, 64, "h200")])
+def test_search_never_returns_a_plan_exceeding_memory(params, gpus, gpu):
+    shape = shape_for_params(params)
+    hw = PRESETS[gpu]
+    result = search(shape, Cluster(hw, gpus), 256)
+    assert result.ranked and result.considered == len(result.ranked) + len(result.rejected)
+    prec = PRECISIONS["bf16"]
+    for est in result.ranked:
+        assert est.peak_memory_bytes <= hw.usable_memory
+        assert est.grid.gpus <= gpus and est.grid.global_batch == 256
+        # Each stage's recomputation is the cheapest that fits.
+        order = ["none", "selective", "full"]
+        for st in est.stages:
+            for cheaper in order[:order.index(st.recompute)]:
+                need = sum(stage_memory(shape, prec, est.grid, st.stage, st.layers, cheaper))
+                assert need > hw.usable_memory
+    steps = [e.step_time_s for e in result.ranked]
+    assert steps == sorted(steps)
+    for rej in result.rejected:
+        assert rej.peak_memory_gb * GB > hw.usable_memory
+
+
+@pytest.mark.parametrize("params", [5e8, 2.8e9])
+def test_more_gpus_never_make_the_best_plan_slower(params):
+    shape = shape_for_params(params)
+    previous = math.inf
+    for gpus in (1, 2, 3, 4, 6, 8, 12, 16, 24, 64, 96, 512):
+        try:
+            best = search(shape, Cluster(H100, gpus), 512).best
+        except PlanError:
+            assert previous == math.inf, f"{gpus} GPUs fit nothing but fewer did"
+            continue
+        assert best.step_time_s <= previous * (1 + 1e-12)
+        previous = best.step_time_s
+    assert previous < math.inf
+
+
+def test_memory_error_names_the_gpu_count_that_fits():
+    shape = shape_for_params(30e9)
+    with pytest.raises(PlanError) as err:
+        search(shape, Cluster(H100, 2), 256)
+    msg = str(err.value)
+    needed, _ = minimum_gpus(shape, Cluster(H100, 2), 256, "bf16")
+    assert f"use --gpus {needed} or more" in msg and "usable" in msg
+    search(shape, Cluster(H100, needed), 256)           # fits on that many
+    with pytest.raises(PlanError):
+        search(shape, Cluster(H100, needed - 1), 256)   # and not on one fewer
+
+
+def test_nothing_fits_at_any_depth_says_how_much_memory_would():
+    small_gpu = dataclasses.replace(H100, memory_bytes=2 * GB, name="tiny")
+    with pytest.raises(PlanError, match=r"No pipeline depth fits .* at least \d+ GB"):
+        search(shape_for_params(13e9), Cluster(small_gpu, 8), 256)
+
+
+def test_zero_gpus_is_a_clear_error():
+    with pytest.raises(HardwareError, match="--gpus must be a positive integer, found 0"):
+        Cluster(H100, 0)
+
+
+# -- plans and the command line ---------------------------------------------------------
+
+def test_days_budget_uses_the_given_utilisation():
+    plan = make_plan(Cluster(H100, 64), days=2, mfu=0.3)
+    assert plan.allocation.compute == pytest.approx(64 * 2 * 86400 * 989e12 * 0.3)
+    # Without --mfu the plan's own predicted utilisation sets the budget.
+    own = make_plan(Cluster(H100, 64), days=2)
+    used = own.mfu * own.best.grid.gpus / 64
+    assert 0.05 < own.mfu_assumed < 1
+    assert own.allocation.compute == pytest.approx(64 * 2 * 86400 * 989e12 * own.mfu_assumed)
+    assert own.mfu_assumed == pytest.approx(used)
+    assert own.train_days == pytest.approx(2, rel=0.01)   # the tokens fill the two days
+
+
+def test_nice_batch():
+    assert nice_batch(244.1) == 256 and nice_batch(1562.5) == 1536 and nice_batch(0.2) == 1
+
+
+def run_cli(capsys, *argv):
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_json_has_the_promised_fields(capsys, tmp_path):
+    cfg = tmp_path / "plan.toml"
+    code, out, err = run_cli(capsys, "--compute", "1e21", "--gpus", "64", "--gpu", "h100",
+                             "--json", "--write-config", str(cfg))
+    assert code == 0, err
+    plan = json.loads(out)
+    for key in ("params", "tokens", "pipeline", "data", "microbatches", "micro_batch_size",
+                "recompute", "step_time_s", "memory_gb", "command"):
+        assert key in plan
+    assert len(plan["memory_gb"]) == len(plan["recompute"]) == plan["pipeline"]
+    assert max(plan["memory_gb"]) <= plan["usable_memory_gb"]
+    assert plan["command"] == f"mpirun -n {plan['pipeline'] * plan['data']} pipeflow train {cfg}"
+    assert math.isclose(6 * plan["params"] * plan["tokens"], 1e21, rel_tol=1e-9)
+    assert plan["method"] == "hoffmann"
+    doc = tomllib.loads(cfg.read_text())
+    eng, model, train = doc["engine"], doc["model"], doc["train"]
+    assert (eng["pipeline"], eng["data"], eng["microbatches"]) == (
+        plan["pipeline"], plan["data"], plan["microbatches"])
+    assert train["batch_size"] == eng["data"] * eng["microbatches"] * plan["micro_batch_size"]
+    assert eng["partition"][0] == 0 and eng["partition"][-1] == model["n_layers"] + 2
+    assert model["d_model"] * model["n_layers"] > 0 and train["steps"] >= 1
+    import pipeflow
+    pipeflow.Config.from_dict(eng)          # the engine accepts what was written
+
+
+def test_cli_table_shows_method_runners_up_and_rejections(capsys):
+    code, out, _ = run_cli(capsys, "--params", "1B", "--gpus", "8", "--gpu", "a100-40gb")
+    assert code == 0
+    for text in ("method: hoffmann", "best plan", "runners-up", "rejected", "mpirun -n"):
+        assert text in out
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["--compute", "1e12"], "too small for any GPT"),
+    (["--params", "70B", "--gpus", "1"], "use --gpus"),
+    (["--compute", "1e21", "--gpus", "0"], "--gpus must be at least 1, found 0"),
+    (["--gpu", "tpu"], "unknown GPU 'tpu'"),
+    (["--compute", "1e21", "--days", "3"], "give one budget"),
+])
+def test_cli_bad_input_exits_2_with_a_message(capsys, argv, expect):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2 and expect in err and "Traceback" not in err and out == ""
+
+
+def test_cli_tiny_budget_suggests_a_budget_that_works(capsys):
+    code, _, err = run_cli(capsys, "--compute", "1e12")
+    least = float(err.split("--compute ")[1].split(",")[0])
+    assert code == 2
+    assert run_cli(capsys, "--compute", f"{least}", "--gpus", "1")[0] == 0
+
+
+def test_planner_modules_do_not_import_torch_or_mpi_at_module_level():
+    root = pathlib.Path(cli.__file__).parent
+    for path in root.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            for name in names:
+                assert name.split(".")[0] not in ("torch", "mpi4py", "numpy"), (path, name)
