@@ -71,7 +71,7 @@ class Engine:
     def __init__(self, layers: Sequence[LayerSpec], loss_fn: LossFn,
                  optimizer: OptimizerFactory, config: Config | None = None, *,
                  comm: MPI.Comm | None = None, device: str | torch.device | None = None,
-                 abort_on_error: bool = True) -> None:
+                 abort_on_error: bool = True, trace: bool = False) -> None:
         self.config = config = config if config is not None else Config()
         config.validate()
         _check_layers(layers)
@@ -104,6 +104,9 @@ class Engine:
         self._act_meta: dict[Any, tuple[bool, tuple[TensorMeta, ...]]] = {}
         self._sent_meta: dict[Any, tuple[TensorMeta, ...]] = {}
         self._instruction: str = "setup"
+        # With trace=True: (instruction, start, end) in perf_counter seconds, last step only.
+        self.trace = trace
+        self.timeline: list[tuple[str, float, float]] = []
         if world.size > 1 and abort_on_error:
             _install_abort_hook()
 
@@ -252,8 +255,10 @@ class Engine:
                     posted[act] = self.pipe.irecv(meta, nxt, 2 * act.mb + _GRAD, self.device)
                 next_post += 1
 
+        timeline = self.timeline = []
         for act in program:
             self._instruction = repr(act)
+            t0 = time.perf_counter() if self.trace else 0.0
             try:
                 if act.op == sched.RECV_ACT:
                     if sig not in self._act_meta:
@@ -316,6 +321,8 @@ class Engine:
                 sends = [s for s in sends if not s.test()]
             except Exception as exc:  # noqa: BLE001 - any failure mid-schedule ends the job
                 self._fail(exc)
+            if self.trace:
+                timeline.append((repr(act), t0, time.perf_counter()))
         for s in sends:
             s.wait()
         if train:
