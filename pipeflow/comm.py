@@ -8,7 +8,8 @@ from typing import Any, Sequence
 import torch
 from mpi4py import MPI
 
-__all__ = ["TensorMeta", "Communicator", "MpiCommunicator", "meta_of"]
+__all__ = ["TensorMeta", "Communicator", "MpiCommunicator", "TorchDistCommunicator",
+           "init_torch_distributed", "meta_of"]
 
 # What a receiver must know to allocate a buffer: shape and dtype. Exchanged once per
 # distinct batch shape and cached by the engine, never sent with every message.
@@ -61,6 +62,10 @@ class Communicator(abc.ABC):
         """Sum `tensor` over the group, in place."""
 
     @abc.abstractmethod
+    def iallreduce_(self, tensor: torch.Tensor) -> Request:
+        """Start summing `tensor` over the group, in place; done when the request is."""
+
+    @abc.abstractmethod
     def barrier(self) -> None: ...
 
 
@@ -105,6 +110,28 @@ class _MpiRecv(Request):
         return [t.to(self._device, non_blocking=True) for t in self._host]
 
 
+class _MpiAllreduce(Request):
+    def __init__(self, request: MPI.Request, host: torch.Tensor, target: torch.Tensor) -> None:
+        self._request = request
+        self._host = host
+        self._target = target
+
+    def test(self) -> bool:
+        return self._request.Test()
+
+    def wait(self) -> None:
+        self._request.Wait()
+        if self._host is not self._target:
+            self._target.copy_(self._host)
+
+
+def _typed(t: torch.Tensor) -> Any:
+    """A zero-copy typed view for reductions (MPI must know the element type to sum)."""
+    if t.dtype == torch.bfloat16:
+        raise TypeError("MPI has no bfloat16 sum: reduce gradients in fp32 or fp16")
+    return t.view(-1).numpy()
+
+
 class MpiCommunicator(Communicator):
     """mpi4py over host memory; runs anywhere. GPU tensors are staged through the host."""
 
@@ -142,17 +169,138 @@ class MpiCommunicator(Communicator):
         return self.control.bcast(obj, root=root)
 
     def allreduce_(self, tensor: torch.Tensor) -> torch.Tensor:
-        host = tensor.detach().to("cpu").contiguous()
-        buf = host.numpy() if host.dtype != torch.bfloat16 else None
-        if buf is None:
-            raise TypeError("MPI all-reduce of bfloat16 is not supported: reduce in fp32")
-        self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-        if host.data_ptr() != tensor.data_ptr():
-            tensor.copy_(host)
+        self.iallreduce_(tensor).wait()
         return tensor
+
+    def iallreduce_(self, tensor: torch.Tensor) -> Request:
+        # GPU tensors are staged through host memory: this backend runs without CUDA-aware
+        # MPI. A contiguous CPU tensor is reduced where it lies.
+        host = tensor.detach()
+        if host.device.type != "cpu" or not host.is_contiguous():
+            host = host.to("cpu").contiguous()
+        req = self.comm.Iallreduce(MPI.IN_PLACE, _typed(host), op=MPI.SUM)
+        return _MpiAllreduce(req, host, tensor.detach())
 
     def barrier(self) -> None:
         self.comm.Barrier()
 
     def free(self) -> None:
         self.control.Free()
+
+
+# -- torch.distributed (NCCL on GPUs; gloo runs the same code on CPUs) ----------------------
+
+def init_torch_distributed(backend: str, device: torch.device) -> None:
+    """Start torch.distributed over all MPI ranks with nothing set by hand.
+
+    Rank and world size come from MPI.COMM_WORLD; rank 0 picks the rendezvous address and a
+    free port and broadcasts them, so no MASTER_ADDR/MASTER_PORT is needed.
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    world = MPI.COMM_WORLD
+    address = None
+    if world.rank == 0:
+        host = socket.gethostname()
+        try:
+            ip = socket.gethostbyname(host)
+        except OSError:
+            ip = "127.0.0.1"
+        with socket.socket() as s:
+            s.bind(("", 0))
+            address = (ip if world.size > 1 else "127.0.0.1", s.getsockname()[1])
+    ip, port = world.bcast(address, root=0)
+    kwargs = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend, init_method=f"tcp://{ip}:{port}", rank=world.rank,
+                            world_size=world.size, **kwargs)
+
+
+class _DistWork(Request):
+    def __init__(self, works: list, result: Any = None) -> None:
+        self._works = works
+        self._result = result
+
+    def test(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def wait(self) -> Any:
+        for w in self._works:
+            w.wait()
+        return self._result
+
+
+class TorchDistCommunicator(Communicator):
+    """Tensors over torch.distributed (NCCL or gloo); objects over MPI.
+
+    Each direction between neighbouring ranks has its own process group: NCCL runs a group's
+    operations in issue order on one stream, so activations going forward and gradients coming
+    back must not queue behind each other.
+    """
+
+    def __init__(self, comm: MPI.Comm, backend: str, device: torch.device,
+                 neighbours: bool = True) -> None:
+        import torch.distributed as dist
+
+        init_torch_distributed(backend, device)
+        self._dist = dist
+        self.backend = backend
+        self.objects = MpiCommunicator(comm)
+        self.rank, self.size = comm.rank, comm.size
+        # This communicator's ranks as torch.distributed (= MPI.COMM_WORLD) ranks.
+        self.global_ranks = MPI.Group.Translate_ranks(
+            comm.Get_group(), list(range(comm.size)), MPI.COMM_WORLD.Get_group())
+        self.group = dist.new_group(self.global_ranks, use_local_synchronization=True)
+        self.links: dict[tuple[int, int], Any] = {}
+        if neighbours:
+            for b in range(comm.size - 1):          # the same order on every rank
+                if comm.rank in (b, b + 1):
+                    for src, dst in ((b, b + 1), (b + 1, b)):
+                        self.links[(src, dst)] = dist.new_group(
+                            [self.global_ranks[b], self.global_ranks[b + 1]],
+                            use_local_synchronization=True)
+
+    def isend(self, tensors: Sequence[torch.Tensor], dest: int, tag: int) -> Request:
+        group = self.links[(self.rank, dest)]
+        ts = [t.detach().contiguous() for t in tensors]
+        works = [self._dist.isend(t, dst=self.global_ranks[dest], group=group, tag=tag)
+                 for t in ts]
+        return _DistWork(works, ts)
+
+    def irecv(self, metas: Sequence[TensorMeta], source: int, tag: int,
+              device: torch.device) -> Request:
+        group = self.links[(source, self.rank)]
+        ts = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in metas]
+        works = [self._dist.irecv(t, src=self.global_ranks[source], group=group, tag=tag)
+                 for t in ts]
+        return _DistWork(works, ts)
+
+    def send_object(self, obj: Any, dest: int) -> None:
+        self.objects.send_object(obj, dest)
+
+    def recv_object(self, source: int) -> Any:
+        return self.objects.recv_object(source)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return self.objects.allgather_object(obj)
+
+    def bcast_object(self, obj: Any, root: int) -> Any:
+        return self.objects.bcast_object(obj, root)
+
+    def allreduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.iallreduce_(tensor).wait()
+        return tensor
+
+    def iallreduce_(self, tensor: torch.Tensor) -> Request:
+        return _DistWork([self._dist.all_reduce(tensor, group=self.group, async_op=True)])
+
+    def barrier(self) -> None:
+        self.objects.barrier()
+
+    def free(self) -> None:
+        self.objects.free()
+        for g in [self.group, *self.links.values()]:
+            self._dist.destroy_process_group(g)

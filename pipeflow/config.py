@@ -19,7 +19,7 @@ SCHEDULES = ("1f1b", "gpipe")
 PARTITIONS = ("uniform", "parameters")
 PRECISIONS = ("fp32",)
 RECOMPUTE = ("none",)
-BACKENDS = ("mpi", "auto")
+BACKENDS = ("mpi", "nccl", "gloo", "auto")
 
 
 class ConfigError(ValueError):
@@ -42,7 +42,9 @@ class Config:
     partition: str | list[int] = "uniform"
     precision: str = "fp32"
     recompute: str = "none"
-    backend: str = "mpi"
+    backend: str = "mpi"       # "mpi", "nccl", "auto"; "gloo" runs the torch.distributed
+                               # path on CPUs (tests)
+    bucket_mb: float = 25.0    # gradient all-reduce bucket size, MiB
     clip: float = 0.0          # clip gradients to this global norm; 0 turns clipping off
     seed: int = 0              # layer i is built under a seed derived from (seed, i)
 
@@ -71,6 +73,8 @@ class Config:
         _one_of("recompute", self.recompute, RECOMPUTE,
                 hint="activation recomputation is not implemented in this version")
         _one_of("backend", self.backend, BACKENDS)
+        if not isinstance(self.bucket_mb, (int, float)) or self.bucket_mb <= 0:
+            raise ConfigError(f"Config.bucket_mb must be > 0 MiB, found {self.bucket_mb!r}")
         if not isinstance(self.clip, (int, float)) or self.clip < 0:
             raise ConfigError(f"Config.clip must be a norm >= 0 (0 = off), found {self.clip!r}")
         if not isinstance(self.seed, int):

@@ -15,9 +15,12 @@ from torch import nn
 
 from pipeflow import schedule as sched
 from pipeflow.checkpoint import load_checkpoint, save_checkpoint
-from pipeflow.comm import Communicator, MpiCommunicator, Request, TensorMeta, meta_of
+from pipeflow.comm import (Communicator, MpiCommunicator, Request, TensorMeta,
+                           TorchDistCommunicator, meta_of)
 from pipeflow.config import Config, ConfigError
-from pipeflow.layers import LayerSpec, _check_layers, build_layer
+from pipeflow.data_parallel import GradReducer
+from pipeflow.layers import (LayerSpec, _check_layers, build_layer, get_parameter,
+                             set_parameter, tie_groups)
 from pipeflow.partition import partition_layers
 from pipeflow.topology import Topology
 
@@ -84,11 +87,24 @@ class Engine:
         self.n_layers = len(layers)
         self.boundaries = partition_layers(layers, self.stages, config.partition)
         lo, hi = self.boundaries[self.stage], self.boundaries[self.stage + 1]
-        self.module = StageModule({i: build_layer(layers[i], config.seed, i)
-                                   for i in range(lo, hi)}).to(self.device)
+        built = {i: build_layer(layers[i], config.seed, i) for i in range(lo, hi)}
+        self._tied = self._tie(layers, built)
+        self.module = StageModule(built).to(self.device)
         params = [p for p in self.module.parameters() if p.requires_grad]
+        self.backend = _choose_backend(config.backend, topo, self.device)
+        self.pipe: Communicator = self._communicator(topo.pipe, neighbours=True)
+        self.data: Communicator | None = None
+        self.reducer: GradReducer | None = None
+        if config.data > 1:
+            self.data = self._communicator(topo.data_group, neighbours=False)
+            if params:
+                self.reducer = GradReducer(params, self.data,
+                                           int(config.bucket_mb * 2**20))
+        # Parameters this stage counts in the gradient norm: a tied weight counts on the
+        # first stage that holds it only.
+        self._norm_params = [p for p in params
+                             if all(p is not t for t, first, _ in self._tied if not first)]
         self.optimizer = optimizer(params) if params else None
-        self.pipe: Communicator = MpiCommunicator(topo.pipe)
         # Validate the schedule once, the same way on every rank, before any message moves.
         programs = sched.build_schedule(config.schedule, self.stages, config.microbatches)
         self.expected_peak_stash = sched.simulate(programs).peak_stash
@@ -168,7 +184,53 @@ class Engine:
         """Free this engine's communicators (an engine per test would otherwise exhaust MPI's
         context ids)."""
         self.pipe.free()
+        if self.data is not None:
+            self.data.free()
+        for comm in self._tie_comms.values():
+            comm.Free()
         self.topo.free()
+
+    # -- construction -------------------------------------------------------------------
+    def _tie(self, layers: Sequence[LayerSpec],
+             built: dict[int, nn.Module]) -> list[tuple[nn.Parameter, bool, MPI.Comm]]:
+        """Make tied weights identical; open a communicator per tie that spans stages.
+
+        Returns, for each tie this stage shares with others: the parameter, whether this stage
+        is its first holder, and the communicator of its holders (one replica's stages).
+        """
+        stage_of = {i: s for s in range(self.stages)
+                    for i in range(self.boundaries[s], self.boundaries[s + 1])}
+        self._tie_comms: dict[str, MPI.Comm] = {}
+        tied: list[tuple[nn.Parameter, bool, MPI.Comm]] = []
+        for key, holders in tie_groups(layers).items():
+            stages = sorted({stage_of[i] for i, _ in holders})
+            mine = [(i, attr) for i, attr in holders if i in built]
+            member = self.stage in stages and len(stages) > 1
+            # Collective over the world: every rank takes part, members per replica.
+            comm = self.topo.world.Split(self.topo.replica if member else MPI.UNDEFINED,
+                                         self.stage)
+            if member:
+                self._tie_comms[key] = comm
+            if not mine:
+                continue
+            first, first_attr = holders[0]
+            if first in built:
+                shared = get_parameter(built[first], first_attr)
+            else:
+                # The first holder lives on another stage: start from its initialisation.
+                shared = get_parameter(build_layer(layers[first], self.config.seed, first),
+                                       first_attr)
+                set_parameter(built[mine[0][0]], mine[0][1], shared)
+            for i, attr in mine:
+                set_parameter(built[i], attr, shared)
+            if member:
+                tied.append((shared, stages[0] == self.stage, comm))
+        return tied
+
+    def _communicator(self, comm: MPI.Comm, neighbours: bool) -> Communicator:
+        if self.backend == "mpi":
+            return MpiCommunicator(comm)
+        return TorchDistCommunicator(comm, self.backend, self.device, neighbours=neighbours)
 
     # -- the step -------------------------------------------------------------------------
     def _prepare(self, inputs: Batch | None, targets: Batch | None):
@@ -236,6 +298,9 @@ class Engine:
         next_post = 0
         peak = 0
         prev, nxt = self.stage - 1, self.stage + 1
+        lookahead = 2   # receives kept in flight ahead of the program
+        last_backward = [a.mb for a in program if a.op == sched.BACKWARD][-1:] or [None]
+        last_backward = last_backward[0]
 
         def post_receives(limit: int) -> None:
             # Keep up to `limit` receives in flight ahead of the program, so a message lands
@@ -263,7 +328,7 @@ class Engine:
                 if act.op == sched.RECV_ACT:
                     if sig not in self._act_meta:
                         self._act_meta[sig] = self.pipe.recv_object(prev)
-                    post_receives(2)
+                    post_receives(lookahead)
                     ts = posted.pop(act).wait()
                     if train:
                         for t in ts:
@@ -271,7 +336,7 @@ class Engine:
                                 t.requires_grad_(True)
                     received[act.mb] = ts
                 elif act.op == sched.FORWARD:
-                    post_receives(2)
+                    post_receives(lookahead)
                     if self.is_first:
                         x = in_mbs[act.mb]
                         x_tensors: list[torch.Tensor] = []
@@ -298,11 +363,13 @@ class Engine:
                         self.pipe.send_object((was_tuple, meta_of(ts)), nxt)
                     sends.append(self.pipe.isend(ts, nxt, 2 * act.mb + _ACT))
                 elif act.op == sched.RECV_GRAD:
-                    post_receives(2)
+                    post_receives(lookahead)
                     grads_in[act.mb] = posted.pop(act).wait()
                 elif act.op == sched.BACKWARD:
-                    post_receives(2)
+                    post_receives(lookahead)
                     x_tensors, outs = stash.pop(act.mb)
+                    if self.reducer is not None and act.mb == last_backward:
+                        self.reducer.arm()
                     if self.is_last:
                         (outs * scale).backward()
                     else:
@@ -319,6 +386,8 @@ class Engine:
                                                  2 * act.mb + _GRAD))
                 # Let MPI move finished messages along without blocking.
                 sends = [s for s in sends if not s.test()]
+                if self.reducer is not None and self.reducer.armed:
+                    self.reducer.poll()
             except Exception as exc:  # noqa: BLE001 - any failure mid-schedule ends the job
                 self._fail(exc)
             if self.trace:
@@ -335,7 +404,19 @@ class Engine:
 
     def _step(self) -> None:
         clip = self.config.clip
-        params = [p for p in self.module.parameters() if p.grad is not None]
+        if self.reducer is not None:
+            self.reducer.finish()       # waits only for the buckets still in flight
+        for param, _, comm in self._tied:
+            # Sum a tied weight's gradient over the stages that hold it (after the replicas
+            # were summed, so each replica's copy ends up with the whole gradient).
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            host = grad.detach().to("cpu").contiguous()
+            comm.Allreduce(MPI.IN_PLACE, host.numpy(), op=MPI.SUM)
+            if param.grad is None:
+                param.grad = host.to(param.device)
+            elif host.data_ptr() != param.grad.data_ptr():
+                param.grad.copy_(host)
+        params = [p for p in self._norm_params if p.grad is not None]
         sq = torch.zeros(1, dtype=torch.float64)
         for p in params:
             sq += p.grad.detach().double().pow(2).sum().cpu()
@@ -347,14 +428,20 @@ class Engine:
             # As torch.nn.utils.clip_grad_norm_, over the whole model's gradient.
             coef = clip / (norm + 1e-6)
             if coef < 1.0:
-                for p in params:
-                    p.grad.detach().mul_(coef)
+                for p in self.module.parameters():
+                    if p.grad is not None:
+                        p.grad.detach().mul_(coef)
         if self.optimizer is not None:
             self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            if self.reducer is not None:
+                self.reducer.zero_grad()    # keep the gradients as views of the buckets
+            else:
+                self.optimizer.zero_grad(set_to_none=True)
 
     def _global_loss(self, losses: list[torch.Tensor]) -> float:
         total = float(torch.stack(losses).double().mean()) if losses else 0.0
+        if self.is_last and self.config.data > 1:
+            total = self.topo.data_group.allreduce(total) / self.config.data
         return self.pipe.bcast_object(total, root=self.stages - 1)
 
     # -- failure ------------------------------------------------------------------------
@@ -406,3 +493,23 @@ def _key_order(key: str) -> int:
     # By layer only: the sort is stable, so names keep their order within a layer.
     head = key.partition(".")[0]
     return int(head) if head.isdigit() else sys.maxsize
+
+
+def _choose_backend(name: str, topo: Topology, device: torch.device) -> str:
+    """`auto`: NCCL where CUDA and NCCL are present and every rank has a GPU of its own
+    (NCCL refuses two ranks on one GPU: "Duplicate GPU detected"); MPI otherwise."""
+    if name != "auto":
+        if name == "nccl" and not (device.type == "cuda" and _nccl_available()):
+            raise ConfigError(
+                f"{topo.describe()}: backend 'nccl' needs CUDA tensors and torch built with "
+                f"NCCL; this rank runs on {device}. Use backend = 'mpi' or 'auto'")
+        return name
+    if device.type == "cuda" and _nccl_available() and \
+            topo.local_size <= torch.cuda.device_count():
+        return "nccl"
+    return "mpi"
+
+
+def _nccl_available() -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_nccl_available()

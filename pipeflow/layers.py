@@ -8,7 +8,8 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
-__all__ = ["LayerSpec", "build_sequential", "layer_seed", "build_layer"]
+__all__ = ["LayerSpec", "build_sequential", "layer_seed", "build_layer", "tie_groups",
+           "get_parameter", "set_parameter"]
 
 
 class LayerSpec:
@@ -27,6 +28,15 @@ class LayerSpec:
         self.cls = cls
         self.args = args
         self.kwargs = kwargs
+        self.ties: dict[str, str] = {}      # parameter path -> tie key
+
+    def tie(self, key: str, attr: str) -> "LayerSpec":
+        """Declare parameter `attr` (a dotted path such as `"lm_head.weight"`) one copy of the
+        weight named `key`: every layer tied under `key` holds the same values, starting from
+        the first such layer's initialisation, and their gradients are summed. Returns self.
+        """
+        self.ties[attr] = key
+        return self
 
     @property
     def name(self) -> str:
@@ -81,10 +91,44 @@ def build_sequential(layers: Sequence[LayerSpec], seed: int = 0) -> nn.Sequentia
     """The whole model as one `nn.Sequential`, with the same initial weights as any pipeline.
 
     State-dict keys are `"{layer index}.{parameter name}"`, the keys that
-    `Engine.gather_state_dict()` returns.
+    `Engine.gather_state_dict()` returns. Tied parameters are one shared `nn.Parameter`.
     """
     _check_layers(layers)
-    return nn.Sequential(*[build_layer(spec, seed, i) for i, spec in enumerate(layers)])
+    modules = [build_layer(spec, seed, i) for i, spec in enumerate(layers)]
+    for key, holders in tie_groups(layers).items():
+        first, first_attr = holders[0]
+        shared = get_parameter(modules[first], first_attr)
+        for index, attr in holders[1:]:
+            set_parameter(modules[index], attr, shared)
+    return nn.Sequential(*modules)
+
+
+def tie_groups(layers: Sequence[LayerSpec]) -> dict[str, list[tuple[int, str]]]:
+    """Tie key -> [(layer index, parameter path), ...] in layer order, for keys held twice+."""
+    groups: dict[str, list[tuple[int, str]]] = {}
+    for i, spec in enumerate(layers):
+        for attr, key in spec.ties.items():
+            groups.setdefault(key, []).append((i, attr))
+    return {k: v for k, v in sorted(groups.items()) if len(v) > 1}
+
+
+def get_parameter(module: nn.Module, path: str) -> nn.Parameter:
+    owner, _, name = path.rpartition(".")
+    target = module.get_submodule(owner) if owner else module
+    param = getattr(target, name, None)
+    if not isinstance(param, nn.Parameter):
+        raise ValueError(f"{type(module).__name__} has no parameter {path!r} to tie; its "
+                         f"parameters are {[n for n, _ in module.named_parameters()]}")
+    return param
+
+
+def set_parameter(module: nn.Module, path: str, param: nn.Parameter) -> None:
+    mine = get_parameter(module, path)
+    if mine.shape != param.shape:
+        raise ValueError(f"cannot tie {path!r} of shape {tuple(mine.shape)} to a parameter of "
+                         f"shape {tuple(param.shape)}")
+    owner, _, name = path.rpartition(".")
+    setattr(module.get_submodule(owner) if owner else module, name, param)
 
 
 def _check_layers(layers: Sequence[LayerSpec]) -> None:

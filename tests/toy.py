@@ -47,11 +47,15 @@ def loss_fn(logits, targets):
     return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def toy_layers(blocks: int = 5) -> list[pf.LayerSpec]:
+def toy_layers(blocks: int = 5, tied: bool = False) -> list[pf.LayerSpec]:
     # Blocks of different widths give the "parameters" partition something to balance.
-    return ([pf.LayerSpec(Embed, VOCAB, WIDTH)]
-            + [pf.LayerSpec(Block, WIDTH, 4 * (i + 1)) for i in range(blocks)]
-            + [pf.LayerSpec(Head, WIDTH, VOCAB)])
+    layers = ([pf.LayerSpec(Embed, VOCAB, WIDTH)]
+              + [pf.LayerSpec(Block, WIDTH, 4 * (i + 1)) for i in range(blocks)]
+              + [pf.LayerSpec(Head, WIDTH, VOCAB)])
+    if tied:   # the input embedding is the output projection, as in GPT-2
+        layers[0].tie("embedding", "emb.weight")
+        layers[-1].tie("embedding", "out.weight")
+    return layers
 
 
 def adamw(params):
@@ -64,10 +68,10 @@ def batches(steps: int, batch: int, seed: int = 1):
              torch.randint(0, VOCAB, (batch, SEQ), generator=g)) for _ in range(steps)]
 
 
-def train_reference(layers, data, clip: float = 0.0, seed: int = 0):
+def train_reference(layers, data, clip: float = 0.0, seed: int = 0, optimizer=None):
     """`build_sequential` trained in one process on each whole batch: the ground truth."""
     model = pf.build_sequential(layers, seed)
-    opt = adamw(model.parameters())
+    opt = (optimizer or adamw)(list(model.parameters()))
     losses = []
     for x, y in data:
         loss = loss_fn(model(x), y)

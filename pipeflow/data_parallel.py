@@ -1,0 +1,112 @@
+"""Bucketed gradient all-reduce over a stage's data group, overlapped with the last backward."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from pipeflow.comm import Communicator, Request
+
+__all__ = ["GradReducer"]
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter], flat: torch.Tensor) -> None:
+        self.params = params
+        self.flat = flat
+        self.pending = len(params)
+        self.request: Request | None = None
+
+
+class GradReducer:
+    """Sums gradients over replicas, a bucket at a time, as soon as a bucket is final.
+
+    Every parameter's `.grad` is a view into its bucket's flat buffer, so autograd
+    accumulates straight into what MPI or NCCL reduces: no copies. Buckets are filled in
+    reverse parameter order, the order backward produces gradients, so the first bucket is
+    final early in the last micro-batch's backward and its reduction runs while backward goes on
+    through the earlier layers. Gradients arrive pre-scaled (the loss carries 1 / (m · d)), so
+    the sum is the global mean.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], comm: Communicator,
+                 bucket_bytes: int) -> None:
+        self.comm = comm
+        self.buckets: list[_Bucket] = []
+        self.armed = False
+        self.events: list[tuple[str, int]] = []   # ("launch", bucket) in order, for tests
+        self._bucket_of: dict[int, _Bucket] = {}
+        group: list[nn.Parameter] = []
+        size = 0
+        for p in reversed(list(params)):
+            group.append(p)
+            size += p.numel() * p.element_size()
+            if size >= bucket_bytes:
+                self._add_bucket(group)
+                group, size = [], 0
+        if group:
+            self._add_bucket(group)
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _add_bucket(self, params: list[nn.Parameter]) -> None:
+        dtype, device = params[0].dtype, params[0].device
+        flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
+        offset = 0
+        for p in params:
+            p.grad = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        bucket = _Bucket(params, flat)
+        self.buckets.append(bucket)
+        for p in params:
+            self._bucket_of[id(p)] = bucket
+
+    def arm(self) -> None:
+        """The next backward is the step's last: launch each bucket as it becomes final."""
+        self.armed = True
+        for b in self.buckets:
+            b.pending = len(b.params)
+            b.request = None
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if not self.armed:
+            return
+        bucket = self._bucket_of[id(p)]
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch(bucket)
+        self.poll()
+
+    def _launch(self, bucket: _Bucket) -> None:
+        self.events.append(("launch", self.buckets.index(bucket)))
+        bucket.request = self.comm.iallreduce_(bucket.flat)
+
+    def poll(self) -> None:
+        """Let reductions in flight progress (MPI moves non-blocking collectives only
+        inside MPI calls)."""
+        for b in self.buckets:
+            if b.request is not None:
+                b.request.test()
+
+    def finish(self) -> None:
+        """Wait for every reduction; launch those whose parameters got no gradient this step."""
+        for b in self.buckets:
+            if b.request is None:
+                self._launch(b)
+        for b in self.buckets:
+            b.request.wait()
+            b.request = None
+        self.armed = False
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.flat.zero_()
+        # An optimizer's zero_grad(set_to_none=True) would break the views: restore them.
+        for b in self.buckets:
+            offset = 0
+            for p in b.params:
+                if p.grad is None or p.grad.data_ptr() != b.flat[offset:].data_ptr():
+                    p.grad = b.flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()

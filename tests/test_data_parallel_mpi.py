@@ -1,0 +1,107 @@
+"""Hybrid pipeline x data parallelism equals one process on the whole batch.
+
+Run under `mpirun -n 2` and `-n 4` with `--with-mpi`: the grids 1x2 and 2x1 on two ranks;
+1x4, 2x2 and 4x1 on four. Tied weights (embedding = output projection) and clipping by the
+global norm are covered on every grid.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mpi4py import MPI
+
+import pipeflow as pf
+
+from toy import adamw, assert_same_parameters, batches, loss_fn, toy_layers, train_reference
+
+WORLD = MPI.COMM_WORLD
+GRIDS = {2: [(1, 2), (2, 1)], 4: [(1, 4), (2, 2), (4, 1)]}.get(WORLD.size, [])
+BATCH = 24
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.3, momentum=0.9)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("pipeline,data", GRIDS)
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("clip", [0.0, 0.3], ids=["noclip", "clip"])
+@pytest.mark.parametrize("optimizer", [adamw, sgd], ids=["adamw", "sgd"])
+def test_grid_trains_like_one_process(pipeline, data, schedule, tied, clip, optimizer):
+    layers = toy_layers(tied=tied)
+    config = pf.Config(pipeline=pipeline, data=data, microbatches=3, schedule=schedule,
+                       clip=clip, bucket_mb=0.001)   # tiny buckets: several per stage
+    engine = pf.Engine(layers, loss_fn, optimizer, config)
+    steps = batches(3, BATCH)
+    losses = [engine.train_step(x, y) for x, y in steps]
+    reference, ref_losses = train_reference(layers, steps, clip=clip, optimizer=optimizer)
+    assert WORLD.allgather(losses) == [losses] * WORLD.size
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    if clip:
+        assert engine.last_grad_norm > clip, "the clip never bit: the test would prove nothing"
+    full = engine.gather_state_dict()
+    if WORLD.rank == 0:
+        assert_same_parameters(full, reference.state_dict())
+    # Every replica holds the same weights, and tied copies on two stages are identical.
+    local = {k: v for k, v in engine.module.state_dict().items()}
+    everyone = WORLD.allgather(local)
+    for other in everyone:
+        for k, v in other.items():
+            if k in local:
+                assert torch.equal(v, local[k]), k
+    if tied:
+        copies = [d[k] for d in everyone for k in d if k in ("0.emb.weight", "6.out.weight")]
+        assert all(torch.equal(c, copies[0]) for c in copies)
+    engine.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gradient_reduction_overlaps_the_last_backward():
+    layers = toy_layers()
+    engine = pf.Engine(layers, loss_fn, adamw,
+                       pf.Config(pipeline=1, data=WORLD.size, microbatches=2, bucket_mb=0.0005))
+    reducer = engine.reducer
+    assert len(reducer.buckets) >= 3
+    # Mark the moment backward reaches the stage's first layer.
+    first_layer = engine.module.get_submodule(str(engine.module.indices[0]))
+    next(first_layer.parameters()).register_post_accumulate_grad_hook(
+        lambda p: reducer.events.append(("first layer", -1)) if reducer.armed else None)
+    engine.train_step(*batches(1, 4 * WORLD.size)[0])
+    kinds = [kind for kind, _ in reducer.events]
+    assert kinds.count("launch") == len(reducer.buckets)
+    # The last layers' bucket was on the wire while backward still worked on earlier layers.
+    assert kinds.index("launch") < kinds.index("first layer"), reducer.events
+    assert reducer.events[0] == ("launch", 0)
+    engine.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_torch_distributed_path_gloo_matches_mpi():
+    # The NCCL backend's code path (torch.distributed bootstrapped from MPI), run with gloo
+    # on CPUs: the same update as one process.
+    pipeline, data = (2, WORLD.size // 2)
+    layers = toy_layers(tied=True)
+    config = pf.Config(pipeline=pipeline, data=data, microbatches=2, backend="gloo", clip=0.3)
+    engine = pf.Engine(layers, loss_fn, adamw, config)
+    steps = batches(2, BATCH)
+    for x, y in steps:
+        engine.train_step(x, y)
+    reference, _ = train_reference(layers, steps, clip=0.3)
+    full = engine.gather_state_dict()
+    if WORLD.rank == 0:
+        assert_same_parameters(full, reference.state_dict())
+    engine.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_batch_must_divide_by_replicas_times_microbatches():
+    engine = pf.Engine(toy_layers(), loss_fn, adamw,
+                       pf.Config(pipeline=1, data=WORLD.size, microbatches=3))
+    x, y = batches(1, 3 * WORLD.size + 1)[0]
+    with pytest.raises(pf.BatchError, match=f"batch of {3 * WORLD.size + 1} samples does not "
+                                             f"divide into {WORLD.size} replica"):
+        engine.train_step(x, y)
+    engine.close()
