@@ -249,8 +249,9 @@ def main() -> None:
         raise SystemExit(f"--batch {args.batch} must be divisible by --microbatches {m}")
     init_gloo()
     seed = 0
+    # Untied: the peer has no cross-stage weight tying, and both must train the same model.
     cfg = GPTConfig(n_layers=args.layers, d_model=args.width, n_heads=args.heads,
-                    seq_len=args.seq)
+                    seq_len=args.seq, tie_embeddings=False)
     layers = gpt_layers(cfg)
     bounds = partition_uniform(len(layers), p)
     batches = Batches(load_corpus(), args.batch, cfg.seq_len, seed=seed)

@@ -28,16 +28,22 @@ def test_layer_list_is_embedding_blocks_head():
     assert [spec.cls for spec in layers] == [Embedding, Block, Block, Head]
 
 
+@pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [dict(TINY), dict(n_layers=3, d_model=48, n_heads=6,
                                                     seq_len=20, vocab_size=100)])
-def test_parameter_count_formula_matches_the_model(shape, bias):
-    cfg = GPTConfig(**shape, bias=bias)
+def test_parameter_count_formula_matches_the_model(shape, bias, tied):
+    cfg = GPTConfig(**shape, bias=bias, tie_embeddings=tied)
     model = build_sequential(gpt_layers(cfg), 0)
+    # The tied matrix is one parameter in the model, built once by each of its two layers.
     assert num_parameters(cfg) == sum(p.numel() for p in model.parameters())
-    assert num_parameters(cfg) == sum(spec.num_parameters() for spec in gpt_layers(cfg))
-    tables = cfg.vocab_size * cfg.d_model + cfg.seq_len * cfg.d_model
+    matrix = cfg.vocab_size * cfg.d_model
+    assert num_parameters(cfg) + (matrix if tied else 0) == sum(
+        spec.num_parameters() for spec in gpt_layers(cfg))
+    tables = (0 if tied else matrix) + cfg.seq_len * cfg.d_model
     assert num_parameters(cfg, embeddings=False) == num_parameters(cfg) - tables
+    if tied:
+        assert model[0].tokens.weight is model[-1].lm_head.weight
 
 
 def test_flops_per_token_is_six_n_plus_attention():

@@ -11,8 +11,8 @@ from torch.nn import functional as F
 
 from pipeflow.layers import LayerSpec
 
-__all__ = ["GPTConfig", "Embedding", "Block", "Head", "gpt_layers", "gpt_loss",
-           "num_parameters", "flops_per_token"]
+__all__ = ["GPTConfig", "Embedding", "AttentionCore", "Block", "Head", "gpt_layers",
+           "gpt_loss", "num_parameters", "flops_per_token"]
 
 
 @dataclasses.dataclass
@@ -26,6 +26,7 @@ class GPTConfig:
     vocab_size: int = 256      # bytes
     dropout: float = 0.0
     bias: bool = True          # biases in the linear layers and LayerNorms
+    tie_embeddings: bool = True  # the output projection is the token embedding (GPT-2)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -77,16 +78,43 @@ class Embedding(nn.Module):
         return self.drop(self.tokens(idx) + self.positions(pos))
 
 
+class AttentionCore(nn.Module):
+    """Fused q, k, v [B, T, 3d] -> causal multi-head attention [B, T, d]; no parameters.
+
+    With dropout, attention keeps its T x T scores, softmax and dropout mask per head for the
+    backward: the largest activations of a block at long sequences, yet cheap to recompute
+    (no weight matmuls). Marked so that `recompute = "selective"` reruns it in the backward
+    instead of storing its insides (Korthikanti et al. 2022).
+    """
+
+    pipeflow_selective = True
+
+    def __init__(self, n_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.dropout = dropout
+
+    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+        B, T, three_d = qkv.shape
+        d = three_d // 3
+        q, k, v = qkv.split(d, dim=2)
+        # [B, T, d] -> [B, heads, T, head_dim]
+        q, k, v = (t.view(B, T, self.n_heads, d // self.n_heads).transpose(1, 2)
+                   for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return y.transpose(1, 2).contiguous().view(B, T, d)
+
+
 class Block(nn.Module):
     """One transformer block, pre-LayerNorm: x + attn(ln(x)), then x + mlp(ln(x))."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         d = cfg.d_model
-        self.n_heads = cfg.n_heads
-        self.dropout = cfg.dropout
         self.ln_1 = nn.LayerNorm(d, bias=cfg.bias)
         self.qkv = nn.Linear(d, 3 * d, bias=cfg.bias)
+        self.core = AttentionCore(cfg.n_heads, cfg.dropout)   # no parameters: same state dict
         self.attn_proj = nn.Linear(d, d, bias=cfg.bias)
         self.ln_2 = nn.LayerNorm(d, bias=cfg.bias)
         self.fc = nn.Linear(d, 4 * d, bias=cfg.bias)
@@ -102,15 +130,7 @@ class Block(nn.Module):
         _init_linear(self.mlp_proj, std=residual_std)
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
-        # [B, T, d] -> [B, heads, T, head_dim]
-        q, k, v = (t.view(B, T, self.n_heads, d // self.n_heads).transpose(1, 2)
-                   for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(B, T, d)
-        return self.drop(self.attn_proj(y))
+        return self.drop(self.attn_proj(self.core(self.qkv(x))))
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop(self.mlp_proj(F.gelu(self.fc(x))))
@@ -126,9 +146,8 @@ class Head(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        # GPT-2 ties this weight to the token embedding. Here the two usually live on
-        # different pipeline stages, and summing a tied weight's gradients across stages is
-        # a later engine feature, so the head keeps its own weight for now.
+        # With tie_embeddings this weight is the token embedding's (see gpt_layers): the two
+        # usually sit on the first and last stages, and the engine keeps the copies equal.
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.bias)
         _init_linear(self.lm_head)
 
@@ -138,9 +157,13 @@ class Head(nn.Module):
 
 def gpt_layers(cfg: GPTConfig) -> list[LayerSpec]:
     """The model as pipeline layers: Embedding, `n_layers` Blocks, Head."""
-    return [LayerSpec(Embedding, cfg),
-            *[LayerSpec(Block, cfg) for _ in range(cfg.n_layers)],
-            LayerSpec(Head, cfg)]
+    embedding, head = LayerSpec(Embedding, cfg), LayerSpec(Head, cfg)
+    if cfg.tie_embeddings:
+        # One matrix maps tokens to vectors and vectors back to token scores (Press & Wolf
+        # 2017, as GPT-2): fewer parameters and a better-trained output layer.
+        embedding.tie("wte", "tokens.weight")
+        head.tie("wte", "lm_head.weight")
+    return [embedding, *[LayerSpec(Block, cfg) for _ in range(cfg.n_layers)], head]
 
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -162,7 +185,7 @@ def num_parameters(cfg: GPTConfig, embeddings: bool = True) -> int:
              + 4 * d * d + b * 4 * d       # fc
              + 4 * d * d + b * d)          # mlp projection
     head = layer_norm + d * V + b * V
-    embedding = V * d + cfg.seq_len * d
+    embedding = (0 if cfg.tie_embeddings else V * d) + cfg.seq_len * d
     return L * block + head + (embedding if embeddings else 0)
 
 
