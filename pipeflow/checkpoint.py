@@ -12,6 +12,7 @@ A crash mid-save leaves `latest` naming the previous whole checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -51,13 +52,14 @@ def save_checkpoint(engine: "Engine", directory: str | os.PathLike) -> str:
     if topo.replica == 0:        # replicas hold identical copies: one writes
         by_layer: dict[int, dict[str, Any]] = {
             i: {"params": {}, "optim": {}, "groups": {}} for i in engine.module.indices}
-        for name, tensor in engine.module.state_dict().items():
+        # Full-precision values: the fp32 masters under mixed precision.
+        for name, tensor in engine.master_state_dict().items():
             i, local = _split_name(name)
             by_layer[i]["params"][local] = tensor.detach().to("cpu")
         opt = engine.optimizer
         if opt is not None:
             group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
-            for name, p in engine.module.named_parameters():
+            for name, p in engine.named_master_parameters():
                 i, local = _split_name(name)
                 if p in opt.state:
                     by_layer[i]["optim"][local] = {
@@ -70,8 +72,10 @@ def save_checkpoint(engine: "Engine", directory: str | os.PathLike) -> str:
             atomic_write(_layer_file(folder, i), lambda f, shard=shard: torch.save(shard, f))
     topo.world.Barrier()
     if topo.rank == 0:
+        scaler = engine.precision.scaler
         meta = {"format": FORMAT, "step": engine.step_count, "n_layers": engine.n_layers,
-                "config": engine.config.to_dict()}
+                "config": engine.config.to_dict(),
+                "loss_scaler": dataclasses.asdict(scaler) if scaler is not None else None}
         atomic_write_bytes(os.path.join(folder, "engine.json"),
                            json.dumps(meta, indent=2).encode())
         atomic_write_bytes(os.path.join(directory, "latest"), os.path.basename(folder).encode())
@@ -118,10 +122,16 @@ def load_checkpoint(engine: "Engine", directory: str | os.PathLike) -> None:
         params.update({f"{i}.{k}": v for k, v in shard["params"].items()})
         optim.update({f"{i}.{k}": v for k, v in shard["optim"].items()})
         groups.update({f"{i}.{k}": v for k, v in shard["groups"].items()})
-    engine.module.load_state_dict(params)
+    engine.module.load_state_dict(params)       # cast to the working precision
+    engine.precision.load_masters({id(p): params[n].to(engine.device) for n, p in
+                                   engine.module.named_parameters() if n in params})
+    scaler = engine.precision.scaler
+    if scaler is not None and meta.get("loss_scaler"):
+        for k, v in meta["loss_scaler"].items():
+            setattr(scaler, k, v)
     opt = engine.optimizer
     if opt is not None:
-        name_of = {id(p): n for n, p in engine.module.named_parameters()}
+        name_of = {id(p): n for n, p in engine.named_master_parameters()}
         state = opt.state_dict()
         new_state: dict[int, Any] = {}
         index = 0

@@ -141,11 +141,13 @@ class MpiCommunicator(Communicator):
         self.control = comm.Dup()
         self.rank = comm.rank
         self.size = comm.size
+        self.bytes_sent = 0       # point-to-point payload, for measurements
 
     def isend(self, tensors: Sequence[torch.Tensor], dest: int, tag: int) -> Request:
         # One message per tensor, all with the same tag: MPI's non-overtaking rule delivers
         # them in order into the receiver's receives, posted in the same order.
         host = [t.detach().to("cpu").contiguous() for t in tensors]
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in host)
         reqs = [self.comm.Isend(_bytes(t), dest=dest, tag=tag) for t in host]
         return _MpiSend(reqs, host)
 
@@ -250,6 +252,7 @@ class TorchDistCommunicator(Communicator):
         self.backend = backend
         self.objects = MpiCommunicator(comm)
         self.rank, self.size = comm.rank, comm.size
+        self.bytes_sent = 0
         # This communicator's ranks as torch.distributed (= MPI.COMM_WORLD) ranks.
         self.global_ranks = MPI.Group.Translate_ranks(
             comm.Get_group(), list(range(comm.size)), MPI.COMM_WORLD.Get_group())
@@ -266,6 +269,7 @@ class TorchDistCommunicator(Communicator):
     def isend(self, tensors: Sequence[torch.Tensor], dest: int, tag: int) -> Request:
         group = self.links[(self.rank, dest)]
         ts = [t.detach().contiguous() for t in tensors]
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in ts)
         works = [self._dist.isend(t, dst=self.global_ranks[dest], group=group, tag=tag)
                  for t in ts]
         return _DistWork(works, ts)

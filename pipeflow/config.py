@@ -17,7 +17,7 @@ __all__ = ["Config", "ConfigError", "SCHEDULES", "PARTITIONS"]
 
 SCHEDULES = ("1f1b", "gpipe")
 PARTITIONS = ("uniform", "parameters")
-PRECISIONS = ("fp32",)
+PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none",)
 BACKENDS = ("mpi", "nccl", "gloo", "auto")
 
@@ -40,7 +40,13 @@ class Config:
     microbatches: int = 1      # micro-batches per step: the gradient accumulation
     schedule: str = "1f1b"     # "1f1b" or "gpipe"
     partition: str | list[int] = "uniform"
-    precision: str = "fp32"
+    precision: str = "fp32"    # "fp32", or "bf16"/"fp16" working weights with fp32 masters
+    fp32_modules: list[str] = dataclasses.field(default_factory=lambda: ["LayerNorm"])
+    loss_scale: float = 65536.0          # fp16 only: initial dynamic loss scale
+    loss_scale_growth: float = 2.0       # x this after `loss_scale_interval` good steps
+    loss_scale_backoff: float = 0.5      # x this after an overflow (the step is skipped)
+    loss_scale_interval: int = 2000
+    loss_scale_min: float = 1.0
     recompute: str = "none"
     backend: str = "mpi"       # "mpi", "nccl", "auto"; "gloo" runs the torch.distributed
                                # path on CPUs (tests)
@@ -68,8 +74,20 @@ class Config:
                 f"[0, b1, ..., n_layers], found {self.partition!r}")
         else:
             self.partition = list(self.partition)
-        _one_of("precision", self.precision, PRECISIONS,
-                hint="mixed precision (bf16/fp16) is not implemented in this version")
+        _one_of("precision", self.precision, PRECISIONS)
+        if not (isinstance(self.fp32_modules, (list, tuple))
+                and all(isinstance(n, str) for n in self.fp32_modules)):
+            raise ConfigError(f"Config.fp32_modules must be a list of module class names, "
+                              f"found {self.fp32_modules!r}")
+        self.fp32_modules = list(self.fp32_modules)
+        if not (self.loss_scale_min > 0 and self.loss_scale >= self.loss_scale_min
+                and self.loss_scale_growth >= 1 and 0 < self.loss_scale_backoff < 1
+                and isinstance(self.loss_scale_interval, int) and self.loss_scale_interval >= 1):
+            raise ConfigError(
+                f"loss scaling needs loss_scale >= loss_scale_min > 0, loss_scale_growth >= 1, "
+                f"0 < loss_scale_backoff < 1 and loss_scale_interval >= 1; found "
+                f"{self.loss_scale}, {self.loss_scale_min}, {self.loss_scale_growth}, "
+                f"{self.loss_scale_backoff}, {self.loss_scale_interval}")
         _one_of("recompute", self.recompute, RECOMPUTE,
                 hint="activation recomputation is not implemented in this version")
         _one_of("backend", self.backend, BACKENDS)

@@ -32,26 +32,31 @@ class GradReducer:
     """
 
     def __init__(self, params: Sequence[nn.Parameter], comm: Communicator,
-                 bucket_bytes: int) -> None:
+                 bucket_bytes: int, grad_params: Sequence[nn.Parameter] | None = None) -> None:
+        """`params` are watched for their gradients; `grad_params` (default: the same) hold
+        the gradients that are reduced: with mixed precision, the fp32 masters, into which
+        each working gradient has been added by a hook registered before this one."""
         self.comm = comm
         self.buckets: list[_Bucket] = []
         self.armed = False
         self.events: list[tuple[str, int]] = []   # ("launch", bucket) in order, for tests
         self._bucket_of: dict[int, _Bucket] = {}
+        grad_params = list(params if grad_params is None else grad_params)
+        watched = {id(g): p for p, g in zip(params, grad_params)}
         group: list[nn.Parameter] = []
         size = 0
-        for p in reversed(list(params)):
-            group.append(p)
-            size += p.numel() * p.element_size()
+        for g in reversed(grad_params):
+            group.append(g)
+            size += g.numel() * g.element_size()
             if size >= bucket_bytes:
-                self._add_bucket(group)
+                self._add_bucket(group, watched)
                 group, size = [], 0
         if group:
-            self._add_bucket(group)
+            self._add_bucket(group, watched)
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
-    def _add_bucket(self, params: list[nn.Parameter]) -> None:
+    def _add_bucket(self, params: list[nn.Parameter], watched: dict[int, nn.Parameter]) -> None:
         dtype, device = params[0].dtype, params[0].device
         flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
         offset = 0
@@ -61,7 +66,7 @@ class GradReducer:
         bucket = _Bucket(params, flat)
         self.buckets.append(bucket)
         for p in params:
-            self._bucket_of[id(p)] = bucket
+            self._bucket_of[id(watched[id(p)])] = bucket
 
     def arm(self) -> None:
         """The next backward is the step's last: launch each bucket as it becomes final."""

@@ -22,6 +22,7 @@ from pipeflow.data_parallel import GradReducer
 from pipeflow.layers import (LayerSpec, _check_layers, build_layer, get_parameter,
                              set_parameter, tie_groups)
 from pipeflow.partition import partition_layers
+from pipeflow.precision import LossScaler, Precision
 from pipeflow.topology import Topology
 
 __all__ = ["Engine", "StageModule", "BatchError"]
@@ -90,7 +91,13 @@ class Engine:
         built = {i: build_layer(layers[i], config.seed, i) for i in range(lo, hi)}
         self._tied = self._tie(layers, built)
         self.module = StageModule(built).to(self.device)
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        scaler = LossScaler(config.loss_scale, config.loss_scale_growth,
+                            config.loss_scale_backoff, config.loss_scale_interval,
+                            config.loss_scale_min) if config.precision == "fp16" else None
+        self.precision = Precision(self.module, config.precision, config.fp32_modules, scaler)
+        params = self.precision.working
+        masters = self.precision.masters
+        self.skipped_steps = 0        # steps skipped for an overflow (fp16)
         self.backend = _choose_backend(config.backend, topo, self.device)
         self.pipe: Communicator = self._communicator(topo.pipe, neighbours=True)
         self.data: Communicator | None = None
@@ -98,13 +105,13 @@ class Engine:
         if config.data > 1:
             self.data = self._communicator(topo.data_group, neighbours=False)
             if params:
-                self.reducer = GradReducer(params, self.data,
-                                           int(config.bucket_mb * 2**20))
+                self.reducer = GradReducer(params, self.data, int(config.bucket_mb * 2**20),
+                                           grad_params=masters)
         # Parameters this stage counts in the gradient norm: a tied weight counts on the
         # first stage that holds it only.
-        self._norm_params = [p for p in params
+        self._norm_params = [self.precision.master_of(p) for p in params
                              if all(p is not t for t, first, _ in self._tied if not first)]
-        self.optimizer = optimizer(params) if params else None
+        self.optimizer = optimizer(masters) if masters else None
         # Validate the schedule once, the same way on every rank, before any message moves.
         programs = sched.build_schedule(config.schedule, self.stages, config.microbatches)
         self.expected_peak_stash = sched.simulate(programs).peak_stash
@@ -138,6 +145,23 @@ class Engine:
     def parameters(self) -> Iterable[nn.Parameter]:
         return self.module.parameters()
 
+    @property
+    def loss_scale(self) -> float:
+        """The current dynamic loss scale (fp16); 1.0 without scaling. Alike on every rank."""
+        return self.precision.loss_scale
+
+    def named_master_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(name, the fp32 parameter the optimizer steps), tied names included."""
+        return [(n, self.precision.master_of(p))
+                for n, p in self.module.named_parameters(remove_duplicate=False)]
+
+    def master_state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's state dict with full-precision values (the masters)."""
+        state = {k: v.detach() for k, v in self.module.state_dict().items()}
+        for name, master in self.named_master_parameters():
+            state[name] = master.detach()
+        return state
+
     def train_step(self, inputs: Batch | None, targets: Batch | None) -> float:
         """One optimizer step on the global batch; the global mean loss, alike on every rank.
 
@@ -163,7 +187,7 @@ class Engine:
 
     def gather_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The full model's state dict on world rank 0 (keys as in `build_sequential`)."""
-        local = {k: v.detach().to("cpu") for k, v in self.module.state_dict().items()}
+        local = {k: v.to("cpu") for k, v in self.master_state_dict().items()}
         parts = self.topo.pipe.gather(local, root=0) if self.topo.replica == 0 else None
         if self.topo.rank != 0:
             return None
@@ -299,6 +323,7 @@ class Engine:
         peak = 0
         prev, nxt = self.stage - 1, self.stage + 1
         lookahead = 2   # receives kept in flight ahead of the program
+        loss_scale = self.precision.loss_scale
         last_backward = [a.mb for a in program if a.op == sched.BACKWARD][-1:] or [None]
         last_backward = last_backward[0]
 
@@ -338,7 +363,7 @@ class Engine:
                 elif act.op == sched.FORWARD:
                     post_receives(lookahead)
                     if self.is_first:
-                        x = in_mbs[act.mb]
+                        x = self.precision.cast_input(in_mbs[act.mb])
                         x_tensors: list[torch.Tensor] = []
                     else:
                         x_tensors = received.pop(act.mb)
@@ -346,7 +371,8 @@ class Engine:
                     with torch.set_grad_enabled(train):
                         out = self.module(x)
                         if self.is_last:
-                            loss = self.loss_fn(out, tgt_mbs[act.mb])
+                            # The loss in fp32, whatever the working precision.
+                            loss = self.loss_fn(_float(out), tgt_mbs[act.mb])
                             losses.append(loss.detach())
                             outs: Any = loss
                         else:
@@ -371,7 +397,7 @@ class Engine:
                     if self.reducer is not None and act.mb == last_backward:
                         self.reducer.arm()
                     if self.is_last:
-                        (outs * scale).backward()
+                        (outs * (scale * loss_scale)).backward()
                     else:
                         pairs = [(o, g) for o, g in zip(outs, grads_in.pop(act.mb))
                                  if o.requires_grad]
@@ -406,9 +432,10 @@ class Engine:
         clip = self.config.clip
         if self.reducer is not None:
             self.reducer.finish()       # waits only for the buckets still in flight
-        for param, _, comm in self._tied:
+        for working, _, comm in self._tied:
             # Sum a tied weight's gradient over the stages that hold it (after the replicas
             # were summed, so each replica's copy ends up with the whole gradient).
+            param = self.precision.master_of(working)
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
             host = grad.detach().to("cpu").contiguous()
             comm.Allreduce(MPI.IN_PLACE, host.numpy(), op=MPI.SUM)
@@ -416,6 +443,7 @@ class Engine:
                 param.grad = host.to(param.device)
             elif host.data_ptr() != param.grad.data_ptr():
                 param.grad.copy_(host)
+        self.precision.unscale_()
         params = [p for p in self._norm_params if p.grad is not None]
         sq = torch.zeros(1, dtype=torch.float64)
         for p in params:
@@ -424,19 +452,35 @@ class Engine:
             self.pipe.allreduce_(sq)
         norm = math.sqrt(sq.item())
         self.last_grad_norm = norm
+        scaler = self.precision.scaler
+        if scaler is not None:
+            # An inf or NaN anywhere reaches every rank's norm: the data all-reduce spreads it
+            # over the replicas, the norm's all-reduce over the stages. So every rank takes
+            # the same decision and keeps the same scale.
+            overflow = not math.isfinite(norm)
+            scaler.update(overflow)
+            if overflow:
+                self.skipped_steps += 1
+                self._zero_grad()
+                return
         if clip > 0:
             # As torch.nn.utils.clip_grad_norm_, over the whole model's gradient.
             coef = clip / (norm + 1e-6)
             if coef < 1.0:
-                for p in self.module.parameters():
+                for p in self.precision.masters:
                     if p.grad is not None:
                         p.grad.detach().mul_(coef)
         if self.optimizer is not None:
             self.optimizer.step()
-            if self.reducer is not None:
-                self.reducer.zero_grad()    # keep the gradients as views of the buckets
-            else:
-                self.optimizer.zero_grad(set_to_none=True)
+            self.precision.refresh_working()
+        self._zero_grad()
+
+    def _zero_grad(self) -> None:
+        if self.reducer is not None:
+            self.precision.zero_grad(set_to_none=False)
+            self.reducer.zero_grad()    # keep the gradients as views of the buckets
+        else:
+            self.precision.zero_grad(set_to_none=True)
 
     def _global_loss(self, losses: list[torch.Tensor]) -> float:
         total = float(torch.stack(losses).double().mean()) if losses else 0.0
@@ -487,6 +531,12 @@ def _default_device(topo: Topology) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", topo.local_rank % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def _float(x: Any) -> Any:
+    if isinstance(x, (tuple, list)):
+        return type(x)(_float(t) for t in x)
+    return x.float() if torch.is_tensor(x) and x.is_floating_point() else x
 
 
 def _key_order(key: str) -> int:

@@ -51,7 +51,9 @@ def test_config_round_trips_through_toml(tmp_path):
 @pytest.mark.parametrize("kwargs,message", [
     (dict(pipeline=0), "Config.pipeline must be a positive integer, found 0"),
     (dict(schedule="zigzag"), "Config.schedule must be one of \\['1f1b', 'gpipe'\\], found 'zigzag'"),
-    (dict(precision="bf16"), "mixed precision .* not implemented"),
+    (dict(precision="fp8"), "Config.precision must be one of \\['fp32', 'bf16', 'fp16'\\], "
+                            "found 'fp8'"),
+    (dict(loss_scale_backoff=2.0), "0 < loss_scale_backoff < 1"),
     (dict(partition="magic"), "Config.partition must be one of"),
     (dict(clip=-1.0), "Config.clip must be a norm >= 0"),
 ])

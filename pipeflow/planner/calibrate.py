@@ -37,13 +37,15 @@ def _best_of(fn: Callable[[], float], repeats: int) -> float:
 
 
 def measure_layer_times(shape: Shape, micro_batch_sizes: Sequence[int] = DEFAULT_MICRO_BATCHES,
-                        repeats: int = 5, threads: int = 1, seed: int = 0,
+                        repeats: int = 5, threads: int = 1, seed: int = 0, chain: int = 8,
                         log: Callable[[str], None] | None = None) -> LayerTimes:
     """Forward and backward seconds of the GPT's embedding, one block and the head with its
     loss, at each micro-batch size, fitted as t(b) = c0 + c1·b; and the optimizer step.
 
     Runs the layers of `pipeflow.models.gpt` exactly as the engine does (fp32, on CPU with
-    `threads` torch threads), so the times include what the FLOP count leaves out.
+    `threads` torch threads), so the times include what the FLOP count leaves out. Blocks
+    are timed as a chain of up to `chain` distinct blocks, divided by their number: one block
+    timed alone keeps its weights in cache, which a stage of many blocks does not.
     """
     import torch
 
@@ -56,7 +58,11 @@ def measure_layer_times(shape: Shape, micro_batch_sizes: Sequence[int] = DEFAULT
     gen = torch.Generator().manual_seed(seed)
     try:
         torch.manual_seed(seed)
-        layers = {"embed": Embedding(cfg), "block": Block(cfg), "head": Head(cfg)}
+        k = max(1, min(chain, shape.n_layers))
+        layers = {"embed": Embedding(cfg),
+                  "block": torch.nn.Sequential(*[Block(cfg) for _ in range(k)]),
+                  "head": Head(cfg)}
+        per_call = {"embed": 1, "block": k, "head": 1}
         samples: dict[str, dict[str, list[float]]] = {
             k: {"forward": [], "backward": []} for k in layers}
         for b in micro_batch_sizes:
@@ -84,9 +90,11 @@ def measure_layer_times(shape: Shape, micro_batch_sizes: Sequence[int] = DEFAULT
             for kind in layers:
                 for phase in ("forward", "backward"):
                     run(kind, phase)                       # warm-up: allocator, kernels
-                    samples[kind][phase].append(_best_of(lambda: run(kind, phase), repeats))
+                    samples[kind][phase].append(
+                        _best_of(lambda: run(kind, phase), repeats) / per_call[kind])
         times = {k: {ph: fit_line(list(micro_batch_sizes), v) for ph, v in phs.items()}
                  for k, phs in samples.items()}
+        # Over the whole chain: a stage's optimizer state does not fit in cache either.
         per_param = _measure_optimizer(layers["block"], repeats)
     finally:
         torch.set_num_threads(old_threads)
@@ -141,8 +149,10 @@ def measure_link(comm: Any, sizes: Sequence[int] = (1 << 10, 1 << 16, 1 << 20, 1
     for n in sizes:
         buf = np.zeros(n, dtype=np.uint8)
         best = float("inf")
+        sleeping_barrier(comm)
+        # Round trips back to back, both ranks in blocking calls as the engine's waits are;
+        # the first two only wake the partner up.
         for i in range(repeats + 2):
-            sleeping_barrier(comm)
             if rank == 0:
                 t0 = time.perf_counter()
                 comm.Send(buf, dest=1, tag=7)

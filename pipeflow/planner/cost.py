@@ -155,6 +155,13 @@ def _layer_params(shape: Shape, kind: str) -> int:
     return shape.vocab_size * h
 
 
+def _stage_params(shape: Shape, count: dict[str, int]) -> int:
+    params = sum(n * _layer_params(shape, k) for k, n in count.items())
+    if count["embed"] and count["head"]:
+        params -= shape.vocab_size * shape.d_model     # one tied matrix on a single stage
+    return params
+
+
 # -- time per layer ---------------------------------------------------------------------
 
 def _layer_time(shape: Shape, cluster: Cluster, precision: Precision, kind: str, phase: str,
@@ -355,7 +362,7 @@ def stage_memory(shape: Shape, precision: Precision, grid: Grid, stage: int,
     """
     count = _stage_kinds(shape, layers)
     b, s = grid.micro_batch_size, shape.seq_len
-    params = sum(n * _layer_params(shape, k) for k, n in count.items())
+    params = _stage_params(shape, count)
     per_block = activation_bytes_per_layer(s, b, shape.d_model, shape.n_heads, recompute,
                                            precision.activation_scale)
     per_mb = count["block"] * per_block
@@ -407,10 +414,18 @@ def estimate(shape: Shape, cluster: Cluster, grid: Grid, recompute: str | Sequen
                 p2p += max(_transfer_time(cluster, [cluster.rank(st, r, d),
                                                     cluster.rank(neighbour, r, d)], send_bytes)
                            for r in _replica_samples(d, cluster.gpus_per_node))
-        params = sum(n * _layer_params(shape, k) for k, n in count.items())
+        params = _stage_params(shape, count)
         group = [cluster.rank(st, r, d) for r in range(d)]
         bw, lat = cluster.link(group)
         allreduce = ring_allreduce_time(params * prec.grad_reduce_bytes, d, bw, lat)
+        if p > 1 and st in (0, p - 1):
+            # The tied embedding / head matrix: its gradient is summed between the first and
+            # the last stage after the replicas' all-reduce.
+            tie_bytes = shape.vocab_size * shape.d_model * prec.grad_reduce_bytes
+            allreduce += max(
+                ring_allreduce_time(tie_bytes, 2, *cluster.link([cluster.rank(0, r, d),
+                                                                 cluster.rank(p - 1, r, d)]))
+                for r in _replica_samples(d, cluster.gpus_per_node))
         if hw.layer_times is not None:
             optimizer = params * hw.layer_times.optimizer_s_per_param
         else:

@@ -1,0 +1,141 @@
+"""Mixed precision: low-precision working weights, fp32 master weights, dynamic loss scale."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["DTYPES", "Precision", "LossScaler"]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclasses.dataclass
+class LossScaler:
+    """Dynamic loss scaling for fp16 (as in Micikevicius et al. 2018, torch.amp.GradScaler).
+
+    The scale multiplies the last stage's loss, and so every gradient upstream; an overflow
+    anywhere in the grid skips the step and multiplies the scale by `backoff`; `interval`
+    good steps in a row multiply it by `growth`. Every rank sees the same overflow verdict, so
+    the scale stays identical everywhere.
+    """
+
+    scale: float = 2.0 ** 16
+    growth: float = 2.0
+    backoff: float = 0.5
+    interval: int = 2000
+    minimum: float = 1.0
+    good_steps: int = 0
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale = max(self.minimum, self.scale * self.backoff)
+            self.good_steps = 0
+        else:
+            self.good_steps += 1
+            if self.good_steps >= self.interval:
+                self.scale *= self.growth
+                self.good_steps = 0
+
+
+class Precision:
+    """One stage's working parameters and the fp32 masters the optimizer steps.
+
+    fp32: the masters are the parameters themselves. bf16/fp16: the module's parameters are
+    cast down (but for modules of a class in `fp32_modules`, which run in fp32 with their
+    inputs cast up and outputs cast back), and each working parameter's gradient is added into
+    its master's fp32 `.grad` as soon as autograd produces it, so accumulation over
+    micro-batches happens in fp32 and the low-precision gradient is freed at once.
+    """
+
+    def __init__(self, module: nn.Module, precision: str, fp32_modules: Sequence[str] = (),
+                 scaler: LossScaler | None = None) -> None:
+        self.name = precision
+        self.dtype = DTYPES[precision]
+        self.scaler = scaler
+        self.mixed = self.dtype != torch.float32
+        if self.mixed:
+            keep = set(fp32_modules)
+            module.to(self.dtype)
+            for sub in module.modules():
+                if type(sub).__name__ in keep:
+                    sub.float()
+                    sub.register_forward_pre_hook(_cast_inputs_fp32)
+                    sub.register_forward_hook(self._cast_output_back)
+        self.working = [p for p in module.parameters() if p.requires_grad]
+        if self.mixed:
+            self.masters = [nn.Parameter(p.detach().float().clone()) for p in self.working]
+            for p, m in zip(self.working, self.masters):
+                p.register_post_accumulate_grad_hook(_accumulate_into(m))
+        else:
+            self.masters = list(self.working)
+        self._master_of = {id(p): m for p, m in zip(self.working, self.masters)}
+
+    def master_of(self, p: nn.Parameter) -> nn.Parameter:
+        return self._master_of[id(p)]
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def cast_input(self, x: Any) -> Any:
+        """Floating-point stage inputs enter in the working dtype; integer ones as they are."""
+        if not self.mixed:
+            return x
+        if isinstance(x, (tuple, list)):
+            return type(x)(self.cast_input(t) for t in x)
+        return x.to(self.dtype) if torch.is_tensor(x) and x.is_floating_point() else x
+
+    def _cast_output_back(self, module: nn.Module, args: Any, out: Any) -> Any:
+        return self.cast_input(out)
+
+    def unscale_(self) -> None:
+        if self.scaler is not None:
+            inv = 1.0 / self.scaler.scale
+            for m in self.masters:
+                if m.grad is not None:
+                    m.grad.mul_(inv)
+
+    @torch.no_grad()
+    def refresh_working(self) -> None:
+        """After the optimizer stepped the masters: the working copies are the masters cast."""
+        if self.mixed:
+            for p, m in zip(self.working, self.masters):
+                p.copy_(m)
+
+    @torch.no_grad()
+    def load_masters(self, values: dict[int, torch.Tensor]) -> None:
+        """Set masters (by id of their working parameter) from full-precision values."""
+        if self.mixed:
+            for p, m in zip(self.working, self.masters):
+                if id(p) in values:
+                    m.copy_(values[id(p)])
+            self.refresh_working()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for m in self.masters:
+            if m.grad is not None:
+                if set_to_none:
+                    m.grad = None
+                else:
+                    m.grad.zero_()
+        if self.mixed:
+            for p in self.working:
+                p.grad = None
+
+
+def _cast_inputs_fp32(module: nn.Module, args: tuple) -> tuple:
+    return tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+
+
+def _accumulate_into(master: nn.Parameter):
+    def hook(p: nn.Parameter) -> None:
+        if master.grad is None:
+            master.grad = p.grad.float()
+        else:
+            master.grad.add_(p.grad)
+        p.grad = None
+    return hook

@@ -1,0 +1,61 @@
+"""Mixed precision in one process: masters, working copies, loss scaler."""
+
+import pytest
+import torch
+
+import pipeflow as pf
+from pipeflow.precision import LossScaler
+
+from toy import adamw, batches, loss_fn, toy_layers
+
+
+def test_loss_scaler_backs_off_on_overflow_and_grows_after_the_interval():
+    s = LossScaler(scale=1024.0, growth=2.0, backoff=0.5, interval=3, minimum=256.0)
+    s.update(overflow=True)
+    assert s.scale == 512.0 and s.good_steps == 0
+    s.update(True)
+    s.update(True)
+    assert s.scale == 256.0                 # never below the minimum
+    for _ in range(2):
+        s.update(False)
+    assert s.scale == 256.0
+    s.update(False)
+    assert s.scale == 512.0 and s.good_steps == 0
+
+
+@pytest.mark.parametrize("precision,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_masters_stay_fp32_and_working_weights_are_the_masters_cast_down(precision, dtype):
+    engine = pf.Engine(toy_layers(), loss_fn, adamw,
+                       pf.Config(microbatches=2, precision=precision, loss_scale=256.0))
+    for x, y in batches(3, 8):
+        engine.train_step(x, y)
+    for name, p in engine.module.named_parameters():
+        master = engine.precision.master_of(p)
+        assert master.dtype == torch.float32
+        assert engine.optimizer.state[master]["exp_avg"].dtype == torch.float32
+        if "norm" in name:                       # LayerNorm is kept in fp32 by default
+            assert p.dtype == torch.float32 and torch.equal(p, master)
+        else:
+            assert p.dtype == dtype and torch.equal(p, master.to(dtype)), name
+    # The gathered state is the full-precision masters.
+    state = engine.gather_state_dict()
+    assert all(v.dtype == torch.float32 for k, v in state.items() if v.is_floating_point())
+    engine.close()
+
+
+def test_fp16_checkpoint_keeps_masters_and_loss_scale(tmp_path):
+    config = pf.Config(microbatches=2, precision="fp16", loss_scale=512.0,
+                       loss_scale_interval=1)
+    engine = pf.Engine(toy_layers(), loss_fn, adamw, config)
+    engine.train_step(*batches(1, 8)[0])
+    assert engine.loss_scale == 1024.0          # one good step with interval 1 grows it
+    engine.save(tmp_path)
+    other = pf.Engine(toy_layers(), loss_fn, adamw, config)
+    other.load(tmp_path)
+    assert other.loss_scale == 1024.0
+    for (n, a), (_, b) in zip(engine.named_master_parameters(), other.named_master_parameters()):
+        assert torch.equal(a, b), n              # fp32 values, not the fp16 working copy
+    x, y = batches(1, 8, seed=3)[0]
+    assert engine.train_step(x, y) == other.train_step(x, y)
+    engine.close()
+    other.close()
