@@ -444,15 +444,10 @@ class Engine:
             elif host.data_ptr() != param.grad.data_ptr():
                 param.grad.copy_(host)
         self.precision.unscale_()
-        params = [p for p in self._norm_params if p.grad is not None]
-        sq = torch.zeros(1, dtype=torch.float64)
-        for p in params:
-            sq += p.grad.detach().double().pow(2).sum().cpu()
-        if self.stages > 1:
-            self.pipe.allreduce_(sq)
-        norm = math.sqrt(sq.item())
-        self.last_grad_norm = norm
         scaler = self.precision.scaler
+        if clip > 0 or scaler is not None:
+            norm = self._grad_norm()
+            self.last_grad_norm = norm
         if scaler is not None:
             # An inf or NaN anywhere reaches every rank's norm: the data all-reduce spreads it
             # over the replicas, the norm's all-reduce over the stages. So every rank takes
@@ -474,6 +469,17 @@ class Engine:
             self.optimizer.step()
             self.precision.refresh_working()
         self._zero_grad()
+
+    def _grad_norm(self) -> float:
+        """The whole grid's gradient norm: tied weights once, replicas once (they agree)."""
+        grads = [p.grad.detach() for p in self._norm_params if p.grad is not None]
+        # Per-tensor norms (no fp64 copy of every gradient), squared and summed in fp64.
+        sq = (torch.stack([torch.linalg.vector_norm(g) for g in grads]).double().square().sum()
+              if grads else torch.zeros((), dtype=torch.float64))
+        sq = sq.reshape(1).cpu()
+        if self.stages > 1:
+            self.pipe.allreduce_(sq)
+        return math.sqrt(sq.item())
 
     def _zero_grad(self) -> None:
         if self.reducer is not None:
