@@ -216,7 +216,10 @@ def init_torch_distributed(backend: str, device: torch.device) -> None:
             s.bind(("", 0))
             address = (ip if world.size > 1 else "127.0.0.1", s.getsockname()[1])
     ip, port = world.bcast(address, root=0)
-    kwargs = {"device_id": device} if backend == "nccl" else {}
+    kwargs = {}
+    if backend == "nccl":
+        torch.cuda.set_device(device)      # NCCL binds each rank's communicators to its GPU
+        kwargs["device_id"] = device
     dist.init_process_group(backend, init_method=f"tcp://{ip}:{port}", rank=world.rank,
                             world_size=world.size, **kwargs)
 

@@ -148,6 +148,16 @@ def test_stage_memory_is_state_plus_stash():
     assert tr_full == per_block - 2 * 2048 * 2 * 1024
 
 
+def test_one_stage_holds_the_tied_matrix_once_and_two_stages_twice():
+    shape = Shape(8, 1024, 16)
+    prec = PRECISIONS["bf16"]
+    whole = stage_memory(shape, prec, Grid(1, 1, 1, 4), 0, (0, 10), "none")[0]
+    assert whole == shape.params * 18
+    halves = [stage_memory(shape, prec, Grid(2, 1, 1, 4), s, lay, "none")[0]
+              for s, lay in ((0, (0, 5)), (1, (5, 10)))]
+    assert sum(halves) == (shape.params + shape.vocab_size * 1024) * 18
+
+
 def _ideal_hardware(block_s=1e-3):
     times = {"embed": {"forward": (0.0, 0.0), "backward": (0.0, 0.0)},
              "block": {"forward": (0.0, block_s), "backward": (0.0, 2 * block_s)},
