@@ -23,7 +23,7 @@ def _train(args: argparse.Namespace) -> int:
             run.save_dir = args.save_dir
         if args.resume:
             run.resume = True
-        train(config, model, run)
+        train(config, model, run, trace=args.trace)
     except ConfigError as exc:
         # Raised alike on every rank (grid, batch and config checks agree before any
         # message moves): one report from rank 0, a clean exit everywhere.
@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--save-dir", help="override [train] save_dir (checkpoint folder)")
     train.add_argument("--resume", action="store_true",
                        help="continue from the latest checkpoint in save_dir")
+    train.add_argument("--trace", metavar="FILE.json",
+                       help="write the last step's per-rank instruction timeline as a "
+                       "Chrome/Perfetto trace")
     train.set_defaults(func=_train)
 
     show = sub.add_parser("schedule", help="print a schedule's pipeline order, bubble and stash")

@@ -497,10 +497,13 @@ class Engine:
     # -- failure ------------------------------------------------------------------------
     def _guarded(self, what: str, fn: Callable[[], None]) -> None:
         self._instruction = what
+        t0 = time.perf_counter()
         try:
             fn()
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
+        if self.trace:
+            self.timeline.append((what, t0, time.perf_counter()))
 
     def _fail(self, exc: BaseException) -> None:
         """Name the rank, stage and instruction, then end the whole job (no rank left hanging)."""

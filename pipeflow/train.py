@@ -16,6 +16,7 @@ from pipeflow.config import Config, ConfigError
 from pipeflow.data import Batches, load_corpus
 from pipeflow.engine import Engine
 from pipeflow.models import GPTConfig, gpt_layers, gpt_loss, num_parameters
+from pipeflow.trace import write_trace
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -83,15 +84,19 @@ def load_run_config(path: str | os.PathLike) -> tuple[Config, GPTConfig, TrainCo
 
 
 def train(config: Config, model: GPTConfig, run: TrainConfig,
-          comm: MPI.Comm | None = None, log=print) -> list[float]:
-    """Train the GPT; rank 0 logs loss, tokens/s and step time. Returns the losses."""
+          comm: MPI.Comm | None = None, log=print, trace: str | None = None) -> list[float]:
+    """Train the GPT; rank 0 logs loss, tokens/s and step time. Returns the losses.
+
+    With `trace`, the last step's instruction timeline of every rank is written there as a
+    Chrome/Perfetto trace.
+    """
     comm = comm if comm is not None else MPI.COMM_WORLD
     torch.set_num_threads(run.threads)
     rank0 = comm.rank == 0
     engine = Engine(gpt_layers(model), gpt_loss,
                     lambda ps: torch.optim.AdamW(ps, lr=run.lr, betas=(run.beta1, run.beta2),
                                                  weight_decay=run.weight_decay),
-                    config, comm=comm)
+                    config, comm=comm, trace=trace is not None)
     if run.resume and run.save_dir and os.path.exists(os.path.join(run.save_dir, "latest")):
         engine.load(run.save_dir)
     corpus = load_corpus(run.corpus or None)
@@ -128,6 +133,11 @@ def train(config: Config, model: GPTConfig, run: TrainConfig,
         if run.save_dir and run.save_every and (step + 1) % run.save_every == 0:
             engine.save(run.save_dir)
     elapsed = time.perf_counter() - start
+    if trace is not None:
+        write_trace(engine, trace)
+        if rank0:
+            log(f"pipeflow: wrote the last step's timeline to {trace} (open it in "
+                f"https://ui.perfetto.dev)", flush=True)
     val_loss = evaluate()
     if run.save_dir:
         engine.save(run.save_dir)

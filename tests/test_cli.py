@@ -59,3 +59,17 @@ def test_learning_rate_warms_up_then_decays_to_the_floor():
     assert lr_at(9, run) == pytest.approx(1.0)
     assert lr_at(99, run) == pytest.approx(0.1, abs=1e-3)
     assert all(lr_at(s, run) >= lr_at(s + 1, run) for s in range(10, 99))
+
+
+def test_trace_writes_the_last_steps_timeline(tmp_path):
+    import json
+
+    path = tmp_path / "run.toml"
+    path.write_text(SMALL)
+    out = tmp_path / "trace.json"
+    assert main(["train", str(path), "--steps", "2", "--trace", str(out)]) == 0
+    events = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"]
+    # One stage, 2 micro-batches under 1F1B: F0 B0 F1 B1, then the optimizer step.
+    assert [e["name"] for e in events] == ["F0", "B0", "F1", "B1", "optimizer step"]
+    assert all(e["dur"] >= 0 for e in events)
+    assert all(a["ts"] <= b["ts"] for a, b in zip(events, events[1:]))
