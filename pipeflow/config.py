@@ -18,7 +18,6 @@ __all__ = ["Config", "ConfigError", "SCHEDULES", "PARTITIONS"]
 SCHEDULES = ("1f1b", "gpipe")
 PARTITIONS = ("uniform", "parameters")
 PRECISIONS = ("fp32", "bf16", "fp16")
-RECOMPUTE = ("none",)
 BACKENDS = ("mpi", "nccl", "gloo", "auto")
 
 
@@ -47,7 +46,9 @@ class Config:
     loss_scale_backoff: float = 0.5      # x this after an overflow (the step is skipped)
     loss_scale_interval: int = 2000
     loss_scale_min: float = 1.0
-    recompute: str = "none"
+    # "none", "full", "every:k", "selective", "auto", or a list with one policy per stage
+    recompute: str | list[str] = "none"
+    activation_budget_mb: float = 0.0    # per rank, for recompute = "auto"
     backend: str = "mpi"       # "mpi", "nccl", "auto"; "gloo" runs the torch.distributed
                                # path on CPUs (tests)
     bucket_mb: float = 25.0    # gradient all-reduce bucket size, MiB
@@ -88,8 +89,15 @@ class Config:
                 f"0 < loss_scale_backoff < 1 and loss_scale_interval >= 1; found "
                 f"{self.loss_scale}, {self.loss_scale_min}, {self.loss_scale_growth}, "
                 f"{self.loss_scale_backoff}, {self.loss_scale_interval}")
-        _one_of("recompute", self.recompute, RECOMPUTE,
-                hint="activation recomputation is not implemented in this version")
+        from pipeflow.recompute import parse_policy   # torch-side module; imported lazily
+        policies = parse_policy(self.recompute, self.pipeline)
+        if "auto" in policies and not self.activation_budget_mb > 0:
+            raise ConfigError(
+                f"Config.recompute 'auto' chooses each stage's policy to fit a memory budget: "
+                f"set activation_budget_mb (MiB of stashed activations per rank), found "
+                f"{self.activation_budget_mb!r}")
+        if isinstance(self.recompute, tuple):
+            self.recompute = list(self.recompute)
         _one_of("backend", self.backend, BACKENDS)
         if not isinstance(self.bucket_mb, (int, float)) or self.bucket_mb <= 0:
             raise ConfigError(f"Config.bucket_mb must be > 0 MiB, found {self.bucket_mb!r}")

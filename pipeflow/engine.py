@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -23,6 +24,7 @@ from pipeflow.layers import (LayerSpec, _check_layers, build_layer, get_paramete
                              set_parameter, tie_groups)
 from pipeflow.partition import partition_layers
 from pipeflow.precision import LossScaler, Precision
+from pipeflow.recompute import SavedTensorMeter, auto_policy, parse_policy, stage_forward
 from pipeflow.topology import Topology
 
 __all__ = ["Engine", "StageModule", "BatchError"]
@@ -98,6 +100,12 @@ class Engine:
         params = self.precision.working
         masters = self.precision.masters
         self.skipped_steps = 0        # steps skipped for an overflow (fp16)
+        self._layers = [self.module.get_submodule(str(i)) for i in self.module.indices]
+        # This stage's recomputation policy ("auto" is resolved on the first micro-batch).
+        self.recompute = parse_policy(config.recompute, self.stages)[self.stage]
+        self.activation_meter = SavedTensorMeter()
+        self.peak_activation_bytes = 0   # bytes saved for backward, most held in last step
+        self.peak_memory_bytes: int | None = None   # allocator peak of the last step (GPU)
         self.backend = _choose_backend(config.backend, topo, self.device)
         self.pipe: Communicator = self._communicator(topo.pipe, neighbours=True)
         self.data: Communicator | None = None
@@ -346,6 +354,10 @@ class Engine:
                 next_post += 1
 
         timeline = self.timeline = []
+        if train:
+            self.activation_meter.reset_peak()
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
         for act in program:
             self._instruction = repr(act)
             t0 = time.perf_counter() if self.trace else 0.0
@@ -368,8 +380,11 @@ class Engine:
                     else:
                         x_tensors = received.pop(act.mb)
                         x = _from_tuple(x_tensors, self._act_meta[sig][0])
-                    with torch.set_grad_enabled(train):
-                        out = self.module(x)
+                    if train and self.recompute == "auto":
+                        self._resolve_auto(x, tgt_mbs[act.mb] if self.is_last else None)
+                    with torch.set_grad_enabled(train), \
+                            (self.activation_meter if train else contextlib.nullcontext()):
+                        out = stage_forward(self._layers, x, self.recompute if train else "none")
                         if self.is_last:
                             # The loss in fp32, whatever the working precision.
                             loss = self.loss_fn(_float(out), tgt_mbs[act.mb])
@@ -422,7 +437,18 @@ class Engine:
             s.wait()
         if train:
             self.peak_stash = peak
+            self.peak_activation_bytes = self.activation_meter.peak
+            if self.device.type == "cuda":
+                self.peak_memory_bytes = torch.cuda.max_memory_allocated(self.device)
         return losses
+
+    def _resolve_auto(self, x: Any, target: Any) -> None:
+        """Measure this stage on a real micro-batch and pick the cheapest policy whose stash
+        (depth from the schedule: min(p - s, m) under 1F1B) fits the budget."""
+        budget = int(self.config.activation_budget_mb * 2**20)
+        tail = (lambda out: self.loss_fn(_float(out), target)) if self.is_last else None
+        self.recompute = auto_policy(self._layers, x, self.expected_peak_stash[self.stage],
+                                     budget, where=self.topo.describe(), tail=tail)
 
     def _grad_meta(self, sig: Any) -> tuple[TensorMeta, ...]:
         """Gradients come back for the floating-point tensors this stage sent."""
