@@ -8,7 +8,6 @@ import argparse
 import datetime
 import os
 import platform
-import re
 import socket
 import statistics
 import time
@@ -26,9 +25,10 @@ from pipeflow.layers import build_layer
 from pipeflow.models import GPTConfig, gpt_layers, gpt_loss, num_parameters
 from pipeflow.partition import partition_uniform
 
+from _common import cpu_model, sync, write_section  # noqa: E402 (benchmarks/ is the script folder)
+
 __all__ = ["main"]
 
-BEGIN, END = "<!-- peer:begin -->", "<!-- peer:end -->"
 COMM = MPI.COMM_WORLD
 # fp32 sums in another order differ by ~1e-6 relative, the SGD probe's p - g rounding by ~1e-5
 # (LayerNorm weights sit near 1); a wrong gradient scale differs by far more.
@@ -51,15 +51,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def sync() -> None:
-    """A barrier that sleeps while it waits.
-
-    MPICH's blocking barrier spins, and on a machine with one core per rank a spinning idle
-    rank would steal time from the rank that is measuring alone (T1).
-    """
-    req = COMM.Ibarrier()
-    while not req.Test():
-        time.sleep(1e-4)
 
 
 def init_gloo() -> None:
@@ -215,30 +206,8 @@ def time_block(step: Callable, batches: Batches, first: int, n: int) -> float:
     return COMM.bcast((time.perf_counter() - start) / n, root=0)
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            match = re.search(r"model name\s*:\s*(.+)", f.read())
-        if match:
-            return match.group(1).strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
-def write_section(path: str, text: str) -> None:
-    """Replace what lies between our markers in `path`; other sections stay as they are."""
-    old = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    block = f"{BEGIN}\n{text.rstrip()}\n{END}"
-    if BEGIN in old and END in old:
-        head, rest = old.split(BEGIN, 1)
-        new = head + block + rest.split(END, 1)[1]
-    else:
-        new = old.rstrip() + "\n\n" + block + "\n"
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(new)
-    os.replace(tmp, path)
 
 
 def main() -> None:
@@ -319,8 +288,8 @@ def main() -> None:
         f"systems interleaved within each round (T1, pipeflow, peer). Load average "
         f"{load_before:.1f} before and {load_after:.1f} after the run on "
         f"{os.cpu_count()} cores" + (
-            f": other work shared the cores, so the times are noisy and the best rounds "
-            f"say more than the medians." if max(load_before, load_after) > p + 0.5 else "."),
+            ": other work shared the cores, so the times are noisy and the best rounds "
+            "say more than the medians." if max(load_before, load_after) > p + 0.5 else "."),
         "",
         *table,
         "",
@@ -340,7 +309,7 @@ def main() -> None:
     if rank0:
         print(report, flush=True)
         if args.output:
-            write_section(args.output, report)
+            write_section(args.output, report, "peer")
             print(f"wrote {args.output}")
     sync()
     dist.destroy_process_group()

@@ -13,7 +13,6 @@ import argparse
 import datetime
 import os
 import platform
-import re
 import statistics
 import time
 
@@ -27,9 +26,10 @@ from pipeflow.recompute import (SavedTensorMeter, choose_auto, estimate_stash_by
                                 measure_layers, stage_forward)
 from pipeflow.schedule import build_schedule, simulate
 
+from _common import cpu_model, write_section  # noqa: E402 (benchmarks/ is the script folder)
+
 __all__ = ["main"]
 
-BEGIN, END = "<!-- recompute:begin -->", "<!-- recompute:end -->"
 MIB = 2 ** 20
 
 
@@ -120,30 +120,8 @@ class Stage:
         return seconds, meter.peak, alloc
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            match = re.search(r"model name\s*:\s*(.+)", f.read())
-        if match:
-            return match.group(1).strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
-def write_section(path: str, text: str) -> None:
-    """Replace what lies between our markers in `path`; other sections stay as they are."""
-    old = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    block = f"{BEGIN}\n{text.rstrip()}\n{END}"
-    if BEGIN in old and END in old:
-        head, rest = old.split(BEGIN, 1)
-        new = head + block + rest.split(END, 1)[1]
-    else:
-        new = old.rstrip() + "\n\n" + block + "\n"
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(new)
-    os.replace(tmp, path)
 
 
 def pct(new: float, ref: float) -> str:
@@ -354,7 +332,7 @@ def main() -> None:
     ])
     print(report, flush=True)
     if args.output:
-        write_section(args.output, report)
+        write_section(args.output, report, "recompute")
         print(f"wrote {args.output}")
 
 

@@ -5,7 +5,6 @@ The whole job must end within seconds, naming the rank (and stage, when inside t
 
 import sys
 
-import torch
 from torch import nn
 
 import pipeflow as pf
