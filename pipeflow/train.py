@@ -122,6 +122,15 @@ def train(config: Config, model: GPTConfig, run: TrainConfig,
                 group["lr"] = lr_at(step, run)
         loss = engine.train_step(*batches.batch(step))
         losses.append(loss)
+        if step == first and config.recompute != "none":
+            # "auto" is resolved on each stage's first micro-batch: say what it chose.
+            chosen = comm.gather((engine.stage, engine.recompute,
+                                  engine.peak_activation_bytes), root=0)
+            if rank0:
+                per_stage = {s: (p, b) for s, p, b in chosen}
+                log("pipeflow: recompute per stage: " + ", ".join(
+                    f"{s}: {p} ({b / 2**20:.1f} MiB stashed)"
+                    for s, (p, b) in sorted(per_stage.items())), flush=True)
         dt = engine.last_step_time
         if rank0 and (step % run.log_every == 0 or step == run.steps - 1):
             log(f"step {step:5d}  loss {loss:.4f}  lr {lr_at(step, run):.2e}  "
