@@ -1,7 +1,7 @@
 """Pieces every benchmark shares: a sleeping barrier, timed blocks, the machine, the report."""
 
-# bench_peer.py has its own copies of sync, cpu_model and write_section; its write_section is
-# tied to the peer markers (module constants), so the newer scripts take these instead.
+# A script imports these after putting its own folder first on sys.path:
+#   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__))); from _common import ...
 
 from __future__ import annotations
 

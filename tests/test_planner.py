@@ -14,7 +14,7 @@ from pipeflow.planner.cost import (PRECISIONS, Grid, activation_bytes_per_layer,
                                    balanced_boundaries, bubble_fraction, estimate,
                                    ring_allreduce_time, stage_memory, stash_microbatches)
 from pipeflow.planner.hardware import GB, PRESETS, Cluster, Hardware, HardwareError, LayerTimes
-from pipeflow.planner.plan import make_plan, nice_batch, to_json, train_toml
+from pipeflow.planner.plan import make_plan, nice_batch
 from pipeflow.planner.scaling import (APPROACH1_G, BESIROGLU_FIT, HOFFMANN_FIT, TABLE3,
                                       allocate, allocate_for_params, compute_from_gpu_days)
 from pipeflow.planner.search import PlanError, minimum_gpus, search

@@ -7,27 +7,16 @@ import time
 from typing import Any, Callable, Sequence
 
 from pipeflow.planner.cost import block_forward_flops
-from pipeflow.planner.hardware import Hardware, LayerTimes
+from pipeflow.planner.hardware import Hardware, LayerTimes, fit_relative
 from pipeflow.planner.shapes import Shape
 
 __all__ = ["measure_layer_times", "measure_link", "estimate_shared_memory_link", "calibrate",
-           "fit_line", "sleeping_barrier", "DEFAULT_MICRO_BATCHES"]
+           "sleeping_barrier", "DEFAULT_MICRO_BATCHES"]
 
 # torch and mpi4py are imported inside the functions: the planner package stays importable
 # (and its pure parts testable) without either.
 
 DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
-
-
-def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """Least-squares (c0, c1) of y = c0 + c1·x."""
-    n = len(xs)
-    if n == 1:
-        return 0.0, ys[0] / xs[0]
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    c1 = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    return my - c1 * mx, c1
 
 
 def _best_of(fn: Callable[[], float], repeats: int) -> float:
@@ -92,8 +81,6 @@ def measure_layer_times(shape: Shape, micro_batch_sizes: Sequence[int] = DEFAULT
                     run(kind, phase)                       # warm-up: allocator, kernels
                     samples[kind][phase].append(
                         _best_of(lambda: run(kind, phase), repeats) / per_call[kind])
-        times = {k: {ph: fit_line(list(micro_batch_sizes), v) for ph, v in phs.items()}
-                 for k, phs in samples.items()}
         # Over the whole chain: a stage's optimizer state does not fit in cache either.
         per_param = _measure_optimizer(layers["block"], repeats)
     finally:
@@ -103,7 +90,9 @@ def measure_layer_times(shape: Shape, micro_batch_sizes: Sequence[int] = DEFAULT
         log(f"calibrate: block forward {samples['block']['forward'][-1] * 1e3:.2f} ms, backward "
             f"{samples['block']['backward'][-1] * 1e3:.2f} ms at micro-batch {b}; optimizer "
             f"{per_param * 1e9:.2f} ns/parameter")
-    return LayerTimes(shape.to_dict(), times, per_param)
+    by_size = {k: {ph: dict(zip(micro_batch_sizes, v)) for ph, v in phs.items()}
+               for k, phs in samples.items()}
+    return LayerTimes.from_samples(shape.to_dict(), by_size, per_param)
 
 
 def _measure_optimizer(module: Any, repeats: int) -> float:
@@ -163,7 +152,8 @@ def measure_link(comm: Any, sizes: Sequence[int] = (1 << 10, 1 << 16, 1 << 20, 1
                 comm.Recv(buf, source=0, tag=7)
                 comm.Send(buf, dest=0, tag=7)
         one_way.append(best)
-    latency, inv_bw = fit_line([float(n) for n in sizes], one_way) if rank == 0 else (0.0, 1.0)
+    latency, inv_bw = (fit_relative([float(n) for n in sizes], one_way) if rank == 0
+                       else (0.0, 1.0))
     result = (1.0 / max(inv_bw, 1e-15), max(latency, 0.0)) if rank == 0 else None
     return comm.bcast(result, root=0)
 
@@ -194,14 +184,14 @@ def _physical_memory() -> float:
 
 def calibrate(shape: Shape, comm: Any = None, ranks_per_node: int = 1,
               micro_batch_sizes: Sequence[int] = DEFAULT_MICRO_BATCHES, repeats: int = 5,
-              log: Callable[[str], None] | None = None) -> Hardware:
+              log: Callable[[str], None] | None = None,
+              layer_times: LayerTimes | None = None) -> Hardware:
     """A "cpu-local" Hardware for `shape` on this machine: measured layer times replace
     peak × efficiency, and the link is measured by ping-pong when `comm` has two ranks or
     more (else estimated from memory bandwidth). Collective over `comm`; every rank returns
-    the same description."""
+    the same description. `layer_times`, when given, is used instead of measuring anew."""
     rank = comm.Get_rank() if comm is not None else 0
-    layer_times = None
-    if rank == 0:
+    if rank == 0 and layer_times is None:
         layer_times = measure_layer_times(shape, micro_batch_sizes, repeats, log=log)
     if comm is not None and comm.Get_size() > 1:
         sleeping_barrier(comm)

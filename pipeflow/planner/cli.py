@@ -140,8 +140,8 @@ def _world() -> tuple[object | None, int, int]:
 def _plan(args: argparse.Namespace, rank: int) -> int:
     shape = _shape_from_args(args)
     if args.gpus is not None and args.gpus < 1:
-        raise PlanError(f"--gpus must be at least 1, found {args.gpus}; a plan needs at least "
-                        f"one GPU (pipeline × data GPUs in all)")
+        raise PlanError(f"--gpus must be at least 1, found {args.gpus}: a plan runs on "
+                        f"pipeline × data ≥ 1 GPUs. {_what_fits(args)}")
     precision = args.precision or ("fp32" if args.calibrate else "bf16")
     comm = None
     if args.calibrate:
@@ -199,15 +199,42 @@ def _plan(args: argparse.Namespace, rank: int) -> int:
     return 0
 
 
+def _what_fits(args: argparse.Namespace) -> str:
+    """For --gpus 0: the same request planned on one GPU, or what that plan would need."""
+    import copy
+    trial = copy.copy(args)
+    trial.gpus, trial.json, trial.write_config, trial.calibrate = 1, False, None, False
+    trial.save_hardware = None
+    try:
+        _plan_quietly(trial)
+    except (PlanError, ShapeError, HardwareError, ScalingError) as e:
+        text = str(e)
+        return text[text.index("It fits on"):] if "It fits on" in text else text
+    return "The request fits on one GPU: try --gpus 1."
+
+
+def _plan_quietly(args: argparse.Namespace) -> None:
+    import contextlib
+    import io
+    with contextlib.redirect_stdout(io.StringIO()):
+        _plan(args, 0)
+
+
+def _is_rank_zero() -> bool:
+    # Under mpirun every rank runs the command; one error report is enough.
+    for key in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if key in os.environ:
+            return os.environ[key] == "0"
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     """Run `pipeflow plan`; returns the exit code (2 for input no plan can satisfy)."""
     try:
         return _plan(args, 0)
-    except (PlanError, ShapeError, HardwareError, ScalingError) as e:
-        print(f"pipeflow plan: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"pipeflow plan: error: {e}", file=sys.stderr)
+    except (PlanError, ShapeError, HardwareError, ScalingError, OSError) as e:
+        if _is_rank_zero():
+            print(f"pipeflow plan: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -14,7 +14,8 @@ __all__ = [
     "Precision", "PRECISIONS", "RECOMPUTE", "SCHEDULES", "Grid", "StageCost", "Estimate",
     "activation_bytes_per_layer", "head_activation_bytes", "stash_microbatches",
     "bubble_fraction", "ring_allreduce_time", "block_forward_flops", "head_forward_flops",
-    "layer_kinds", "balanced_boundaries", "stage_memory", "estimate",
+    "layer_kinds", "balanced_boundaries", "time_balanced_boundaries", "stage_memory",
+    "estimate",
 ]
 
 RECOMPUTE = ("none", "selective", "full")     # cheapest first: the order the search tries
@@ -243,8 +244,10 @@ def _balanced_cached(weights: tuple[float, ...], parts: int) -> tuple[int, ...]:
     return tuple(balanced_boundaries(weights, parts))
 
 
-def _boundaries(shape: Shape, cluster: Cluster, precision: Precision, pipeline: int,
-                b: int) -> tuple[int, ...]:
+def time_balanced_boundaries(shape: Shape, cluster: Cluster, precision: Precision,
+                             pipeline: int, b: int) -> tuple[int, ...]:
+    """Stage boundaries in the layer list balancing forward + backward time at micro-batch
+    size `b` (without recomputation)."""
     # Balance forward + backward time without recomputation; the search evaluates the same
     # (pipeline, micro-batch) split many times, hence the cache on the weights.
     w = {k: _layer_time(shape, cluster, precision, k, "forward", b)
@@ -391,7 +394,7 @@ def estimate(shape: Shape, cluster: Cluster, grid: Grid, recompute: str | Sequen
     prec = PRECISIONS[precision]
     p, d, b, m = grid.pipeline, grid.data, grid.micro_batch_size, grid.microbatches
     if boundaries is None:
-        boundaries = _boundaries(shape, cluster, prec, p, b)
+        boundaries = time_balanced_boundaries(shape, cluster, prec, p, b)
     if len(boundaries) != p + 1:
         raise ValueError(f"{len(boundaries)} boundaries for {p} stages")
     modes = [recompute] * p if isinstance(recompute, str) else list(recompute)

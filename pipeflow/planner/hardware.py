@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 __all__ = ["Hardware", "LayerTimes", "Cluster", "PRESETS", "ALIASES", "get_hardware",
-           "HardwareError", "GB", "GiB"]
+           "HardwareError", "fit_relative", "GB", "GiB"]
 
 GB = 1e9
 GiB = 2.0 ** 30
@@ -22,29 +22,70 @@ class HardwareError(ValueError):
 class LayerTimes:
     """Measured seconds per micro-batch for each layer kind of one model shape.
 
-    `times[kind][phase] = (c0, c1)` means t(b) = c0 + c1·b for micro-batch size b: a fixed
-    cost per call (Python, kernel launch) plus a cost per sequence. Kinds are "embed",
-    "block" and "head" (the output head with the loss); phases "forward" and "backward".
+    `samples[kind][phase][b]` is the time measured at micro-batch size b; sizes not measured
+    come from `times[kind][phase] = (c0, c1)`, the fit t(b) = c0 + c1·b: a fixed cost per call
+    (Python, kernel launch) plus a cost per sequence. Kinds are "embed", "block" and "head"
+    (the output head with the loss); phases "forward" and "backward".
     """
 
     shape: Mapping[str, int]
     times: Mapping[str, Mapping[str, tuple[float, float]]]
     optimizer_s_per_param: float
+    samples: Mapping[str, Mapping[str, Mapping[int, float]]] = dataclasses.field(
+        default_factory=dict)
 
     def time(self, kind: str, phase: str, micro_batch_size: int) -> float:
+        measured = self.samples.get(kind, {}).get(phase, {}).get(micro_batch_size)
+        if measured is not None:
+            return measured
         c0, c1 = self.times[kind][phase]
         return max(0.0, c0 + c1 * micro_batch_size)
+
+    @classmethod
+    def from_samples(cls, shape: Mapping[str, int],
+                     samples: Mapping[str, Mapping[str, Mapping[int, float]]],
+                     optimizer_s_per_param: float) -> "LayerTimes":
+        times = {k: {ph: fit_relative(list(v), [v[b] for b in v]) for ph, v in phs.items()}
+                 for k, phs in samples.items()}
+        return cls(dict(shape), times, optimizer_s_per_param,
+                   {k: {ph: dict(v) for ph, v in phs.items()} for k, phs in samples.items()})
+
+    def fastest(self, other: "LayerTimes") -> "LayerTimes":
+        """Each sample the faster of the two measurements (disturbances only add time)."""
+        merged = {k: {ph: {b: min(t, other.samples.get(k, {}).get(ph, {}).get(b, t))
+                           for b, t in v.items()} for ph, v in phs.items()}
+                  for k, phs in self.samples.items()}
+        return LayerTimes.from_samples(self.shape, merged, min(self.optimizer_s_per_param,
+                                                               other.optimizer_s_per_param))
 
     def to_dict(self) -> dict[str, Any]:
         return {"shape": dict(self.shape),
                 "times": {k: {ph: list(v) for ph, v in t.items()} for k, t in self.times.items()},
-                "optimizer_s_per_param": self.optimizer_s_per_param}
+                "optimizer_s_per_param": self.optimizer_s_per_param,
+                "samples": {k: {ph: {str(b): t for b, t in v.items()} for ph, v in phs.items()}
+                            for k, phs in self.samples.items()}}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "LayerTimes":
+        samples = {k: {ph: {int(b): float(t) for b, t in v.items()} for ph, v in phs.items()}
+                   for k, phs in d.get("samples", {}).items()}
         return cls(dict(d["shape"]),
                    {k: {ph: tuple(v) for ph, v in t.items()} for k, t in d["times"].items()},
-                   float(d["optimizer_s_per_param"]))
+                   float(d["optimizer_s_per_param"]), samples)
+
+
+def fit_relative(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """(c0, c1) of y = c0 + c1·x minimising the squared *relative* errors, so that small
+    micro-batches (many of them per step) are fitted as well as large ones."""
+    if len(xs) == 1:
+        return 0.0, ys[0] / xs[0]
+    w = [1.0 / (y * y) if y > 0 else 1.0 for y in ys]
+    sw = sum(w)
+    mx = sum(wi * x for wi, x in zip(w, xs)) / sw
+    my = sum(wi * y for wi, y in zip(w, ys)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs))
+    c1 = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys)) / sxx
+    return my - c1 * mx, c1
 
 
 @dataclasses.dataclass(frozen=True)

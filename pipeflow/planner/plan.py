@@ -344,11 +344,11 @@ def train_toml(plan: Plan, command_line: str = "pipeflow plan") -> str:
     """The TOML `pipeflow train` runs. Values the engine does not accept yet (precision,
     recomputation) are written as the engine's defaults, the planned ones in comments."""
     best, g, sh = plan.best, plan.best.grid, plan.shape
-    precisions, recomputes = _engine_accepts()
-    precision = plan.precision if plan.precision in precisions else "fp32"
+    precision = plan.precision if _engine_accepts(precision=plan.precision) else "fp32"
     modes = best.recompute
-    uniform = len(set(modes)) == 1 and modes[0] in recomputes
-    recompute = modes[0] if uniform else "none"
+    planned: str | list[str] = modes[0] if len(set(modes)) == 1 else list(modes)
+    accepted = _engine_accepts(pipeline=g.pipeline, recompute=planned)
+    recompute = planned if accepted else "none"
     lines = [
         f"# Written by `{command_line}`.",
         f"# {plan.allocation.method}: {_si(sh.params)} parameters, {_si(plan.allocation.tokens)} "
@@ -372,11 +372,14 @@ def train_toml(plan: Plan, command_line: str = "pipeflow plan") -> str:
     else:
         lines.append(f'precision = "{precision}"      # planned: "{plan.precision}"; the engine '
                      f"does not accept it yet, and {precision} needs more memory than planned")
-    if uniform:
-        lines.append(f'recompute = "{recompute}"')
+    if accepted:
+        lines.append(f"recompute = {_toml_value(recompute)}")
     else:
-        lines.append(f'recompute = "{recompute}"      # planned per stage: {modes}; the engine '
-                     f"does not accept it yet")
+        lines.append(f'recompute = "none"      # planned per stage: {modes}; the engine '
+                     f"does not accept it yet, and without it the plan needs more memory")
+    if not plan.cluster.hardware.calibrated and _engine_accepts(backend="auto"):
+        lines.append('backend = "auto"      # NCCL on GPUs (the bandwidths planned for), '
+                     'MPI elsewhere')
     lines += [
         "clip = 1.0",
         "seed = 0",
@@ -399,10 +402,20 @@ def train_toml(plan: Plan, command_line: str = "pipeflow plan") -> str:
     return "\n".join(lines)
 
 
-def _engine_accepts() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The precisions and recomputations `pipeflow.Config` accepts today."""
+def _engine_accepts(**fields: Any) -> bool:
+    """Whether `pipeflow.Config` accepts these values today (the engine grows features)."""
     try:
-        from pipeflow import config
-        return tuple(config.PRECISIONS), tuple(config.RECOMPUTE)
-    except (ImportError, AttributeError):  # pragma: no cover - engine without those lists
-        return ("fp32",), ("none",)
+        from pipeflow.config import Config, ConfigError
+    except ImportError:  # pragma: no cover - planner used without the engine
+        return False
+    try:
+        Config(**fields)
+    except (ConfigError, ValueError, TypeError):
+        return False
+    return True
+
+
+def _toml_value(value: str | Sequence[str]) -> str:
+    if isinstance(value, str):
+        return f'"{value}"'
+    return "[" + ", ".join(f'"{v}"' for v in value) + "]"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Iterator, Sequence
 
-from pipeflow.planner.cost import (PRECISIONS, RECOMPUTE, SCHEDULES, Estimate, Grid,
-                                   _boundaries, estimate, layer_kinds, stage_memory)
+from pipeflow.planner.cost import (PRECISIONS, RECOMPUTE, SCHEDULES, Estimate, Grid, estimate,
+                                   layer_kinds, stage_memory, time_balanced_boundaries)
 from pipeflow.planner.hardware import GB, Cluster
 from pipeflow.planner.shapes import Shape
 
@@ -126,7 +126,8 @@ def search(shape: Shape, cluster: Cluster, global_batch: int, precision: str = "
         if grid_filter is not None and not grid_filter(grid):
             continue
         considered += 1
-        bounds = _boundaries(shape, cluster, prec, grid.pipeline, grid.micro_batch_size)
+        bounds = time_balanced_boundaries(shape, cluster, prec, grid.pipeline,
+                                          grid.micro_batch_size)
         modes, least = choose_recompute(shape, cluster, grid, precision, bounds, recompute)
         if modes is None:
             rejected.append(Rejection(grid, _memory_reason(least, cluster, recompute), least / GB))
@@ -170,7 +171,7 @@ def minimum_gpus(shape: Shape, cluster: Cluster, global_batch: int, precision: s
                        key=lambda g: g.gpus):
         if grid.data != 1:
             continue
-        bounds = _boundaries(shape, big, prec, grid.pipeline, grid.micro_batch_size)
+        bounds = time_balanced_boundaries(shape, big, prec, grid.pipeline, grid.micro_batch_size)
         modes, peak = choose_recompute(shape, big, grid, precision, bounds, recompute)
         if modes is not None:
             return grid.pipeline, least
