@@ -77,7 +77,8 @@ class Engine:
     def __init__(self, layers: Sequence[LayerSpec], loss_fn: LossFn,
                  optimizer: OptimizerFactory, config: Config | None = None, *,
                  comm: MPI.Comm | None = None, device: str | torch.device | None = None,
-                 abort_on_error: bool = True, trace: bool = False) -> None:
+                 abort_on_error: bool = True, trace: bool = False,
+                 measure_activations: bool = False) -> None:
         self.config = config = config if config is not None else Config()
         config.validate()
         _check_layers(layers)
@@ -103,6 +104,9 @@ class Engine:
         self._layers = [self.module.get_submodule(str(i)) for i in self.module.indices]
         # This stage's recomputation policy ("auto" is resolved on the first micro-batch).
         self.recompute = parse_policy(config.recompute, self.stages)[self.stage]
+        # With measure_activations (settable per step): count the bytes autograd saves for
+        # backward. Off by default: the count runs Python for every saved tensor.
+        self.measure_activations = measure_activations
         self.activation_meter = SavedTensorMeter()
         self.peak_activation_bytes = 0   # bytes saved for backward, most held in last step
         self.peak_memory_bytes: int | None = None   # allocator peak of the last step (GPU)
@@ -382,8 +386,9 @@ class Engine:
                         x = _from_tuple(x_tensors, self._act_meta[sig][0])
                     if train and self.recompute == "auto":
                         self._resolve_auto(x, tgt_mbs[act.mb] if self.is_last else None)
-                    with torch.set_grad_enabled(train), \
-                            (self.activation_meter if train else contextlib.nullcontext()):
+                    with torch.set_grad_enabled(train), (
+                            self.activation_meter if train and self.measure_activations
+                            else contextlib.nullcontext()):
                         out = stage_forward(self._layers, x, self.recompute if train else "none")
                         if self.is_last:
                             # The loss in fp32, whatever the working precision.

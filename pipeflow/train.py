@@ -120,6 +120,8 @@ def train(config: Config, model: GPTConfig, run: TrainConfig,
         if engine.optimizer is not None:
             for group in engine.optimizer.param_groups:
                 group["lr"] = lr_at(step, run)
+        # Count saved activations on the first step only: the meter costs time.
+        engine.measure_activations = step == first and config.recompute != "none"
         loss = engine.train_step(*batches.batch(step))
         losses.append(loss)
         if step == first and config.recompute != "none":

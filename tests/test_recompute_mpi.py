@@ -23,7 +23,7 @@ def _train(comm, stages, schedule, recompute, budget_mb=0.0, steps=3):
                        pf.Config(pipeline=stages, microbatches=4, schedule=schedule,
                                  partition=BOUNDS[stages],
                                  recompute=recompute, activation_budget_mb=budget_mb),
-                       comm=comm)
+                       comm=comm, measure_activations=True)
     data = Batches(load_corpus(), 8, CFG.seq_len, seed=0)
     losses = [engine.train_step(*data.batch(i)) for i in range(steps)]
     return engine, losses
