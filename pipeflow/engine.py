@@ -23,7 +23,7 @@ from pipeflow.data_parallel import GradReducer
 from pipeflow.layers import (LayerSpec, _check_layers, build_layer, get_parameter,
                              set_parameter, tie_groups)
 from pipeflow.partition import partition_layers
-from pipeflow.precision import LossScaler, Precision
+from pipeflow.precision import LossScaler, Precision, cast_floating
 from pipeflow.recompute import SavedTensorMeter, auto_policy, parse_policy, stage_forward
 from pipeflow.topology import Topology
 
@@ -392,7 +392,8 @@ class Engine:
                         out = stage_forward(self._layers, x, self.recompute if train else "none")
                         if self.is_last:
                             # The loss in fp32, whatever the working precision.
-                            loss = self.loss_fn(_float(out), tgt_mbs[act.mb])
+                            loss = self.loss_fn(cast_floating(out, torch.float32),
+                                                tgt_mbs[act.mb])
                             losses.append(loss.detach())
                             outs: Any = loss
                         else:
@@ -451,7 +452,8 @@ class Engine:
         """Measure this stage on a real micro-batch and pick the cheapest policy whose stash
         (depth from the schedule: min(p - s, m) under 1F1B) fits the budget."""
         budget = int(self.config.activation_budget_mb * 2**20)
-        tail = (lambda out: self.loss_fn(_float(out), target)) if self.is_last else None
+        tail = ((lambda out: self.loss_fn(cast_floating(out, torch.float32), target))
+                if self.is_last else None)
         self.recompute = auto_policy(self._layers, x, self.expected_peak_stash[self.stage],
                                      budget, where=self.topo.describe(), tail=tail)
 
@@ -571,12 +573,6 @@ def _default_device(topo: Topology) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", topo.local_rank % torch.cuda.device_count())
     return torch.device("cpu")
-
-
-def _float(x: Any) -> Any:
-    if isinstance(x, (tuple, list)):
-        return type(x)(_float(t) for t in x)
-    return x.float() if torch.is_tensor(x) and x.is_floating_point() else x
 
 
 def _key_order(key: str) -> int:

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-__all__ = ["DTYPES", "Precision", "LossScaler"]
+__all__ = ["DTYPES", "Precision", "LossScaler", "cast_floating"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -83,11 +83,7 @@ class Precision:
 
     def cast_input(self, x: Any) -> Any:
         """Floating-point stage inputs enter in the working dtype; integer ones as they are."""
-        if not self.mixed:
-            return x
-        if isinstance(x, (tuple, list)):
-            return type(x)(self.cast_input(t) for t in x)
-        return x.to(self.dtype) if torch.is_tensor(x) and x.is_floating_point() else x
+        return cast_floating(x, self.dtype) if self.mixed else x
 
     def _cast_output_back(self, module: nn.Module, args: Any, out: Any) -> Any:
         return self.cast_input(out)
@@ -127,8 +123,15 @@ class Precision:
                 p.grad = None
 
 
+def cast_floating(x: Any, dtype: torch.dtype) -> Any:
+    """`x` (a tensor or a tuple/list of them) with its floating-point tensors cast to `dtype`."""
+    if isinstance(x, (tuple, list)):
+        return type(x)(cast_floating(t, dtype) for t in x)
+    return x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x
+
+
 def _cast_inputs_fp32(module: nn.Module, args: tuple) -> tuple:
-    return tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+    return cast_floating(args, torch.float32)
 
 
 def _accumulate_into(master: nn.Parameter):
