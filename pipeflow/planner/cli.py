@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 from typing import Sequence
 
@@ -187,7 +188,9 @@ def _plan(args: argparse.Namespace, rank: int) -> int:
                      max_micro_batch=args.max_micro_batch, mfu=args.mfu)
     config_path = args.write_config or "plan.toml"
     if args.write_config:
-        text = train_toml(plan, "pipeflow plan " + " ".join(sys.argv[1:]).strip())
+        # `pipeflow plan ...` and `python -m pipeflow.planner ...` alike: one "plan".
+        given = sys.argv[2:] if sys.argv[1:2] == ["plan"] else sys.argv[1:]
+        text = train_toml(plan, shlex.join(["pipeflow", "plan", *given]))
         from pipeflow._io import atomic_write_bytes
         atomic_write_bytes(args.write_config, text.encode())
     if args.json:

@@ -21,6 +21,10 @@ __all__ = ["Plan", "make_plan", "default_batch_tokens", "default_lr", "nice_batc
 # afterwards the plan's own predicted utilisation replaces it.
 DEFAULT_MFU = 0.40
 
+# Hoffmann et al. 2022 trained over 400 models "ranging from 70 million to over 16 billion
+# parameters" to fit their laws.
+FIT_RANGE = (70e6, 16e9)
+
 # Brown et al. 2020 (GPT-3), Table 2.1: (parameters, batch tokens, learning rate).
 GPT3_TABLE = ((125e6, 0.5e6, 6.0e-4), (350e6, 0.5e6, 3.0e-4), (760e6, 0.5e6, 2.5e-4),
               (1.3e9, 1e6, 2.0e-4), (2.7e9, 1e6, 1.6e-4), (6.7e9, 2e6, 1.2e-4),
@@ -198,6 +202,10 @@ def make_plan(cluster: Cluster, *, compute: float | None = None, days: float | N
                   + (" (given)" if mfu is not None else " (predicted by the plan)"))
     if global_batch is None and result.best.grid.global_batch != batch:  # pragma: no cover
         raise AssertionError("search returned a grid for another batch")
+    if not FIT_RANGE[0] <= shaped.params <= FIT_RANGE[1]:
+        notes.append(f"the scaling laws were fitted on models of {FIT_RANGE[0] / 1e6:.0f}M to "
+                     f"{FIT_RANGE[1] / 1e9:.0f}B parameters (Hoffmann et al. 2022); "
+                     f"{_si(shaped.params)} is an extrapolation, its predicted loss a rough guide")
     if result.best.grid.gpus < cluster.gpus:
         notes.append(f"the fastest plan uses {result.best.grid.gpus} of the {cluster.gpus} "
                      f"GPUs: no faster grid divides the batch of {batch} sequences")
@@ -307,7 +315,8 @@ def render_table(plan: Plan, config_path: str = "plan.toml", top: int = 5) -> st
     ]
     lines += [f"{k:<9}{v}" for k, v in kv]
     lines += ["", f"best plan: pipeline {g.pipeline} × data {g.data} = {g.gpus} GPUs, "
-                  f"{g.microbatches} micro-batches of {g.micro_batch_size}, {g.schedule}"]
+                  f"{g.microbatches} micro-batch{'es' if g.microbatches > 1 else ''} of "
+                  f"{g.micro_batch_size}, {g.schedule}"]
     util = "" if hw.calibrated else f", MFU {plan.mfu:.0%}"
     lines.append(f"  step {best.step_time_s:.4g} s (bubble {best.bubble:.1%}, all-reduce + "
                  f"optimizer {best.tail_s:.3g} s){util}, {plan.train_days:.3g} days")
