@@ -19,13 +19,22 @@ from typing import Callable, Iterable
 import torch
 from mpi4py import MPI
 
-__all__ = ["REPO", "DEFAULT_OUTPUT", "sync", "time_block", "cpu_model", "cpu_flags",
+__all__ = ["REPO", "DEFAULT_OUTPUT", "add_model_args", "sync", "time_block", "cpu_model", "cpu_flags",
            "load_average", "command_line", "header", "write_section", "busy", "busy_note",
            "run_main"]
 
 # The repository's BENCHMARKS.md, wherever the script is run from.
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUTPUT = str(REPO / "BENCHMARKS.md")
+
+
+def add_model_args(parser, layers: int = 8, width: int = 256, heads: int = 8,
+                   seq: int = 128) -> None:
+    """The GPT shape every benchmark takes: --layers, --width, --heads, --seq."""
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--width", type=int, default=width)
+    parser.add_argument("--heads", type=int, default=heads)
+    parser.add_argument("--seq", type=int, default=seq)
 
 
 def sync(comm: MPI.Comm = MPI.COMM_WORLD) -> None:
@@ -117,15 +126,18 @@ def busy_note(before: float, after: float, ranks: int) -> str:
     return text + ": a quiet machine."
 
 
-def write_section(path: str, text: str, name: str) -> None:
+def write_section(path: str, text: str, name: str, require: bool = False) -> None:
     """Replace what lies between `<!-- name:begin -->` and `<!-- name:end -->` in `path`,
-    appending the section where it is missing; other sections stay as they are."""
+    appending the section where it is missing (an error with `require`); other sections
+    stay as they are."""
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     old = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
     block = f"{begin}\n{text.rstrip()}\n{end}"
     if begin in old and end in old.split(begin, 1)[1]:
         head, rest = old.split(begin, 1)
         new = head + block + rest.split(end, 1)[1]
+    elif require:
+        raise SystemExit(f"{path} has no {begin} … {end} markers to write between")
     else:
         new = old.rstrip() + "\n\n" + block + "\n"
     # Write then rename: a reader (or a crash) never sees half a file.

@@ -19,8 +19,8 @@ import torch
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (DEFAULT_OUTPUT, busy_note, header, load_average,  # noqa: E402
-                     run_main, sync, time_block, write_section)
+from _common import (DEFAULT_OUTPUT, add_model_args, busy_note, header,  # noqa: E402
+                     load_average, run_main, sync, time_block, write_section)
 
 import pipeflow as pf  # noqa: E402
 from pipeflow.data import Batches, load_corpus  # noqa: E402
@@ -49,10 +49,7 @@ def parse_grid(text: str) -> tuple[int, int]:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
+    add_model_args(p)
     p.add_argument("--batch", type=int, default=16, help="global batch, sequences")
     p.add_argument("--microbatches", type=int, default=4, help="per replica")
     p.add_argument("--lr", type=float, default=3e-4)

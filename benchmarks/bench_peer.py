@@ -25,7 +25,7 @@ from pipeflow.layers import build_layer
 from pipeflow.models import GPTConfig, gpt_layers, gpt_loss, num_parameters
 from pipeflow.partition import partition_uniform
 
-from _common import cpu_model, sync, write_section  # noqa: E402 (benchmarks/ is the script folder)
+from _common import add_model_args, cpu_model, sync, write_section  # noqa: E402 (benchmarks/ is the script folder)
 
 __all__ = ["main"]
 
@@ -37,10 +37,7 @@ GRAD_TOL = 1e-4
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
+    add_model_args(p)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-4)

@@ -23,8 +23,8 @@ from mpi4py import MPI
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (DEFAULT_OUTPUT, busy, busy_note, cpu_flags, header,  # noqa: E402
-                     load_average, run_main, sync, time_block, write_section)
+from _common import (DEFAULT_OUTPUT, add_model_args, busy, busy_note, cpu_flags,  # noqa: E402
+                     header, load_average, run_main, sync, time_block, write_section)
 
 import pipeflow as pf  # noqa: E402
 from pipeflow.data import Batches, load_corpus  # noqa: E402
@@ -49,10 +49,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     # The example GPT of examples/gpt_small.toml: fp16 matmuls are an order of magnitude slower
     # than fp32 on CPUs without AVX512-FP16, and a bigger model would not fit in minutes.
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64)
+    add_model_args(p, layers=4, width=128, heads=4, seq=64)
     p.add_argument("--batch", type=int, default=16, help="global batch, sequences")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-4)

@@ -26,7 +26,7 @@ from pipeflow.recompute import (SavedTensorMeter, choose_auto, estimate_stash_by
                                 measure_layers, stage_forward)
 from pipeflow.schedule import build_schedule, simulate
 
-from _common import cpu_model, write_section  # noqa: E402 (benchmarks/ is the script folder)
+from _common import add_model_args, cpu_model, write_section  # noqa: E402 (benchmarks/ is the script folder)
 
 __all__ = ["main"]
 
@@ -35,10 +35,7 @@ MIB = 2 ** 20
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
+    add_model_args(p)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
     p.add_argument("--stages", type=int, default=4)

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 
 from pipeflow.planner.cost import PRECISIONS
 from pipeflow.planner.hardware import GB, Cluster, get_hardware
 from pipeflow.planner.plan import make_plan
 
-BEGIN, END = "<!-- plan-table:begin -->", "<!-- plan-table:end -->"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import write_section  # noqa: E402
+
 
 
 def parse_args() -> argparse.Namespace:
@@ -55,15 +56,6 @@ def table(params: list[float], gpus: list[int], gpu: str, method: str) -> str:
     return "\n".join(rows) + "\n\n" + note
 
 
-def write_section(path: str, text: str) -> None:
-    old = open(path).read()
-    if BEGIN not in old or END not in old:
-        raise SystemExit(f"{path} has no {BEGIN} … {END} markers to write the table between")
-    new = re.sub(re.escape(BEGIN) + r".*?" + re.escape(END),
-                 lambda _: f"{BEGIN}\n{text}\n{END}", old, flags=re.DOTALL)
-    with open(path + ".tmp", "w") as f:
-        f.write(new)
-    os.replace(path + ".tmp", path)
 
 
 def main() -> int:
@@ -72,7 +64,7 @@ def main() -> int:
                  [int(x) for x in args.gpus.split(",")], args.gpu, args.method)
     print(text)
     if args.output:
-        write_section(args.output, text)
+        write_section(args.output, text, "plan-table", require=True)
     return 0
 
 

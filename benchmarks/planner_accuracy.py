@@ -17,7 +17,6 @@ import dataclasses
 import datetime
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -33,17 +32,16 @@ from pipeflow.planner.hardware import Cluster
 from pipeflow.planner.search import divisors, search
 from pipeflow.planner.shapes import Shape
 
-BEGIN, END = "<!-- planner-accuracy:begin -->", "<!-- planner-accuracy:end -->"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import add_model_args, write_section  # noqa: E402
+
 COMM = MPI.COMM_WORLD
 TARGET = 0.15
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
+    add_model_args(p)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--batch", type=int, default=16, help="global batch, sequences")
     p.add_argument("--max-micro-batch", type=int, default=16)
@@ -251,7 +249,7 @@ def main() -> int:
     text = report(args, shape, hw, dp, rows, choice, best_measured, calib_passes)
     print(text)
     if args.output:
-        write_section(args.output, text)
+        write_section(args.output, text, "planner-accuracy")
     return 0
 
 
@@ -315,19 +313,6 @@ def report(args, shape: Shape, hw, dp: bool, rows, choice: Grid, best_measured,
     return "\n".join(lines)
 
 
-def write_section(path: str, text: str) -> None:
-    """Replace (or append) the section between this benchmark's markers; leave the rest."""
-    block = f"{BEGIN}\n{text}\n{END}"
-    old = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    if BEGIN in old and END in old:
-        new = re.sub(re.escape(BEGIN) + r".*?" + re.escape(END), lambda _: block, old,
-                     flags=re.DOTALL)
-    else:
-        new = old.rstrip("\n") + "\n\n" + block + "\n"
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(new)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":
