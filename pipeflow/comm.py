@@ -273,17 +273,18 @@ class TorchDistCommunicator(Communicator):
         group = self.links[(self.rank, dest)]
         ts = [t.detach().contiguous() for t in tensors]
         self.bytes_sent += sum(t.numel() * t.element_size() for t in ts)
-        works = [self._dist.isend(t, dst=self.global_ranks[dest], group=group, tag=tag)
-                 for t in ts]
-        return _DistWork(works, ts)
+        # One batch for the message's tensors: NCCL runs them as one grouped operation.
+        ops = [self._dist.P2POp(self._dist.isend, t, self.global_ranks[dest], group, tag)
+               for t in ts]
+        return _DistWork(self._dist.batch_isend_irecv(ops), ts)
 
     def irecv(self, metas: Sequence[TensorMeta], source: int, tag: int,
               device: torch.device) -> Request:
         group = self.links[(source, self.rank)]
         ts = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in metas]
-        works = [self._dist.irecv(t, src=self.global_ranks[source], group=group, tag=tag)
-                 for t in ts]
-        return _DistWork(works, ts)
+        ops = [self._dist.P2POp(self._dist.irecv, t, self.global_ranks[source], group, tag)
+               for t in ts]
+        return _DistWork(self._dist.batch_isend_irecv(ops), ts)
 
     def send_object(self, obj: Any, dest: int) -> None:
         self.objects.send_object(obj, dest)
