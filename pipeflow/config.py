@@ -16,7 +16,7 @@ import tomli_w
 __all__ = ["Config", "ConfigError", "SCHEDULES", "PARTITIONS"]
 
 SCHEDULES = ("1f1b", "gpipe")
-PARTITIONS = ("uniform", "parameters")
+PARTITIONS = ("uniform", "parameters", "time")
 PRECISIONS = ("fp32", "bf16", "fp16")
 BACKENDS = ("mpi", "nccl", "gloo", "auto")
 
@@ -30,8 +30,9 @@ class Config:
     """How to run a model: the grid, the schedule, the partition and the numerics.
 
     `partition` is `"uniform"` (equal layer counts), `"parameters"` (balanced parameter
-    counts) or explicit stage boundaries `[0, b1, ..., n_layers]` (stage `s` owns layers
-    `b[s]` to `b[s+1] - 1`).
+    counts), `"time"` (balanced forward + backward time, measured on a sample micro-batch) or
+    explicit stage boundaries `[0, b1, ..., n_layers]` (stage `s` owns layers `b[s]` to
+    `b[s+1] - 1`).
     """
 
     pipeline: int = 1          # pipeline stages

@@ -22,7 +22,7 @@ from pipeflow.config import Config, ConfigError
 from pipeflow.data_parallel import GradReducer
 from pipeflow.layers import (LayerSpec, _check_layers, build_layer, get_parameter,
                              set_parameter, tie_groups)
-from pipeflow.partition import partition_layers
+from pipeflow.partition import measure_layer_times, partition_layers
 from pipeflow.precision import LossScaler, Precision, cast_floating
 from pipeflow.recompute import SavedTensorMeter, auto_policy, parse_policy, stage_forward
 from pipeflow.topology import Topology
@@ -72,13 +72,19 @@ class Engine:
 
     Every rank builds only its own layers (seeded per layer, as `build_sequential` does),
     runs its stage's instruction list from the schedule, and steps its own optimizer.
+
+    `comm` runs the engine on a sub-communicator instead of `MPI.COMM_WORLD`; `device`
+    overrides the default (this rank's GPU by node-local rank, else the CPU); `trace` records
+    each instruction's start and end (`timeline`); `measure_activations` counts the bytes
+    stashed for backward (`peak_activation_bytes`); `sample`, a micro-batch of inputs, is what
+    `partition = "time"` measures each layer's forward and backward on.
     """
 
     def __init__(self, layers: Sequence[LayerSpec], loss_fn: LossFn,
                  optimizer: OptimizerFactory, config: Config | None = None, *,
                  comm: MPI.Comm | None = None, device: str | torch.device | None = None,
                  abort_on_error: bool = True, trace: bool = False,
-                 measure_activations: bool = False) -> None:
+                 measure_activations: bool = False, sample: Batch | None = None) -> None:
         self.config = config = config if config is not None else Config()
         config.validate()
         _check_layers(layers)
@@ -89,7 +95,14 @@ class Engine:
         self.device = torch.device(device) if device is not None else _default_device(topo)
         self.loss_fn = loss_fn
         self.n_layers = len(layers)
-        self.boundaries = partition_layers(layers, self.stages, config.partition)
+        times = None
+        if config.partition == "time":
+            # Measured once, on world rank 0, so every rank splits the model the same way.
+            if world.rank == 0 and sample is not None:
+                times = measure_layer_times(layers, sample, config.seed, device=self.device)
+            times = world.bcast(times, root=0)
+        self.layer_times = times
+        self.boundaries = partition_layers(layers, self.stages, config.partition, times)
         lo, hi = self.boundaries[self.stage], self.boundaries[self.stage + 1]
         built = {i: build_layer(layers[i], config.seed, i) for i in range(lo, hi)}
         self._tied = self._tie(layers, built)

@@ -1,12 +1,16 @@
-"""Layer list → stage boundaries: uniform, balanced by parameters or by any cost, explicit."""
+"""Layer list → stage boundaries: uniform, by parameters, by measured time, explicit."""
 
 from __future__ import annotations
 
-from typing import Sequence
+import time
+from typing import Any, Sequence
+
+import torch
 
 from pipeflow.config import ConfigError
 
-__all__ = ["partition_uniform", "partition_balanced", "check_boundaries", "partition_layers"]
+__all__ = ["partition_uniform", "partition_balanced", "check_boundaries", "partition_layers",
+           "measure_layer_times"]
 
 
 def partition_uniform(n_layers: int, stages: int) -> list[int]:
@@ -63,8 +67,12 @@ def check_boundaries(bounds: Sequence[int], n_layers: int, stages: int) -> list[
     return bounds
 
 
-def partition_layers(layers: Sequence, stages: int, method: str | Sequence[int]) -> list[int]:
-    """Stage boundaries for a list of `LayerSpec`s by `method` (see `Config.partition`)."""
+def partition_layers(layers: Sequence, stages: int, method: str | Sequence[int],
+                     times: Sequence[float] | None = None) -> list[int]:
+    """Stage boundaries for a list of `LayerSpec`s by `method` (see `Config.partition`).
+
+    `"time"` balances measured per-layer times (`measure_layer_times`), passed as `times`.
+    """
     n = len(layers)
     _check_counts(n, stages)
     if not isinstance(method, str):
@@ -73,8 +81,69 @@ def partition_layers(layers: Sequence, stages: int, method: str | Sequence[int])
         return partition_uniform(n, stages)
     if method == "parameters":
         return partition_balanced([spec.num_parameters() for spec in layers], stages)
-    raise ConfigError(f"unknown partition method {method!r}: expected 'uniform', 'parameters' "
-                      f"or a list of boundaries")
+    if method == "time":
+        if times is None or len(times) != n:
+            raise ConfigError(
+                f"partition 'time' balances measured layer times: expected {n} times, found "
+                f"{None if times is None else len(times)}; give the Engine a sample micro-batch "
+                f"(Engine(..., sample=inputs)) to measure them on")
+        return partition_balanced(times, stages)
+    raise ConfigError(f"unknown partition method {method!r}: expected 'uniform', 'parameters', "
+                      f"'time' or a list of boundaries")
+
+
+def measure_layer_times(layers: Sequence, sample: Any, seed: int = 0, repeats: int = 3,
+                        device: torch.device | str = "cpu") -> list[float]:
+    """Forward + backward seconds of each layer on `sample` (a micro-batch of inputs).
+
+    Layers are built one at a time (with their real seeds) and freed, so this needs the memory
+    of one layer, not the model; each layer runs on the previous one's output. The minimum of
+    `repeats` timed runs, after one untimed, resists noise from other work.
+    """
+    from pipeflow.layers import build_layer
+
+    x = sample
+    times: list[float] = []
+    for i, spec in enumerate(layers):
+        layer = build_layer(spec, seed, i).to(device)
+        best = float("inf")
+        for attempt in range(repeats + 1):
+            inputs = _leaves(x, device)
+            if device != "cpu" and torch.cuda.is_available():
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = layer(inputs)
+            floats = [t for t in _flat(out) if t.is_floating_point() and t.requires_grad]
+            if floats:
+                torch.autograd.backward(floats, [torch.ones_like(t) for t in floats])
+            if device != "cpu" and torch.cuda.is_available():
+                torch.cuda.synchronize()
+            if attempt:
+                best = min(best, time.perf_counter() - start)
+        times.append(best)
+        x = _detach(out)
+        del layer
+    return times
+
+
+def _flat(x: Any) -> list:
+    return list(x) if isinstance(x, (tuple, list)) else [x]
+
+
+def _leaves(x: Any, device: Any) -> Any:
+    """Fresh leaves of `x` on `device`: floating tensors require grad, as a stage input does."""
+    def leaf(t: Any) -> Any:
+        if not torch.is_tensor(t):
+            return t
+        t = t.detach().to(device)
+        return t.requires_grad_(True) if t.is_floating_point() else t
+    return type(x)(leaf(t) for t in x) if isinstance(x, (tuple, list)) else leaf(x)
+
+
+def _detach(x: Any) -> Any:
+    if isinstance(x, (tuple, list)):
+        return type(x)(_detach(t) for t in x)
+    return x.detach() if torch.is_tensor(x) else x
 
 
 def _check_counts(n_layers: int, stages: int) -> None:

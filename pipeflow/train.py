@@ -93,15 +93,18 @@ def train(config: Config, model: GPTConfig, run: TrainConfig,
     comm = comm if comm is not None else MPI.COMM_WORLD
     torch.set_num_threads(run.threads)
     rank0 = comm.rank == 0
-    engine = Engine(gpt_layers(model), gpt_loss,
-                    lambda ps: torch.optim.AdamW(ps, lr=run.lr, betas=(run.beta1, run.beta2),
-                                                 weight_decay=run.weight_decay),
-                    config, comm=comm, trace=trace is not None)
-    if run.resume and run.save_dir and os.path.exists(os.path.join(run.save_dir, "latest")):
-        engine.load(run.save_dir)
     corpus = load_corpus(run.corpus or None)
     batches = Batches(corpus, run.batch_size, model.seq_len, seed=config.seed)
     val = Batches(corpus, run.batch_size, model.seq_len, seed=config.seed, split="val")
+    # partition = "time" measures the layers on one micro-batch of the real data.
+    micro = max(1, run.batch_size // (config.data * config.microbatches))
+    engine = Engine(gpt_layers(model), gpt_loss,
+                    lambda ps: torch.optim.AdamW(ps, lr=run.lr, betas=(run.beta1, run.beta2),
+                                                 weight_decay=run.weight_decay),
+                    config, comm=comm, trace=trace is not None,
+                    sample=batches.batch(0)[0][:micro] if config.partition == "time" else None)
+    if run.resume and run.save_dir and os.path.exists(os.path.join(run.save_dir, "latest")):
+        engine.load(run.save_dir)
     tokens = run.batch_size * model.seq_len
     if rank0:
         log(f"pipeflow: GPT of {num_parameters(model) / 1e6:.2f}M parameters on "

@@ -33,7 +33,7 @@ def _cases():
     for p in (p for p in (2, 4) if p <= WORLD.size):
         for m in MICROBATCHES[p]:
             for schedule in ("1f1b", "gpipe"):
-                for part in ("uniform", "parameters", "explicit"):
+                for part in ("uniform", "parameters", "time", "explicit"):
                     yield p, m, schedule, part
 
 
@@ -44,8 +44,9 @@ def test_pipeline_trains_like_one_process(stages, microbatches, schedule, partit
     layers = toy_layers()
     config = pf.Config(pipeline=stages, microbatches=microbatches, schedule=schedule,
                        partition=EXPLICIT[stages] if partition == "explicit" else partition)
-    engine = pf.Engine(layers, loss_fn, adamw, config, comm=comm)
     data = batches(STEPS, BATCH)
+    engine = pf.Engine(layers, loss_fn, adamw, config, comm=comm,
+                       sample=data[0][0][:BATCH // microbatches])
     losses = [engine.train_step(x, y) for x, y in data]
     reference, ref_losses = train_reference(layers, data)
 

@@ -6,8 +6,8 @@ import pytest
 from torch import nn
 
 import pipeflow as pf
-from pipeflow.partition import (check_boundaries, partition_balanced, partition_layers,
-                                partition_uniform)
+from pipeflow.partition import (check_boundaries, measure_layer_times, partition_balanced,
+                                partition_layers, partition_uniform)
 
 
 def test_uniform_sizes_differ_by_at_most_one():
@@ -55,3 +55,27 @@ def test_explicit_boundaries_are_checked():
         check_boundaries([0, 5], 5, 2)
     with pytest.raises(pf.ConfigError, match="gives stage 1 no layers"):
         check_boundaries([0, 2, 2, 5], 5, 3)
+
+
+def test_time_partition_isolates_the_slow_layer():
+    import torch
+
+    class Slow(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.lin = nn.Linear(width, width)
+
+        def forward(self, x):
+            for _ in range(20):            # the same parameters, 20x the work
+                x = torch.tanh(self.lin(x))
+            return x
+
+    layers = [pf.LayerSpec(nn.Linear, 64, 64)] * 3 + [pf.LayerSpec(Slow, 64)] + \
+        [pf.LayerSpec(nn.Linear, 64, 64)] * 3
+    times = measure_layer_times(layers, torch.randn(32, 64))
+    assert times[3] > 5 * max(times[:3] + times[4:])
+    # By parameters the slow layer looks like the others; by time it gets a stage of its own.
+    assert partition_layers(layers, 3, "parameters") == [0, 2, 4, 7]
+    assert partition_layers(layers, 3, "time", times) == [0, 3, 4, 7]
+    with pytest.raises(pf.ConfigError, match="expected 7 times, found None"):
+        partition_layers(layers, 3, "time")
