@@ -7,7 +7,8 @@ from typing import Callable, NamedTuple, Sequence
 
 __all__ = [
     "Action", "FORWARD", "BACKWARD", "SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD",
-    "gpipe", "one_f_one_b", "SCHEDULES", "build_schedule", "ScheduleError", "SimResult",
+    "gpipe", "one_f_one_b", "interleaved_1f1b", "SCHEDULES", "build_schedule",
+    "ScheduleError", "SimResult",
     "simulate", "format_table",
 ]
 
@@ -20,32 +21,40 @@ RECVS = {RECV_ACT: (-1, "act"), RECV_GRAD: (+1, "grad")}
 
 
 class Action(NamedTuple):
-    """One instruction for one stage: an op on a micro-batch, printed compactly as `F3`."""
+    """One instruction for one stage: an op on a micro-batch, printed compactly as `F3`.
+
+    `chunk` is the model chunk (virtual stage) of an interleaved schedule: rank `r` of `p`
+    holds virtual stages `r, r + p, r + 2p, ...`; chunk 1's forward of micro-batch 3 prints
+    as `F3.1`.
+    """
 
     op: str
     mb: int
+    chunk: int = 0
 
     def __repr__(self) -> str:
-        return f"{self.op}{self.mb}"
+        return f"{self.op}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
 
 
 class ScheduleError(RuntimeError):
     """A schedule that cannot run: a deadlock, an unmatched message or a missing step."""
 
 
-def _forward(stage: int, stages: int, mb: int) -> list[Action]:
-    acts = [Action(RECV_ACT, mb)] if stage > 0 else []
-    acts.append(Action(FORWARD, mb))
-    if stage < stages - 1:
-        acts.append(Action(SEND_ACT, mb))
+def _forward(stage: int, stages: int, mb: int, chunk: int = 0, chunks: int = 1) -> list[Action]:
+    virtual, last = chunk * stages + stage, stages * chunks - 1
+    acts = [Action(RECV_ACT, mb, chunk)] if virtual > 0 else []
+    acts.append(Action(FORWARD, mb, chunk))
+    if virtual < last:
+        acts.append(Action(SEND_ACT, mb, chunk))
     return acts
 
 
-def _backward(stage: int, stages: int, mb: int) -> list[Action]:
-    acts = [Action(RECV_GRAD, mb)] if stage < stages - 1 else []
-    acts.append(Action(BACKWARD, mb))
-    if stage > 0:
-        acts.append(Action(SEND_GRAD, mb))
+def _backward(stage: int, stages: int, mb: int, chunk: int = 0, chunks: int = 1) -> list[Action]:
+    virtual, last = chunk * stages + stage, stages * chunks - 1
+    acts = [Action(RECV_GRAD, mb, chunk)] if virtual < last else []
+    acts.append(Action(BACKWARD, mb, chunk))
+    if virtual > 0:
+        acts.append(Action(SEND_GRAD, mb, chunk))
     return acts
 
 
@@ -93,18 +102,68 @@ def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[Action]:
     return acts
 
 
-SCHEDULES: dict[str, Callable[[int, int, int], list[Action]]] = {
+# Interleaved 1F1B (Narayanan et al. 2021), 2 ranks, 2 chunks each, 4 micro-batches: the model
+# is cut into 4 virtual stages, rank r holding virtual stages r and r + 2, so a micro-batch
+# visits every rank twice. Each unit is a chunk (half a rank's layers): the ramps shrink to
+# half, and the bubble to (p - 1) / (v·m + p - 1), for v times the point-to-point messages.
+#
+#   rank 0 | F0 F1 F0.1 F1.1 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 .  B2.1 .  B3.1 B2 B3
+#
+# (`format_table(build_schedule("interleaved", 2, 4, chunks=2))` prints both ranks.)
+def interleaved_1f1b(stage: int, stages: int, microbatches: int,
+                     chunks: int = 2) -> list[Action]:
+    """1F1B over `chunks` model chunks per rank, visiting them round-robin in groups of p
+    micro-batches (Megatron-LM's order). Needs m to be a multiple of p."""
+    _check(stage, stages, microbatches)
+    if chunks < 1:
+        raise ScheduleError(f"an interleaved schedule needs chunks >= 1, found {chunks}")
+    if chunks > 1 and microbatches % stages:
+        raise ScheduleError(
+            f"interleaved 1F1B runs micro-batches in groups of the {stages} stages: "
+            f"microbatches must be a multiple of {stages}, found {microbatches}; use "
+            f"{stages * max(1, round(microbatches / stages))}")
+    p, v, m = stages, chunks, microbatches
+    total = m * v
+
+    def unit(k: int, forward: bool) -> tuple[int, int]:
+        group = (k // p) % v
+        chunk = group if forward else v - 1 - group
+        return (k // (p * v)) * p + k % p, chunk
+
+    if m == p:
+        warmup = total      # one group: every forward comes before the first backward
+    else:
+        warmup = min((p - stage - 1) * 2 + (v - 1) * p, total)
+    acts: list[Action] = []
+    for k in range(warmup):
+        acts += _forward(stage, p, *unit(k, True), chunks=v)
+    for k in range(total - warmup):
+        acts += _forward(stage, p, *unit(k + warmup, True), chunks=v)
+        acts += _backward(stage, p, *unit(k, False), chunks=v)
+    for k in range(total - warmup, total):
+        acts += _backward(stage, p, *unit(k, False), chunks=v)
+    return acts
+
+
+SCHEDULES: dict[str, Callable[..., list[Action]]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
+    "interleaved": interleaved_1f1b,
 }
 
 
-def build_schedule(name: str, stages: int, microbatches: int) -> list[list[Action]]:
-    """Every stage's instruction list for schedule `name`."""
+def build_schedule(name: str, stages: int, microbatches: int,
+                   chunks: int = 1) -> list[list[Action]]:
+    """Every stage's instruction list for schedule `name` (`chunks` > 1: interleaved only)."""
     try:
         generator = SCHEDULES[name]
     except KeyError:
         raise ScheduleError(f"unknown schedule {name!r}; known: {sorted(SCHEDULES)}") from None
+    if name == "interleaved":
+        return [generator(s, stages, microbatches, chunks) for s in range(stages)]
+    if chunks != 1:
+        raise ScheduleError(f"schedule {name!r} runs one model chunk per rank, found "
+                            f"chunks={chunks}; use schedule 'interleaved' for more")
     return [generator(s, stages, microbatches) for s in range(stages)]
 
 
@@ -138,19 +197,23 @@ def simulate(programs: Sequence[Sequence[Action]], forward_time: float = 1.0,
     Sends never block (the engine posts them and moves on); a receive waits until the matching
     send has been issued. Raises `ScheduleError` on a deadlock (every unfinished stage waits
     for a message nobody will send), on a send no stage receives, and on a program that does
-    not run each micro-batch's forward and backward exactly once, in that order.
+    not run each micro-batch's forward and backward exactly once, in that order. With model
+    chunks (interleaved), a chunk's forward takes `forward_time / chunks`: a rank's whole
+    forward of a micro-batch still takes `forward_time`.
     """
     stages = len(programs)
-    _check_programs(programs)
+    chunks = 1 + max((a.chunk for prog in programs for a in prog), default=0)
+    last = stages * chunks - 1
+    _check_programs(programs, chunks)
     clock = [0.0] * stages
     busy = [0.0] * stages
     pc = [0] * stages
     stash = [0] * stages
     peak = [0] * stages
     timeline: list[list[tuple[float, float, Action]]] = [[] for _ in range(stages)]
-    in_flight: dict[tuple[str, int, int], float] = {}   # (kind, mb, dest) -> arrival time
-    received: set[tuple[str, int, int]] = set()
-    durations = {FORWARD: forward_time, BACKWARD: backward_time}
+    # (kind, micro-batch, destination virtual stage) -> arrival time
+    in_flight: dict[tuple[str, int, int], float] = {}
+    durations = {FORWARD: forward_time / chunks, BACKWARD: backward_time / chunks}
 
     while True:
         progressed = False
@@ -158,19 +221,20 @@ def simulate(programs: Sequence[Sequence[Action]], forward_time: float = 1.0,
             prog = programs[s]
             while pc[s] < len(prog):
                 act = prog[pc[s]]
+                virtual = act.chunk * stages + s
                 if act.op in RECVS:
-                    step, kind = RECVS[act.op]
-                    key = (kind, act.mb, s)
+                    _, kind = RECVS[act.op]
+                    key = (kind, act.mb, virtual)
                     if key not in in_flight:
                         break                     # blocked until the sender gets there
                     clock[s] = max(clock[s], in_flight.pop(key))
-                    received.add(key)
                 elif act.op in SENDS:
                     step, kind = SENDS[act.op]
-                    dest = s + step
-                    if not 0 <= dest < stages:
-                        raise ScheduleError(f"stage {s} sends {act} to stage {dest}, which "
-                                            f"does not exist in a {stages}-stage pipeline")
+                    dest = virtual + step
+                    if not 0 <= dest <= last:
+                        raise ScheduleError(f"stage {s} sends {act} to virtual stage {dest}, "
+                                            f"which does not exist in a pipeline of "
+                                            f"{last + 1}")
                     in_flight[(kind, act.mb, dest)] = clock[s] + comm_time
                 else:
                     start = clock[s]
@@ -188,37 +252,44 @@ def simulate(programs: Sequence[Sequence[Action]], forward_time: float = 1.0,
                                 for s in range(stages) if pc[s] < len(programs[s]))
             raise ScheduleError(f"deadlock: every unfinished stage waits on a receive: {waiting}")
     if in_flight:
-        lost = ", ".join(f"{kind} of micro-batch {mb} to stage {dest}"
+        lost = ", ".join(f"{kind} of micro-batch {mb} to "
+                         + (f"virtual stage {dest}" if chunks > 1 else f"stage {dest}")
                          for kind, mb, dest in sorted(in_flight))
         raise ScheduleError(f"send with no matching receive: {lost}")
     return SimResult(makespan=max(clock) if clock else 0.0, busy=busy, peak_stash=peak,
                      timeline=timeline)
 
 
-def _check_programs(programs: Sequence[Sequence[Action]]) -> None:
-    """Each stage runs F then B exactly once per micro-batch, with its messages around them."""
+def _check_programs(programs: Sequence[Sequence[Action]], chunks: int = 1) -> None:
+    """Each stage runs F then B exactly once per micro-batch and chunk, with its messages
+    around them."""
     stages = len(programs)
+    last = stages * chunks - 1
     for s, prog in enumerate(programs):
-        forwards = [a.mb for a in prog if a.op == FORWARD]
-        backwards = [a.mb for a in prog if a.op == BACKWARD]
-        mbs = sorted(forwards)
-        if mbs != list(range(len(mbs))) or sorted(backwards) != mbs:
-            raise ScheduleError(
-                f"stage {s}: expected one forward and one backward of each micro-batch "
-                f"0..m-1, found forwards {forwards} and backwards {backwards}")
-        seen_f: set[int] = set()
-        have: set[tuple[str, int]] = set()
+        for c in range(chunks):
+            forwards = [a.mb for a in prog if a.op == FORWARD and a.chunk == c]
+            backwards = [a.mb for a in prog if a.op == BACKWARD and a.chunk == c]
+            mbs = sorted(forwards)
+            if mbs != list(range(len(mbs))) or sorted(backwards) != mbs or \
+                    (c and len(mbs) != len([a for a in prog if a.op == FORWARD and not a.chunk])):
+                where = f"stage {s}" + (f" chunk {c}" if chunks > 1 else "")
+                raise ScheduleError(
+                    f"{where}: expected one forward and one backward of each micro-batch "
+                    f"0..m-1, found forwards {forwards} and backwards {backwards}")
+        seen_f: set[tuple[int, int]] = set()
+        have: set[tuple[str, int, int]] = set()
         for act in prog:
+            virtual = act.chunk * stages + s
             if act.op in RECVS:
-                have.add((act.op, act.mb))
+                have.add((act.op, act.mb, act.chunk))
             elif act.op == FORWARD:
-                if s > 0 and (RECV_ACT, act.mb) not in have:
+                if virtual > 0 and (RECV_ACT, act.mb, act.chunk) not in have:
                     raise ScheduleError(f"stage {s} runs {act} before receiving its input")
-                seen_f.add(act.mb)
+                seen_f.add((act.mb, act.chunk))
             elif act.op == BACKWARD:
-                if act.mb not in seen_f:
+                if (act.mb, act.chunk) not in seen_f:
                     raise ScheduleError(f"stage {s} runs {act} before its forward")
-                if s < stages - 1 and (RECV_GRAD, act.mb) not in have:
+                if virtual < last and (RECV_GRAD, act.mb, act.chunk) not in have:
                     raise ScheduleError(f"stage {s} runs {act} before receiving its gradient")
 
 

@@ -82,3 +82,35 @@ def test_table_shows_one_column_per_stage():
     assert table[0].split() == ["time", "|", "s0", "s1", "s2"]
     assert table[2].split() == ["0", "|", "F0", ".", "."]
     assert len(table) == 2 + 12
+
+
+INTERLEAVED = [(p, m, v) for p in range(1, 9) for m in range(p, 33, p) for v in (2, 3, 4)]
+
+
+def test_interleaved_runs_each_chunk_once_without_deadlock_and_divides_the_bubble():
+    for p, m, v in INTERLEAVED:
+        programs = build_schedule("interleaved", p, m, chunks=v)
+        for prog in programs:
+            for c in range(v):
+                assert sorted(a.mb for a in prog if a.op == FORWARD and a.chunk == c) == \
+                    list(range(m))
+        result = simulate(programs)
+        # Interleaving v chunks divides the bubble by about v (Narayanan et al. 2021).
+        assert result.bubble == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12), (p, m, v)
+
+
+def test_interleaved_stash_is_warmup_plus_one_chunk():
+    for p, m, v in INTERLEAVED:
+        peak = simulate(build_schedule("interleaved", p, m, chunks=v)).peak_stash
+        warmup = [m * v if m == p else min((p - r - 1) * 2 + (v - 1) * p, m * v)
+                  for r in range(p)]
+        assert peak == [min(w + 1, m * v) for w in warmup], (p, m, v)
+
+
+def test_interleaved_needs_whole_groups_and_only_it_takes_chunks():
+    with pytest.raises(ScheduleError, match="microbatches must be a multiple of 4, found 6"):
+        build_schedule("interleaved", 4, 6, chunks=2)
+    with pytest.raises(ScheduleError, match="use schedule 'interleaved'"):
+        build_schedule("1f1b", 4, 8, chunks=2)
+    assert [repr(a) for a in build_schedule("interleaved", 2, 2, chunks=2)[0][:6]] == \
+        ["F0", "SA0", "F1", "SA1", "RA0.1", "F0.1"]
