@@ -9,7 +9,7 @@ import torch
 from mpi4py import MPI
 
 __all__ = ["TensorMeta", "Communicator", "MpiCommunicator", "TorchDistCommunicator",
-           "init_torch_distributed", "meta_of"]
+           "init_torch_distributed", "torch_grid_communicators", "meta_of"]
 
 # What a receiver must know to allocate a buffer: shape and dtype. Exchanged once per
 # distinct batch shape and cached by the engine, never sent with every message.
@@ -239,35 +239,25 @@ class _DistWork(Request):
 
 
 class TorchDistCommunicator(Communicator):
-    """Tensors over torch.distributed (NCCL or gloo); objects over MPI.
+    """Tensors over torch.distributed (NCCL or gloo); objects over MPI."""
 
-    Each direction between neighbouring ranks has its own process group: NCCL runs a group's
-    operations in issue order on one stream, so activations going forward and gradients coming
-    back must not queue behind each other.
-    """
-
-    def __init__(self, comm: MPI.Comm, backend: str, device: torch.device,
-                 neighbours: bool = True) -> None:
+    def __init__(self, comm: MPI.Comm, group: Any,
+                 links: dict[tuple[int, int], Any] | None = None) -> None:
+        """`comm`: this group's MPI communicator (objects travel over it); `group`: the same
+        ranks as a torch.distributed group; `links`: (source, destination) ranks of `comm` ->
+        a two-rank group per direction (see `torch_grid_communicators`)."""
         import torch.distributed as dist
 
-        init_torch_distributed(backend, device)
         self._dist = dist
-        self.backend = backend
         self.objects = MpiCommunicator(comm)
         self.rank, self.size = comm.rank, comm.size
         self.bytes_sent = 0
         # This communicator's ranks as torch.distributed (= MPI.COMM_WORLD) ranks.
         self.global_ranks = MPI.Group.Translate_ranks(
             comm.Get_group(), list(range(comm.size)), MPI.COMM_WORLD.Get_group())
-        self.group = dist.new_group(self.global_ranks, use_local_synchronization=True)
-        self.links: dict[tuple[int, int], Any] = {}
-        if neighbours:
-            for b in range(comm.size - 1):          # the same order on every rank
-                if comm.rank in (b, b + 1):
-                    for src, dst in ((b, b + 1), (b + 1, b)):
-                        self.links[(src, dst)] = dist.new_group(
-                            [self.global_ranks[b], self.global_ranks[b + 1]],
-                            use_local_synchronization=True)
+        self.group = group
+        self.links = links or {}
+        self._groups = [group, *self.links.values()]
 
     def isend(self, tensors: Sequence[torch.Tensor], dest: int, tag: int) -> Request:
         group = self.links[(self.rank, dest)]
@@ -310,5 +300,46 @@ class TorchDistCommunicator(Communicator):
 
     def free(self) -> None:
         self.objects.free()
-        for g in [self.group, *self.links.values()]:
+        for g in self._groups:
             self._dist.destroy_process_group(g)
+        self._groups = []
+
+
+def torch_grid_communicators(topo: Any, backend: str, device: torch.device, ring: bool
+                             ) -> tuple[TorchDistCommunicator, TorchDistCommunicator | None]:
+    """This rank's pipeline and data-group communicators over torch.distributed.
+
+    Every rank creates every group of the grid, in one order (torch.distributed requires all
+    ranks to take part in each group's creation): each replica's pipeline, a group per
+    direction between its neighbouring stages (NCCL runs a group's operations in issue order
+    on one stream, so activations going forward and gradients coming back must not queue
+    behind each other; with `ring`, for model chunks, the last stage also feeds the first),
+    then each stage's data group.
+    """
+    import torch.distributed as dist
+
+    init_torch_distributed(backend, device)
+    p, d = topo.pipeline, topo.data
+    pipe_group, links, data_group = None, {}, None
+    for r in range(d):
+        ranks = [topo.rank_of(s, r) for s in range(p)]
+        group = dist.new_group(ranks)
+        mine = r == topo.replica
+        if mine:
+            pipe_group = group
+        pairs = [(b, b + 1) for b in range(p - 1)]
+        if ring and p > 2:
+            pairs.append((p - 1, 0))
+        for a, b in pairs:
+            for src, dst in ((a, b), (b, a)):
+                group = dist.new_group([ranks[a], ranks[b]])
+                if mine and topo.stage in (a, b):
+                    links[(src, dst)] = group
+    if d > 1:
+        for s in range(p):
+            group = dist.new_group([topo.rank_of(s, r) for r in range(d)])
+            if s == topo.stage:
+                data_group = group
+    pipe = TorchDistCommunicator(topo.pipe, pipe_group, links)
+    data = TorchDistCommunicator(topo.data_group, data_group) if d > 1 else None
+    return pipe, data

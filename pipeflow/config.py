@@ -15,7 +15,7 @@ import tomli_w
 
 __all__ = ["Config", "ConfigError", "SCHEDULES", "PARTITIONS"]
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
 PARTITIONS = ("uniform", "parameters", "time")
 PRECISIONS = ("fp32", "bf16", "fp16")
 BACKENDS = ("mpi", "nccl", "gloo", "auto")
@@ -38,7 +38,8 @@ class Config:
     pipeline: int = 1          # pipeline stages
     data: int = 1              # data-parallel replicas of every stage
     microbatches: int = 1      # micro-batches per step: the gradient accumulation
-    schedule: str = "1f1b"     # "1f1b" or "gpipe"
+    schedule: str = "1f1b"     # "1f1b", "gpipe" or "interleaved"
+    virtual_stages: int = 1    # model chunks per rank; >= 2 with schedule "interleaved"
     partition: str | list[int] = "uniform"
     precision: str = "fp32"    # "fp32", or "bf16"/"fp16" working weights with fp32 masters
     fp32_modules: list[str] = dataclasses.field(default_factory=lambda: ["LayerNorm"])
@@ -66,6 +67,20 @@ class Config:
                 raise ConfigError(f"Config.{name} must be a positive integer, found {value!r}")
         _one_of("schedule", self.schedule.lower(), SCHEDULES)
         self.schedule = self.schedule.lower()
+        v = self.virtual_stages
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"Config.virtual_stages must be a positive integer, found {v!r}")
+        if self.schedule == "interleaved" and v < 2:
+            raise ConfigError("schedule 'interleaved' runs several model chunks per rank: set "
+                              "virtual_stages >= 2 (2 halves the bubble)")
+        if self.schedule != "interleaved" and v != 1:
+            raise ConfigError(f"virtual_stages = {v} needs schedule 'interleaved'; "
+                              f"{self.schedule!r} runs one model chunk per rank")
+        if self.schedule == "interleaved" and self.microbatches % self.pipeline:
+            raise ConfigError(
+                f"schedule 'interleaved' runs micro-batches in groups of the {self.pipeline} "
+                f"stages: microbatches must be a multiple of {self.pipeline}, found "
+                f"{self.microbatches}")
         if isinstance(self.partition, str):
             _one_of("partition", self.partition, PARTITIONS,
                     hint="or a list of stage boundaries [0, b1, ..., n_layers]")

@@ -16,8 +16,8 @@ from torch import nn
 
 from pipeflow import schedule as sched
 from pipeflow.checkpoint import load_checkpoint, save_checkpoint
-from pipeflow.comm import (Communicator, MpiCommunicator, Request, TensorMeta,
-                           TorchDistCommunicator, meta_of)
+from pipeflow.comm import (Communicator, MpiCommunicator, Request, TensorMeta, meta_of,
+                           torch_grid_communicators)
 from pipeflow.config import Config, ConfigError
 from pipeflow.data_parallel import GradReducer
 from pipeflow.layers import (LayerSpec, _check_layers, build_layer, get_parameter,
@@ -102,9 +102,15 @@ class Engine:
                 times = measure_layer_times(layers, sample, config.seed, device=self.device)
             times = world.bcast(times, root=0)
         self.layer_times = times
-        self.boundaries = partition_layers(layers, self.stages, config.partition, times)
-        lo, hi = self.boundaries[self.stage], self.boundaries[self.stage + 1]
-        built = {i: build_layer(layers[i], config.seed, i) for i in range(lo, hi)}
+        # Model chunks (virtual stages) per rank: 1, or more under the interleaved schedule.
+        # Virtual stage k = chunk · pipeline + stage; boundaries are per virtual stage.
+        self.chunks = config.virtual_stages
+        self.boundaries = partition_layers(layers, self.stages * self.chunks,
+                                           config.partition, times)
+        chunk_layers = [range(self.boundaries[c * self.stages + self.stage],
+                              self.boundaries[c * self.stages + self.stage + 1])
+                        for c in range(self.chunks)]
+        built = {i: build_layer(layers[i], config.seed, i) for r in chunk_layers for i in r}
         self._tied = self._tie(layers, built)
         self.module = StageModule(built).to(self.device)
         scaler = LossScaler(config.loss_scale, config.loss_scale_growth,
@@ -114,7 +120,7 @@ class Engine:
         params = self.precision.working
         masters = self.precision.masters
         self.skipped_steps = 0        # steps skipped for an overflow (fp16)
-        self._layers = [self.module.get_submodule(str(i)) for i in self.module.indices]
+        self._chunks = [[self.module.get_submodule(str(i)) for i in r] for r in chunk_layers]
         # This stage's recomputation policy ("auto" is resolved on the first micro-batch).
         self.recompute = parse_policy(config.recompute, self.stages)[self.stage]
         # With measure_activations (settable per step): count the bytes autograd saves for
@@ -124,11 +130,9 @@ class Engine:
         self.peak_activation_bytes = 0   # bytes saved for backward, most held in last step
         self.peak_memory_bytes: int | None = None   # allocator peak of the last step (GPU)
         self.backend = _choose_backend(config.backend, topo, self.device)
-        self.pipe: Communicator = self._communicator(topo.pipe, neighbours=True)
-        self.data: Communicator | None = None
+        self.pipe, self.data = self._communicators()
         self.reducer: GradReducer | None = None
-        if config.data > 1:
-            self.data = self._communicator(topo.data_group, neighbours=False)
+        if self.data is not None:
             if params:
                 self.reducer = GradReducer(params, self.data, int(config.bucket_mb * 2**20),
                                            grad_params=masters)
@@ -138,10 +142,15 @@ class Engine:
                              if all(p is not t for t, first, _ in self._tied if not first)]
         self.optimizer = optimizer(masters) if masters else None
         # Validate the schedule once, the same way on every rank, before any message moves.
-        programs = sched.build_schedule(config.schedule, self.stages, config.microbatches)
+        programs = sched.build_schedule(config.schedule, self.stages, config.microbatches,
+                                        chunks=self.chunks)
         self.expected_peak_stash = sched.simulate(programs).peak_stash
         self.program = programs[self.stage]
-        self.eval_program = [a for a in sched.gpipe(self.stage, self.stages, config.microbatches)
+        # Evaluation runs the forwards alone, in the training schedule's order (for GPipe
+        # and 1F1B, micro-batch order), so every rank meets its inputs in the order sent.
+        forwards = self.program if self.chunks > 1 else \
+            sched.gpipe(self.stage, self.stages, config.microbatches)
+        self.eval_program = [a for a in forwards
                              if a.op in (sched.RECV_ACT, sched.FORWARD, sched.SEND_ACT)]
         self.step_count = 0
         self.peak_stash = 0           # most micro-batches stashed at once in the last step
@@ -247,8 +256,8 @@ class Engine:
         Returns, for each tie this stage shares with others: the parameter, whether this stage
         is its first holder, and the communicator of its holders (one replica's stages).
         """
-        stage_of = {i: s for s in range(self.stages)
-                    for i in range(self.boundaries[s], self.boundaries[s + 1])}
+        stage_of = {i: k % self.stages for k in range(len(self.boundaries) - 1)
+                    for i in range(self.boundaries[k], self.boundaries[k + 1])}
         self._tie_comms: dict[str, MPI.Comm] = {}
         tied: list[tuple[nn.Parameter, bool, MPI.Comm]] = []
         for key, holders in tie_groups(layers).items():
@@ -276,10 +285,19 @@ class Engine:
                 tied.append((shared, stages[0] == self.stage, comm))
         return tied
 
-    def _communicator(self, comm: MPI.Comm, neighbours: bool) -> Communicator:
+    def _communicators(self) -> tuple[Communicator, Communicator | None]:
+        """The pipeline's communicator and, with replicas, the stage's data group's."""
+        topo = self.topo
         if self.backend == "mpi":
-            return MpiCommunicator(comm)
-        return TorchDistCommunicator(comm, self.backend, self.device, neighbours=neighbours)
+            data = MpiCommunicator(topo.data_group) if topo.data > 1 else None
+            return MpiCommunicator(topo.pipe), data
+        if topo.world.size != MPI.COMM_WORLD.size:
+            raise ConfigError(
+                f"{topo.describe()}: backend {self.backend!r} (torch.distributed) spans "
+                f"MPI.COMM_WORLD, but this engine runs on a communicator of {topo.world.size} "
+                f"of its {MPI.COMM_WORLD.size} ranks; use backend 'mpi', or one engine over "
+                f"the whole job")
+        return torch_grid_communicators(topo, self.backend, self.device, ring=self.chunks > 1)
 
     # -- the step -------------------------------------------------------------------------
     def _prepare(self, inputs: Batch | None, targets: Batch | None):
@@ -332,25 +350,34 @@ class Engine:
 
     def _run(self, program: list[sched.Action], sig: Any, in_mbs, tgt_mbs,
              train: bool) -> list[torch.Tensor]:
-        """Interpret this stage's instructions for one batch."""
-        m, d = self.config.microbatches, self.config.data
+        """Interpret this stage's instructions for one batch.
+
+        State is keyed by (micro-batch, chunk): an interleaved schedule runs several model
+        chunks (virtual stages `chunk · p + stage`) on each rank; the others run one.
+        """
+        m, d, p = self.config.microbatches, self.config.data, self.stages
+        last_virtual = p * self.chunks - 1
         scale = 1.0 / (m * d)          # the mean over m micro-batches and d replicas
-        stash: dict[int, tuple] = {}   # mb -> (inputs, outputs or loss)
-        received: dict[int, list[torch.Tensor]] = {}
-        grads_in: dict[int, list[torch.Tensor]] = {}
-        acts_out: dict[int, tuple[list[torch.Tensor], bool]] = {}
-        grads_out: dict[int, list[torch.Tensor]] = {}
+        stash: dict[tuple[int, int], tuple] = {}   # -> (inputs, outputs or loss)
+        received: dict[tuple[int, int], list[torch.Tensor]] = {}
+        grads_in: dict[tuple[int, int], list[torch.Tensor]] = {}
+        acts_out: dict[tuple[int, int], tuple[list[torch.Tensor], bool]] = {}
+        grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}
         sends: list[Request] = []
         losses: list[torch.Tensor] = []
         recv_queue = [a for a in program if a.op in sched.RECVS]
         posted: dict[sched.Action, Request] = {}
         next_post = 0
         peak = 0
-        prev, nxt = self.stage - 1, self.stage + 1
+        # Neighbours on the ring: with chunks, the last rank feeds the first rank's next chunk.
+        prev, nxt = (self.stage - 1) % p, (self.stage + 1) % p
         lookahead = 2   # receives kept in flight ahead of the program
         loss_scale = self.precision.loss_scale
-        last_backward = [a.mb for a in program if a.op == sched.BACKWARD][-1:] or [None]
-        last_backward = last_backward[0]
+        backwards = [a for a in program if a.op == sched.BACKWARD]
+        last_backward = backwards[-1] if backwards else None
+
+        def tag(act: sched.Action, kind: int) -> int:
+            return 2 * (act.chunk * m + act.mb) + kind
 
         def post_receives(limit: int) -> None:
             # Keep up to `limit` receives in flight ahead of the program, so a message lands
@@ -359,15 +386,15 @@ class Engine:
             while next_post < len(recv_queue) and len(posted) < limit:
                 act = recv_queue[next_post]
                 if act.op == sched.RECV_ACT:
-                    if sig not in self._act_meta:
+                    if (sig, act.chunk) not in self._act_meta:
                         return
-                    _, meta = self._act_meta[sig]
-                    posted[act] = self.pipe.irecv(meta, prev, 2 * act.mb + _ACT, self.device)
+                    _, meta = self._act_meta[(sig, act.chunk)]
+                    posted[act] = self.pipe.irecv(meta, prev, tag(act, _ACT), self.device)
                 else:
-                    if sig not in self._sent_meta:
+                    if (sig, act.chunk) not in self._sent_meta:
                         return
-                    meta = self._grad_meta(sig)
-                    posted[act] = self.pipe.irecv(meta, nxt, 2 * act.mb + _GRAD, self.device)
+                    meta = self._grad_meta(sig, act.chunk)
+                    posted[act] = self.pipe.irecv(meta, nxt, tag(act, _GRAD), self.device)
                 next_post += 1
 
         timeline = self.timeline = []
@@ -378,32 +405,38 @@ class Engine:
         for act in program:
             self._instruction = repr(act)
             t0 = time.perf_counter() if self.trace else 0.0
+            key = (act.mb, act.chunk)
+            virtual = act.chunk * p + self.stage
             try:
                 if act.op == sched.RECV_ACT:
-                    if sig not in self._act_meta:
-                        self._act_meta[sig] = self.pipe.recv_object(prev)
+                    if (sig, act.chunk) not in self._act_meta:
+                        chunk, was_tuple, meta = self.pipe.recv_object(prev)
+                        assert chunk == act.chunk, (chunk, act)
+                        self._act_meta[(sig, act.chunk)] = (was_tuple, meta)
                     post_receives(lookahead)
                     ts = posted.pop(act).wait()
                     if train:
                         for t in ts:
                             if t.is_floating_point():
                                 t.requires_grad_(True)
-                    received[act.mb] = ts
+                    received[key] = ts
                 elif act.op == sched.FORWARD:
                     post_receives(lookahead)
-                    if self.is_first:
+                    if virtual == 0:
                         x = self.precision.cast_input(in_mbs[act.mb])
                         x_tensors: list[torch.Tensor] = []
                     else:
-                        x_tensors = received.pop(act.mb)
-                        x = _from_tuple(x_tensors, self._act_meta[sig][0])
+                        x_tensors = received.pop(key)
+                        x = _from_tuple(x_tensors, self._act_meta[(sig, act.chunk)][0])
+                    layers = self._chunks[act.chunk]
                     if train and self.recompute == "auto":
-                        self._resolve_auto(x, tgt_mbs[act.mb] if self.is_last else None)
+                        self._resolve_auto(layers, x, tgt_mbs[act.mb]
+                                           if virtual == last_virtual else None)
                     with torch.set_grad_enabled(train), (
                             self.activation_meter if train and self.measure_activations
                             else contextlib.nullcontext()):
-                        out = stage_forward(self._layers, x, self.recompute if train else "none")
-                        if self.is_last:
+                        out = stage_forward(layers, x, self.recompute if train else "none")
+                        if virtual == last_virtual:
                             # The loss in fp32, whatever the working precision.
                             loss = self.loss_fn(cast_floating(out, torch.float32),
                                                 tgt_mbs[act.mb])
@@ -411,39 +444,43 @@ class Engine:
                             outs: Any = loss
                         else:
                             outs = _as_tuple(out)
-                            acts_out[act.mb] = (list(outs), isinstance(out, (tuple, list)))
+                            acts_out[key] = (list(outs), isinstance(out, (tuple, list)))
                     if train:
-                        stash[act.mb] = (x_tensors, outs)
+                        stash[key] = (x_tensors, outs)
                         peak = max(peak, len(stash))
                 elif act.op == sched.SEND_ACT:
-                    ts, was_tuple = acts_out.pop(act.mb)
-                    if sig not in self._sent_meta:
+                    ts, was_tuple = acts_out.pop(key)
+                    if (sig, act.chunk) not in self._sent_meta:
                         # Once per batch shape: the receiver caches it and pre-posts buffers.
-                        self._sent_meta[sig] = meta_of(ts)
-                        self.pipe.send_object((was_tuple, meta_of(ts)), nxt)
-                    sends.append(self.pipe.isend(ts, nxt, 2 * act.mb + _ACT))
+                        self._sent_meta[(sig, act.chunk)] = meta_of(ts)
+                        self.pipe.send_object((act.chunk + (self.stage == p - 1), was_tuple,
+                                               meta_of(ts)), nxt)
+                    sends.append(self.pipe.isend(ts, nxt, tag(
+                        act._replace(chunk=act.chunk + (self.stage == p - 1)), _ACT)))
                 elif act.op == sched.RECV_GRAD:
                     post_receives(lookahead)
-                    grads_in[act.mb] = posted.pop(act).wait()
+                    grads_in[key] = posted.pop(act).wait()
                 elif act.op == sched.BACKWARD:
                     post_receives(lookahead)
-                    x_tensors, outs = stash.pop(act.mb)
-                    if self.reducer is not None and act.mb == last_backward:
+                    x_tensors, outs = stash.pop(key)
+                    if self.reducer is not None and act == last_backward:
                         self.reducer.arm()
-                    if self.is_last:
+                    if virtual == last_virtual:
                         (outs * (scale * loss_scale)).backward()
                     else:
-                        pairs = [(o, g) for o, g in zip(outs, grads_in.pop(act.mb))
+                        pairs = [(o, g) for o, g in zip(outs, grads_in.pop(key))
                                  if o.requires_grad]
                         if pairs:
                             torch.autograd.backward([o for o, _ in pairs],
                                                     [g for _, g in pairs])
-                    grads_out[act.mb] = [
+                    grads_out[key] = [
                         t.grad if t.grad is not None else torch.zeros_like(t)
                         for t in x_tensors if t.is_floating_point()]
                 elif act.op == sched.SEND_GRAD:
-                    sends.append(self.pipe.isend(grads_out.pop(act.mb), prev,
-                                                 2 * act.mb + _GRAD))
+                    # To the previous virtual stage: on the last rank's previous chunk when
+                    # this is the first rank.
+                    sends.append(self.pipe.isend(grads_out.pop(key), prev, tag(
+                        act._replace(chunk=act.chunk - (self.stage == 0)), _GRAD)))
                 # Let MPI move finished messages along without blocking.
                 sends = [s for s in sends if not s.test()]
                 if self.reducer is not None and self.reducer.armed:
@@ -461,18 +498,18 @@ class Engine:
                 self.peak_memory_bytes = torch.cuda.max_memory_allocated(self.device)
         return losses
 
-    def _resolve_auto(self, x: Any, target: Any) -> None:
-        """Measure this stage on a real micro-batch and pick the cheapest policy whose stash
-        (depth from the schedule: min(p - s, m) under 1F1B) fits the budget."""
+    def _resolve_auto(self, layers: list[nn.Module], x: Any, target: Any) -> None:
+        """Measure this stage (its chunk) on a real micro-batch and pick the cheapest policy
+        whose stash (depth from the schedule: min(p - s, m) under 1F1B) fits the budget."""
         budget = int(self.config.activation_budget_mb * 2**20)
         tail = ((lambda out: self.loss_fn(cast_floating(out, torch.float32), target))
-                if self.is_last else None)
-        self.recompute = auto_policy(self._layers, x, self.expected_peak_stash[self.stage],
+                if target is not None else None)
+        self.recompute = auto_policy(layers, x, self.expected_peak_stash[self.stage],
                                      budget, where=self.topo.describe(), tail=tail)
 
-    def _grad_meta(self, sig: Any) -> tuple[TensorMeta, ...]:
-        """Gradients come back for the floating-point tensors this stage sent."""
-        return tuple(mt for mt in self._sent_meta[sig] if mt[1].is_floating_point)
+    def _grad_meta(self, sig: Any, chunk: int) -> tuple[TensorMeta, ...]:
+        """Gradients come back for the floating-point tensors this stage (chunk) sent."""
+        return tuple(mt for mt in self._sent_meta[(sig, chunk)] if mt[1].is_floating_point)
 
     def _step(self) -> None:
         clip = self.config.clip

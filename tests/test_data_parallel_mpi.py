@@ -105,3 +105,24 @@ def test_batch_must_divide_by_replicas_times_microbatches():
                                              f"divide into {WORLD.size} replica"):
         engine.train_step(x, y)
     engine.close()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("backend,grid", [("mpi", "hybrid"), ("gloo", "pipeline")])
+def test_interleaved_chunks_with_tied_weights_and_clipping(backend, grid):
+    # Two model chunks a rank: the embedding (chunk 0 of rank 0) and the head (the last chunk
+    # of the last rank) are tied across the ring's wrap-around.
+    pipeline, data = (2, WORLD.size // 2) if grid == "hybrid" else (WORLD.size, 1)
+    layers = toy_layers(blocks=2 * pipeline * 2 - 2, tied=True)
+    config = pf.Config(pipeline=pipeline, data=data, microbatches=2 * pipeline,
+                       schedule="interleaved", virtual_stages=2, clip=0.3, backend=backend,
+                       bucket_mb=0.001)
+    engine = pf.Engine(layers, loss_fn, sgd, config)
+    steps = batches(3, 8 * pipeline * data)
+    losses = [engine.train_step(x, y) for x, y in steps]
+    reference, ref_losses = train_reference(layers, steps, clip=0.3, optimizer=sgd)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    full = engine.gather_state_dict()
+    if WORLD.rank == 0:
+        assert_same_parameters(full, reference.state_dict())
+    engine.close()

@@ -50,7 +50,12 @@ def test_config_round_trips_through_toml(tmp_path):
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(pipeline=0), "Config.pipeline must be a positive integer, found 0"),
-    (dict(schedule="zigzag"), "Config.schedule must be one of \\['1f1b', 'gpipe'\\], found 'zigzag'"),
+    (dict(schedule="zigzag"), "Config.schedule must be one of \\['1f1b', 'gpipe', 'interleaved'\\], "
+                              "found 'zigzag'"),
+    (dict(schedule="interleaved"), "set virtual_stages >= 2"),
+    (dict(schedule="interleaved", virtual_stages=2, pipeline=2, microbatches=3),
+     "microbatches must be a multiple of 2, found 3"),
+    (dict(virtual_stages=2), "virtual_stages = 2 needs schedule 'interleaved'"),
     (dict(precision="fp8"), "Config.precision must be one of \\['fp32', 'bf16', 'fp16'\\], "
                             "found 'fp8'"),
     (dict(loss_scale_backoff=2.0), "0 < loss_scale_backoff < 1"),

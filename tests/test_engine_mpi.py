@@ -19,6 +19,8 @@ WORLD = MPI.COMM_WORLD
 BATCH = 24
 STEPS = 3
 EXPLICIT = {2: [0, 1, 7], 4: [0, 4, 5, 6, 7]}     # uneven on purpose
+# Interleaved: 2 chunks a rank, so 2p virtual stages of a 9-layer model.
+EXPLICIT_INTERLEAVED = {2: [0, 2, 3, 6, 9], 4: [0, 1, 2, 3, 4, 5, 6, 7, 9]}
 MICROBATCHES = {2: [1, 2, 3, 8], 4: [2, 4, 6, 12]}  # below, equal to and above the stages
 
 
@@ -32,7 +34,9 @@ def _cases():
     # Only grids this world can hold: `mpirun -n 2` runs the 2-stage cases, `-n 4` both.
     for p in (p for p in (2, 4) if p <= WORLD.size):
         for m in MICROBATCHES[p]:
-            for schedule in ("1f1b", "gpipe"):
+            for schedule in ("1f1b", "gpipe", "interleaved"):
+                if schedule == "interleaved" and m % p:
+                    continue        # interleaving runs micro-batches in groups of p
                 for part in ("uniform", "parameters", "time", "explicit"):
                     yield p, m, schedule, part
 
@@ -41,9 +45,12 @@ def _cases():
 @pytest.mark.parametrize("stages,microbatches,schedule,partition", list(_cases()))
 def test_pipeline_trains_like_one_process(stages, microbatches, schedule, partition):
     comm = _sub_world(stages)
-    layers = toy_layers()
+    interleaved = schedule == "interleaved"
+    layers = toy_layers(blocks=7 if interleaved else 5)
+    explicit = (EXPLICIT_INTERLEAVED if interleaved else EXPLICIT)[stages]
     config = pf.Config(pipeline=stages, microbatches=microbatches, schedule=schedule,
-                       partition=EXPLICIT[stages] if partition == "explicit" else partition)
+                       virtual_stages=2 if interleaved else 1,
+                       partition=explicit if partition == "explicit" else partition)
     data = batches(STEPS, BATCH)
     engine = pf.Engine(layers, loss_fn, adamw, config, comm=comm,
                        sample=data[0][0][:BATCH // microbatches])
@@ -63,7 +70,8 @@ def test_pipeline_trains_like_one_process(stages, microbatches, schedule, partit
     else:
         assert full is None
     # The stash measured at run time is the simulator's figure.
-    expected = simulate(build_schedule(schedule, stages, microbatches)).peak_stash
+    expected = simulate(build_schedule(schedule, stages, microbatches,
+                                       chunks=config.virtual_stages)).peak_stash
     assert engine.peak_stash == expected[engine.stage]
     if schedule == "1f1b":
         assert engine.peak_stash == min(stages - engine.stage, microbatches)
