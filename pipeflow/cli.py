@@ -34,14 +34,20 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _schedule(args: argparse.Namespace) -> int:
-    from pipeflow.schedule import build_schedule, format_table, simulate
+    from pipeflow.schedule import ScheduleError, build_schedule, format_table, simulate
 
-    programs = build_schedule(args.schedule, args.stages, args.microbatches)
+    p, m = args.stages, args.microbatches
+    v = args.chunks if args.chunks is not None else (2 if args.schedule == "interleaved" else 1)
+    try:
+        programs = build_schedule(args.schedule, p, m, v)
+    except ScheduleError as exc:
+        print(f"pipeflow: error: {exc}", file=sys.stderr)
+        return 2
     result = simulate(programs)
     print(format_table(programs))
-    print(f"\nbubble {result.bubble:.3f} (formula (p-1)/(m+p-1) = "
-          f"{(args.stages - 1) / (args.microbatches + args.stages - 1):.3f}); "
-          f"peak stash per stage {result.peak_stash}")
+    print(f"\nbubble {result.bubble:.3f} (formula (p-1)/(v·m+p-1) = "
+          f"{(p - 1) / (v * m + p - 1):.3f}); peak stash per stage {result.peak_stash}"
+          + (f" (in chunks: 1/{v} of a stage's layers each)" if v > 1 else ""))
     return 0
 
 
@@ -65,7 +71,10 @@ def _parser() -> argparse.ArgumentParser:
     show = sub.add_parser("schedule", help="print a schedule's pipeline order, bubble and stash")
     show.add_argument("--stages", "-p", type=int, default=4)
     show.add_argument("--microbatches", "-m", type=int, default=8)
-    show.add_argument("--schedule", "-s", default="1f1b")
+    show.add_argument("--schedule", "-s", default="1f1b",
+                      help="1f1b, gpipe or interleaved")
+    show.add_argument("--chunks", "-v", type=int, default=None,
+                      help="model chunks per rank (interleaved; default 2)")
     show.set_defaults(func=_schedule)
 
     try:

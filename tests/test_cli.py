@@ -51,6 +51,10 @@ def test_schedule_command_prints_table_bubble_and_stash(capsys):
     assert main(["schedule", "-p", "4", "-m", "8"]) == 0
     out = capsys.readouterr().out
     assert "bubble 0.273" in out and "peak stash per stage [4, 3, 2, 1]" in out
+    assert main(["schedule", "-p", "4", "-m", "8", "-s", "interleaved"]) == 0
+    assert "bubble 0.158" in capsys.readouterr().out       # 3 / (2 * 8 + 3)
+    assert main(["schedule", "-p", "4", "-m", "6", "-s", "interleaved"]) == 2
+    assert "multiple of 4, found 6" in capsys.readouterr().err
 
 
 def test_learning_rate_warms_up_then_decays_to_the_floor():
