@@ -162,10 +162,10 @@ def test_checkpoint_resumes_onto_a_different_grid(tmp_path_factory):
     for x, y in data[:2]:
         engine.train_step(x, y)
     engine.save(folder)
-    # Resume on the same ranks with another partition and schedule.
+    # Resume on the same ranks with another partition and schedule: two model chunks a rank.
     resumed = pf.Engine(layers, loss_fn, adamw,
-                        pf.Config(pipeline=2, microbatches=2, schedule="gpipe",
-                                  partition=[0, 5, 7]), comm=comm)
+                        pf.Config(pipeline=2, microbatches=2, schedule="interleaved",
+                                  virtual_stages=2, partition=[0, 1, 4, 5, 7]), comm=comm)
     resumed.load(folder)
     assert resumed.step_count == 2
     for x, y in data[2:]:
