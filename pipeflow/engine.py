@@ -156,10 +156,10 @@ class Engine:
         self.peak_stash = 0           # most micro-batches stashed at once in the last step
         self.last_grad_norm: float | None = None
         self.last_step_time = 0.0
-        # Shapes of the tensors crossing each stage boundary, per batch signature: exchanged
-        # once, then receives are pre-posted into buffers of the cached shapes.
-        self._act_meta: dict[Any, tuple[bool, tuple[TensorMeta, ...]]] = {}
-        self._sent_meta: dict[Any, tuple[TensorMeta, ...]] = {}
+        # Shapes of the tensors crossing each stage boundary, per (batch signature, chunk):
+        # exchanged once, then receives are pre-posted into buffers of the cached shapes.
+        self._act_meta: dict[tuple[Any, int], tuple[bool, tuple[TensorMeta, ...]]] = {}
+        self._sent_meta: dict[tuple[Any, int], tuple[TensorMeta, ...]] = {}
         self._instruction: str = "setup"
         # With trace=True: (instruction, start, end) in perf_counter seconds, last step only.
         self.trace = trace

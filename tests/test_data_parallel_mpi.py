@@ -125,4 +125,7 @@ def test_interleaved_chunks_with_tied_weights_and_clipping(backend, grid):
     full = engine.gather_state_dict()
     if WORLD.rank == 0:
         assert_same_parameters(full, reference.state_dict())
+    # Forward only, in the interleaved order.
+    x, y = steps[0]
+    assert engine.eval_step(x, y) == pytest.approx(loss_fn(reference(x), y).item(), rel=1e-5)
     engine.close()
