@@ -9,7 +9,8 @@ import torch
 from mpi4py import MPI
 
 __all__ = ["TensorMeta", "Communicator", "MpiCommunicator", "TorchDistCommunicator",
-           "init_torch_distributed", "torch_grid_communicators", "meta_of"]
+           "init_torch_distributed", "torch_grid_communicators", "meta_of",
+           "mpi_iallreduce_"]
 
 # What a receiver must know to allocate a buffer: shape and dtype. Exchanged once per
 # distinct batch shape and cached by the engine, never sent with every message.
@@ -132,6 +133,19 @@ def _typed(t: torch.Tensor) -> Any:
     return t.view(-1).numpy()
 
 
+def mpi_iallreduce_(comm: MPI.Comm, tensor: torch.Tensor) -> Request:
+    """Start summing `tensor` over `comm` in place.
+
+    GPU tensors are staged through host memory: this runs without CUDA-aware MPI. A
+    contiguous CPU tensor is reduced where it lies.
+    """
+    host = tensor.detach()
+    if host.device.type != "cpu" or not host.is_contiguous():
+        host = host.to("cpu").contiguous()
+    req = comm.Iallreduce(MPI.IN_PLACE, _typed(host), op=MPI.SUM)
+    return _MpiAllreduce(req, host, tensor.detach())
+
+
 class MpiCommunicator(Communicator):
     """mpi4py over host memory; runs anywhere. GPU tensors are staged through the host."""
 
@@ -175,13 +189,7 @@ class MpiCommunicator(Communicator):
         return tensor
 
     def iallreduce_(self, tensor: torch.Tensor) -> Request:
-        # GPU tensors are staged through host memory: this backend runs without CUDA-aware
-        # MPI. A contiguous CPU tensor is reduced where it lies.
-        host = tensor.detach()
-        if host.device.type != "cpu" or not host.is_contiguous():
-            host = host.to("cpu").contiguous()
-        req = self.comm.Iallreduce(MPI.IN_PLACE, _typed(host), op=MPI.SUM)
-        return _MpiAllreduce(req, host, tensor.detach())
+        return mpi_iallreduce_(self.comm, tensor)
 
     def barrier(self) -> None:
         self.comm.Barrier()

@@ -17,7 +17,7 @@ from torch import nn
 from pipeflow import schedule as sched
 from pipeflow.checkpoint import load_checkpoint, save_checkpoint
 from pipeflow.comm import (Communicator, MpiCommunicator, Request, TensorMeta, meta_of,
-                           torch_grid_communicators)
+                           mpi_iallreduce_, torch_grid_communicators)
 from pipeflow.config import Config, ConfigError
 from pipeflow.data_parallel import GradReducer
 from pipeflow.layers import (LayerSpec, _check_layers, build_layer, get_parameter,
@@ -278,7 +278,6 @@ class Engine:
                 # The first holder lives on another stage: start from its initialisation.
                 shared = get_parameter(build_layer(layers[first], self.config.seed, first),
                                        first_attr)
-                set_parameter(built[mine[0][0]], mine[0][1], shared)
             for i, attr in mine:
                 set_parameter(built[i], attr, shared)
             if member:
@@ -519,13 +518,9 @@ class Engine:
             # Sum a tied weight's gradient over the stages that hold it (after the replicas
             # were summed, so each replica's copy ends up with the whole gradient).
             param = self.precision.master_of(working)
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            host = grad.detach().to("cpu").contiguous()
-            comm.Allreduce(MPI.IN_PLACE, host.numpy(), op=MPI.SUM)
             if param.grad is None:
-                param.grad = host.to(param.device)
-            elif host.data_ptr() != param.grad.data_ptr():
-                param.grad.copy_(host)
+                param.grad = torch.zeros_like(param)
+            mpi_iallreduce_(comm, param.grad).wait()
         self.precision.unscale_()
         scaler = self.precision.scaler
         if clip > 0 or scaler is not None:
