@@ -59,11 +59,8 @@ class GradReducer:
     def _add_bucket(self, params: list[nn.Parameter], watched: dict[int, nn.Parameter]) -> None:
         dtype, device = params[0].dtype, params[0].device
         flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
-        offset = 0
-        for p in params:
-            p.grad = flat[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
         bucket = _Bucket(params, flat)
+        _bind(bucket)
         self.buckets.append(bucket)
         for p in params:
             self._bucket_of[id(watched[id(p)])] = bucket
@@ -108,10 +105,14 @@ class GradReducer:
     def zero_grad(self) -> None:
         for b in self.buckets:
             b.flat.zero_()
-        # An optimizer's zero_grad(set_to_none=True) would break the views: restore them.
-        for b in self.buckets:
-            offset = 0
-            for p in b.params:
-                if p.grad is None or p.grad.data_ptr() != b.flat[offset:].data_ptr():
-                    p.grad = b.flat[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
+            # An optimizer's zero_grad(set_to_none=True) would break the views: restore them.
+            _bind(b)
+
+
+def _bind(bucket: _Bucket) -> None:
+    """Make each parameter's `.grad` its slice of the bucket's flat buffer (if not already)."""
+    offset = 0
+    for p in bucket.params:
+        if p.grad is None or p.grad.data_ptr() != bucket.flat[offset:].data_ptr():
+            p.grad = bucket.flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()

@@ -561,10 +561,10 @@ class Engine:
 
     def _zero_grad(self) -> None:
         if self.reducer is not None:
-            self.precision.zero_grad(set_to_none=False)
-            self.reducer.zero_grad()    # keep the gradients as views of the buckets
+            self.reducer.zero_grad()    # the master gradients are views of its buckets
+            self.precision.zero_grad(masters=False)
         else:
-            self.precision.zero_grad(set_to_none=True)
+            self.precision.zero_grad()
 
     def _global_loss(self, losses: list[torch.Tensor]) -> float:
         total = float(torch.stack(losses).double().mean()) if losses else 0.0

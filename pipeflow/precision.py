@@ -111,13 +111,12 @@ class Precision:
                     m.copy_(values[id(p)])
             self.refresh_working()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for m in self.masters:
-            if m.grad is not None:
-                if set_to_none:
-                    m.grad = None
-                else:
-                    m.grad.zero_()
+    def zero_grad(self, masters: bool = True) -> None:
+        """Drop the gradients: the masters' (unless `masters` is False, when something else,
+        the data-parallel buckets, owns and zeroes them) and the working copies'."""
+        if masters:
+            for m in self.masters:
+                m.grad = None
         if self.mixed:
             for p in self.working:
                 p.grad = None
