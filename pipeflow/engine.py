@@ -595,7 +595,15 @@ class Engine:
 def _abort(where: str, exc: BaseException) -> None:
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     sys.stderr.write(f"\npipeflow: {where}:\n{text}pipeflow: aborting all ranks\n")
+    _abort_world()
+
+
+def _abort_world() -> None:
+    """End every rank. The launcher forwards a rank's output asynchronously and drops what
+    is still in flight when it tears the job down: give the report a moment to get out."""
+    sys.stdout.flush()
     sys.stderr.flush()
+    time.sleep(0.5)
     MPI.COMM_WORLD.Abort(1)
 
 
@@ -608,8 +616,7 @@ def _install_abort_hook() -> None:
         sys.__excepthook__(kind, exc, tb)
         sys.stderr.write(f"pipeflow: rank {MPI.COMM_WORLD.rank} raised an uncaught "
                          f"{kind.__name__}; aborting all ranks\n")
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
+        _abort_world()
 
     sys.excepthook = hook
 
