@@ -357,7 +357,7 @@ def main() -> None:
         if pair != MPI.COMM_NULL:
             engine = engines2[p]
             mine = stage_memory(engine, grads2[p], x, y, pair)
-            sent_mine = engine.pipe.bytes_sent / (engine.step_count * args.microbatches)
+            sent_mine = engine.pipe_comm.bytes_sent / (engine.step_count * args.microbatches)
         if two:
             gathered = COMM.gather((mine, sent_mine), root=0)
             if rank0:
@@ -487,7 +487,7 @@ def make_report(args, cfg: GPTConfig, precisions: list[str], systems: list[Syste
             "### (b) Two stages and (d) the bytes they send each other",
             "",
             f"Ranks 0 and 1, one stage each (layers split {bounds}). Bytes sent per "
-            f"micro-batch are the engine's point-to-point payload counter (`engine.pipe."
+            f"micro-batch are the engine's point-to-point payload counter (`engine.pipe_comm."
             f"bytes_sent`) over all steps × {m} micro-batches: stage 0 sends activations, "
             f"stage 1 their gradients.",
             "",

@@ -8,3 +8,16 @@ from pipeflow.schedule import ScheduleError
 __all__ = ["Config", "ConfigError", "BatchError", "Engine", "LayerSpec", "ScheduleError",
            "build_sequential", "layer_seed"]
 __version__ = "0.1.0"
+
+
+def _cover_user_code() -> None:
+    # Under a multi-rank launch, an uncaught exception anywhere (also before an Engine
+    # exists) ends the whole job instead of leaving the other ranks blocked.
+    from mpi4py import MPI
+
+    from pipeflow.failure import install_excepthook
+    if MPI.COMM_WORLD.size > 1:
+        install_excepthook()
+
+
+_cover_user_code()

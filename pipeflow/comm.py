@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import abc
+import pickle
 from typing import Any, Sequence
 
 import torch
 from mpi4py import MPI
 
+from pipeflow.tree import Header, describe
+
 __all__ = ["TensorMeta", "Communicator", "MpiCommunicator", "TorchDistCommunicator",
            "init_torch_distributed", "torch_grid_communicators", "meta_of",
-           "mpi_iallreduce_"]
+           "mpi_iallreduce_", "ProtocolError"]
 
 # What a receiver must know to allocate a buffer: shape and dtype. Exchanged once per
 # distinct batch shape and cached by the engine, never sent with every message.
@@ -19,6 +22,10 @@ TensorMeta = tuple[tuple[int, ...], torch.dtype]
 
 def meta_of(tensors: Sequence[torch.Tensor]) -> tuple[TensorMeta, ...]:
     return tuple((tuple(t.shape), t.dtype) for t in tensors)
+
+
+class ProtocolError(RuntimeError):
+    """A message that does not match what its receiver expects: never read as garbage."""
 
 
 class Request(abc.ABC):
@@ -45,6 +52,22 @@ class Communicator(abc.ABC):
     def irecv(self, metas: Sequence[TensorMeta], source: int, tag: int,
               device: torch.device) -> Request:
         """Start receiving tensors of `metas`; `wait()` returns them on `device`."""
+
+    # Messages: a pytree's tensor leaves, with its `Header` announced when it changes.
+    always_header = False    # True where the receiver cannot probe (torch.distributed)
+
+    @abc.abstractmethod
+    def send_message(self, header: Header | None, tensors: Sequence[torch.Tensor], dest: int,
+                     tag: int) -> Request:
+        """Start sending one message: `header` (when it changed since the last message on
+        this link, else None) then `tensors`, which must not change until the request is done."""
+
+    @abc.abstractmethod
+    def recv_message(self, source: int, tag: int, header: Header | None,
+                     device: torch.device) -> tuple[Header, list[torch.Tensor]]:
+        """Receive the message `tag` from `source`: a new header when one was announced, else
+        `header` (what the last message on this link announced); every tensor is checked
+        against it, and a message that does not fit raises `ProtocolError`."""
 
     @abc.abstractmethod
     def send_object(self, obj: Any, dest: int) -> None: ...
@@ -172,6 +195,50 @@ class MpiCommunicator(Communicator):
         reqs = [self.comm.Irecv(_bytes(t), source=source, tag=tag) for t in host]
         return _MpiRecv(reqs, host, device)
 
+    def send_message(self, header: Header | None, tensors: Sequence[torch.Tensor], dest: int,
+                     tag: int) -> Request:
+        # The header and the tensors go on one communicator from one sender, so the receiver
+        # meets them in order (MPI's non-overtaking rule under an ANY_TAG probe): it learns a
+        # new shape before the tensors of that shape, and nothing when no shape changed.
+        reqs, keep = [], []
+        if header is not None:
+            raw = bytearray(pickle.dumps(header))
+            reqs.append(self.comm.Isend([raw, MPI.BYTE], dest=dest, tag=2 * tag + 1))
+            keep.append(raw)
+        host = [t.detach().to("cpu").contiguous() for t in tensors]
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in host)
+        reqs += [self.comm.Isend(_bytes(t), dest=dest, tag=2 * tag) for t in host]
+        return _MpiSend(reqs, host + keep)
+
+    def recv_message(self, source: int, tag: int, header: Header | None,
+                     device: torch.device) -> tuple[Header, list[torch.Tensor]]:
+        status = MPI.Status()
+        msg = self.comm.Mprobe(source=source, tag=MPI.ANY_TAG, status=status)
+        if status.tag == 2 * tag + 1:
+            raw = bytearray(status.Get_count(MPI.BYTE))
+            msg.Recv([raw, MPI.BYTE])
+            header = pickle.loads(raw)
+            msg = self.comm.Mprobe(source=source, tag=MPI.ANY_TAG, status=status) \
+                if header.metas else None
+        if header is None:
+            raise ProtocolError(f"message {tag} from rank {source} of the pipeline arrived "
+                                f"before any announcement of its shapes")
+        out = []
+        for i, meta in enumerate(header.metas):
+            if i:
+                msg = self.comm.Mprobe(source=source, tag=MPI.ANY_TAG, status=status)
+            found = status.Get_count(MPI.BYTE)
+            if status.tag != 2 * tag or found != meta.nbytes:
+                raise ProtocolError(
+                    f"expected message {tag} from rank {source} of the pipeline, tensor {i} "
+                    f"of {describe(header.metas)} ({meta.nbytes} bytes); found message "
+                    f"{status.tag // 2}{' (a header)' if status.tag % 2 else ''} of {found} "
+                    f"bytes: the two ranks disagree on the order or shape of their messages")
+            host = torch.empty(meta.shape, dtype=meta.dtype, pin_memory=device.type == "cuda")
+            msg.Recv(_bytes(host))
+            out.append(host if device.type == "cpu" else host.to(device, non_blocking=True))
+        return header, out
+
     def send_object(self, obj: Any, dest: int) -> None:
         self.control.send(obj, dest=dest)
 
@@ -246,6 +313,20 @@ class _DistWork(Request):
         return self._result
 
 
+class _Requests(Request):
+    """Several requests as one."""
+
+    def __init__(self, parts: list[Request]) -> None:
+        self._parts = parts
+
+    def test(self) -> bool:
+        return all(p.test() for p in self._parts)
+
+    def wait(self) -> None:
+        for p in self._parts:
+            p.wait()
+
+
 class TorchDistCommunicator(Communicator):
     """Tensors over torch.distributed (NCCL or gloo); objects over MPI."""
 
@@ -283,6 +364,28 @@ class TorchDistCommunicator(Communicator):
         ops = [self._dist.P2POp(self._dist.irecv, t, self.global_ranks[source], group, tag)
                for t in ts]
         return _DistWork(self._dist.batch_isend_irecv(ops), ts)
+
+    # torch.distributed cannot probe a message's size, so every message's header travels
+    # first over MPI (a pickled tuple of shapes); NCCL matches the tensors by order.
+    always_header = True
+
+    def send_message(self, header: Header | None, tensors: Sequence[torch.Tensor], dest: int,
+                     tag: int) -> Request:
+        parts: list[Request] = []
+        if header is not None:
+            parts.append(_MpiSend([self.objects.comm.isend(header, dest=dest, tag=tag)], []))
+        if tensors:
+            parts.append(self.isend(tensors, dest, tag))
+        return _Requests(parts)
+
+    def recv_message(self, source: int, tag: int, header: Header | None,
+                     device: torch.device) -> tuple[Header, list[torch.Tensor]]:
+        if header is None:
+            header = self.objects.comm.recv(source=source, tag=tag)
+        if not header.metas:
+            return header, []
+        metas = [(m.shape, m.dtype) for m in header.metas]
+        return header, self.irecv(metas, source, tag, device).wait()
 
     def send_object(self, obj: Any, dest: int) -> None:
         self.objects.send_object(obj, dest)

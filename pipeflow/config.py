@@ -56,6 +56,10 @@ class Config:
     bucket_mb: float = 25.0    # gradient all-reduce bucket size, MiB
     clip: float = 0.0          # clip gradients to this global norm; 0 turns clipping off
     seed: int = 0              # layer i is built under a seed derived from (seed, i)
+    watchdog_s: float = 300.0  # abort, naming who waits on whom, after this long without
+                               # progress inside an engine call; 0 turns the watchdog off
+    max_nonfinite_steps: int = 3   # fp32/bf16: non-finite steps skipped in a row before
+                                   # the run stops with an error
 
     def __post_init__(self) -> None:
         self.validate()
@@ -119,6 +123,13 @@ class Config:
             raise ConfigError(f"Config.bucket_mb must be > 0 MiB, found {self.bucket_mb!r}")
         if not isinstance(self.clip, (int, float)) or self.clip < 0:
             raise ConfigError(f"Config.clip must be a norm >= 0 (0 = off), found {self.clip!r}")
+        if not isinstance(self.watchdog_s, (int, float)) or isinstance(self.watchdog_s, bool) \
+                or self.watchdog_s < 0:
+            raise ConfigError(f"Config.watchdog_s must be seconds >= 0 (0 = off), found "
+                              f"{self.watchdog_s!r}")
+        if not isinstance(self.max_nonfinite_steps, int) or self.max_nonfinite_steps < 0:
+            raise ConfigError(f"Config.max_nonfinite_steps must be an integer >= 0, found "
+                              f"{self.max_nonfinite_steps!r}")
         if not isinstance(self.seed, int):
             raise ConfigError(f"Config.seed must be an integer, found {self.seed!r}")
 

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
+from pipeflow import tree
 from pipeflow.config import ConfigError
 
 __all__ = ["partition_uniform", "partition_balanced", "check_boundaries", "partition_layers",
@@ -108,12 +109,12 @@ def measure_layer_times(layers: Sequence, sample: Any, seed: int = 0, repeats: i
         layer = build_layer(spec, seed, i).to(device)
         best = float("inf")
         for attempt in range(repeats + 1):
-            inputs = _leaves(x, device)
+            inputs = tree.map_tensors(lambda t: _leaf(t, device), x)
             if device != "cpu" and torch.cuda.is_available():
                 torch.cuda.synchronize()
             start = time.perf_counter()
             out = layer(inputs)
-            floats = [t for t in _flat(out) if t.is_floating_point() and t.requires_grad]
+            floats = [t for t in tree.tensors(out) if t.is_floating_point() and t.requires_grad]
             if floats:
                 torch.autograd.backward(floats, [torch.ones_like(t) for t in floats])
             if device != "cpu" and torch.cuda.is_available():
@@ -121,29 +122,15 @@ def measure_layer_times(layers: Sequence, sample: Any, seed: int = 0, repeats: i
             if attempt:
                 best = min(best, time.perf_counter() - start)
         times.append(best)
-        x = _detach(out)
+        x = tree.detach(out)
         del layer
     return times
 
 
-def _flat(x: Any) -> list:
-    return list(x) if isinstance(x, (tuple, list)) else [x]
-
-
-def _leaves(x: Any, device: Any) -> Any:
-    """Fresh leaves of `x` on `device`: floating tensors require grad, as a stage input does."""
-    def leaf(t: Any) -> Any:
-        if not torch.is_tensor(t):
-            return t
-        t = t.detach().to(device)
-        return t.requires_grad_(True) if t.is_floating_point() else t
-    return type(x)(leaf(t) for t in x) if isinstance(x, (tuple, list)) else leaf(x)
-
-
-def _detach(x: Any) -> Any:
-    if isinstance(x, (tuple, list)):
-        return type(x)(_detach(t) for t in x)
-    return x.detach() if torch.is_tensor(x) else x
+def _leaf(t: torch.Tensor, device: Any) -> torch.Tensor:
+    """A fresh leaf on `device`: floating tensors require grad, as a stage input does."""
+    t = t.detach().to(device)
+    return t.requires_grad_(True) if t.is_floating_point() else t
 
 
 def _check_counts(n_layers: int, stages: int) -> None:

@@ -8,7 +8,9 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-__all__ = ["DTYPES", "Precision", "LossScaler", "cast_floating"]
+from pipeflow.tree import cast_floating
+
+__all__ = ["DTYPES", "Precision", "LossScaler", "cast_floating", "keeps_fp32"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -45,34 +47,40 @@ class Precision:
     """One stage's working parameters and the fp32 masters the optimizer steps.
 
     fp32: the masters are the parameters themselves. bf16/fp16: the module's parameters are
-    cast down (but for modules of a class in `fp32_modules`, which run in fp32 with their
-    inputs cast up and outputs cast back), and each working parameter's gradient is added into
-    its master's fp32 `.grad` as soon as autograd produces it, so accumulation over
-    micro-batches happens in fp32 and the low-precision gradient is freed at once.
+    cast down (but for modules listed in `fp32_modules`, which run in fp32 with their inputs
+    cast up and outputs cast back, and keep their buffers in fp32), and each working
+    parameter's gradient is added into its master's fp32 `.grad` as soon as autograd produces
+    it, so accumulation over micro-batches happens in fp32 and the low-precision gradient is
+    freed at once. Frozen parameters (`requires_grad=False`) keep an fp32 value too, so saving
+    and gathering are exact, but get no gradient and no optimizer state.
     """
 
-    def __init__(self, module: nn.Module, precision: str, fp32_modules: Sequence[str] = (),
+    def __init__(self, module: nn.Module, precision: str, fp32_modules: Sequence[Any] = (),
                  scaler: LossScaler | None = None) -> None:
         self.name = precision
         self.dtype = DTYPES[precision]
         self.scaler = scaler
         self.mixed = self.dtype != torch.float32
+        params = list(module.parameters())
+        exact = {id(p): p.detach().float().clone() for p in params} if self.mixed else {}
         if self.mixed:
-            keep = set(fp32_modules)
             module.to(self.dtype)
             for sub in module.modules():
-                if type(sub).__name__ in keep:
+                if keeps_fp32(sub, fp32_modules):
                     sub.float()
                     sub.register_forward_pre_hook(_cast_inputs_fp32)
                     sub.register_forward_hook(self._cast_output_back)
-        self.working = [p for p in module.parameters() if p.requires_grad]
+        self.all_working = params
+        self.working = [p for p in params if p.requires_grad]
         if self.mixed:
-            self.masters = [nn.Parameter(p.detach().float().clone()) for p in self.working]
-            for p, m in zip(self.working, self.masters):
-                p.register_post_accumulate_grad_hook(_accumulate_into(m))
+            self._master_of = {id(p): nn.Parameter(exact[id(p)], requires_grad=p.requires_grad)
+                               for p in params}
+            for p in self.working:
+                p.register_post_accumulate_grad_hook(_accumulate_into(self._master_of[id(p)]))
         else:
-            self.masters = list(self.working)
-        self._master_of = {id(p): m for p, m in zip(self.working, self.masters)}
+            self._master_of = {id(p): p for p in params}
+        # What the optimizer steps: trainable parameters only.
+        self.masters = [self._master_of[id(p)] for p in self.working]
 
     def master_of(self, p: nn.Parameter) -> nn.Parameter:
         return self._master_of[id(p)]
@@ -99,17 +107,17 @@ class Precision:
     def refresh_working(self) -> None:
         """After the optimizer stepped the masters: the working copies are the masters cast."""
         if self.mixed:
-            for p, m in zip(self.working, self.masters):
-                p.copy_(m)
+            for p in self.working:
+                p.copy_(self._master_of[id(p)])
 
     @torch.no_grad()
     def load_masters(self, values: dict[int, torch.Tensor]) -> None:
-        """Set masters (by id of their working parameter) from full-precision values."""
-        if self.mixed:
-            for p, m in zip(self.working, self.masters):
-                if id(p) in values:
-                    m.copy_(values[id(p)])
-            self.refresh_working()
+        """Set parameters (by id of their working parameter) from full-precision values."""
+        for p in self.all_working:
+            if id(p) in values:
+                self._master_of[id(p)].copy_(values[id(p)])
+                if self.mixed:
+                    p.copy_(values[id(p)])
 
     def zero_grad(self, masters: bool = True) -> None:
         """Drop the gradients: the masters' (unless `masters` is False, when something else,
@@ -122,11 +130,17 @@ class Precision:
                 p.grad = None
 
 
-def cast_floating(x: Any, dtype: torch.dtype) -> Any:
-    """`x` (a tensor or a tuple/list of them) with its floating-point tensors cast to `dtype`."""
-    if isinstance(x, (tuple, list)):
-        return type(x)(cast_floating(t, dtype) for t in x)
-    return x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x
+def keeps_fp32(module: nn.Module, fp32_modules: Sequence[Any]) -> bool:
+    """Whether `module` is one `fp32_modules` names: a class, or a class name that the
+    module's class name ends with (so "RMSNorm" covers LlamaRMSNorm and Qwen2RMSNorm)."""
+    name = type(module).__name__
+    for entry in fp32_modules:
+        if isinstance(entry, type):
+            if isinstance(module, entry):
+                return True
+        elif name.endswith(str(entry)):
+            return True
+    return False
 
 
 def _cast_inputs_fp32(module: nn.Module, args: tuple) -> tuple:

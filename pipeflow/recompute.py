@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from pipeflow import tree
 from pipeflow.config import ConfigError
 
 __all__ = ["POLICIES", "parse_policy", "stage_forward", "SavedTensorMeter", "LayerBytes",
@@ -83,95 +85,79 @@ def _segment_size(policy: str, n_layers: int) -> int | None:
 
 # -- the stage forward ------------------------------------------------------------------
 
-def stage_forward(layers: Sequence[nn.Module], x: Any, policy: str) -> Any:
-    """Run `layers` in order on `x` (a tensor or a tuple of tensors) under `policy`.
+def stage_forward(layers: Sequence[nn.Module], x: Any, policy: str,
+                  side: Mapping[str, Any] | None = None) -> Any:
+    """Run `layers` in order on `x` (any structure of tensors) under `policy`.
 
-    Checkpointed segments replay the CPU and CUDA random state in their recomputation, so
-    dropout draws the same masks and the gradients are bit-for-bit those of `none`. Gradients
-    reach the stage input as without recomputation (`x.grad` of a leaf input is filled).
+    `side` holds the side inputs (attention mask, position ids, ...): each layer gets, by
+    keyword, those its `forward` names (all of them if it takes `**kwargs`). Checkpointed
+    segments replay the CPU and CUDA random state in their recomputation, so dropout draws
+    the same masks and the gradients are bit-for-bit those of `none`. Gradients reach the
+    stage input as without recomputation (`x.grad` of a leaf input is filled).
     """
+    side = dict(side or {})
     k = _segment_size(policy, len(layers))
     if not torch.is_grad_enabled():
-        return _run(layers, x)                  # nothing is saved, nothing to recompute
+        return run_layers(layers, x, side)          # nothing is saved, nothing to recompute
     if k is None:
         if _normalise(policy) == "selective":
             with _selective(layers):
-                return _run(layers, x)
-        return _run(layers, x)
+                return run_layers(layers, x, side)
+        return run_layers(layers, x, side)
     for start in range(0, len(layers), k):
-        x = _checkpointed(functools.partial(_run, layers[start:start + k]), x)
+        x = _checkpointed(functools.partial(run_layers, layers[start:start + k]), x, side)
     return x
 
 
-def _run(layers: Sequence[nn.Module], x: Any) -> Any:
+def run_layers(layers: Sequence[nn.Module], x: Any, side: Mapping[str, Any] | None = None
+               ) -> Any:
+    """The layers in order, each given the side inputs its forward accepts."""
     for layer in layers:
-        x = layer(x)
+        x = layer(x, **side_inputs_for(layer, side)) if side else layer(x)
     return x
+
+
+def side_inputs_for(layer: nn.Module, side: Mapping[str, Any]) -> dict[str, Any]:
+    """The side inputs `layer.forward` declares: by name, or all with `**kwargs`."""
+    names = _accepted(type(layer))
+    if names is None:
+        return dict(side)
+    return {k: v for k, v in side.items() if k in names}
+
+
+@functools.lru_cache(maxsize=None)
+def _accepted(cls: type) -> frozenset[str] | None:
+    params = inspect.signature(cls.forward).parameters.values()
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params
+                     if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
 def _checkpointed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """`fn(*args, **kwargs)`, its saved tensors dropped and recomputed in the backward."""
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    # Hand the checkpoint every tensor as a top-level argument, also those inside a tuple
-    # activation: it saves its top-level tensor inputs through autograd (where the meter's
-    # hooks count what the recomputation keeps, and whence they are freed after the
-    # backward) and reads their devices for the RNG replay. The closure keeps only the
+    # Hand the checkpoint every tensor as a top-level argument, also those inside a
+    # structured activation: it saves its top-level tensor inputs through autograd (where
+    # the meter's hooks count what the recomputation keeps, and whence they are freed after
+    # the backward) and reads their devices for the RNG replay. The closure keeps only the
     # structure, so it holds no tensor alive longer than autograd does.
-    skeleton, tensors = _split((args, kwargs))
+    leaves, spec = tree.flatten((args, kwargs))
+    where = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    consts = [None if isinstance(v, torch.Tensor) else v for v in leaves]
 
     def run(*flat: torch.Tensor) -> Any:
-        a, kw = _join(skeleton, flat)
+        filled = list(consts)
+        for i, t in zip(where, flat):
+            filled[i] = t
+        a, kw = tree.unflatten(filled, spec)
         return fn(*a, **kw)
 
     # Non-reentrant: works with inputs that need no gradient (token ids), lets the gradient
     # flow on to a leaf stage input, and preserve_rng_state replays dropout's masks.
-    return checkpoint(run, *tensors, use_reentrant=False, preserve_rng_state=True)
-
-
-class _Slot:
-    """Where a tensor was, in an activation's structure."""
-
-
-_SLOT = _Slot()
-
-
-def _split(obj: Any) -> tuple[Any, list[torch.Tensor]]:
-    """(`obj` with its tensors replaced by slots, those tensors in order), through tuples,
-    lists and dicts."""
-    tensors: list[torch.Tensor] = []
-
-    def strip(o: Any) -> Any:
-        if isinstance(o, torch.Tensor):
-            tensors.append(o)
-            return _SLOT
-        if isinstance(o, (tuple, list)):
-            return type(o)(strip(v) for v in o)
-        if isinstance(o, dict):
-            return {k: strip(v) for k, v in o.items()}
-        return o
-
-    return strip(obj), tensors
-
-
-def _join(skeleton: Any, tensors: Sequence[torch.Tensor]) -> Any:
-    """The inverse of `_split`: fill the slots with `tensors` in order."""
-    it = iter(tensors)
-
-    def fill(o: Any) -> Any:
-        if o is _SLOT:
-            return next(it)
-        if isinstance(o, (tuple, list)):
-            return type(o)(fill(v) for v in o)
-        if isinstance(o, dict):
-            return {k: fill(v) for k, v in o.items()}
-        return o
-
-    return fill(skeleton)
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    return _split(obj)[1]
+    return checkpoint(run, *[leaves[i] for i in where], use_reentrant=False,
+                      preserve_rng_state=True)
 
 
 def _selective_modules(root: nn.Module) -> list[nn.Module]:
@@ -340,9 +326,9 @@ def measure_layers(layers: Sequence[nn.Module], sample_input: Any,
     on the last stage: `lambda out: loss_fn(out, targets)`). The caller's random state is
     left as it was; the graphs are dropped and no gradient is made.
     """
-    skeleton, tensors = _split(sample_input)
-    x = _join(skeleton, [t.detach().requires_grad_(t.is_floating_point()) for t in tensors])
-    devices = sorted({t.device.index or 0 for t in _tensors(x) if t.device.type == "cuda"})
+    x = tree.map_tensors(lambda t: t.detach().requires_grad_(t.is_floating_point()),
+                         sample_input)
+    devices = sorted({t.device.index or 0 for t in tree.tensors(x) if t.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
         saved, boundary, tail_bytes = _per_layer(layers, x, "none", tail)
         selective, _, _ = _per_layer(layers, x, "selective", tail)
@@ -371,7 +357,7 @@ def _per_layer(layers: Sequence[nn.Module], x: Any, policy: str,
 
 
 def _floating_bytes(obj: Any) -> int:
-    storages = dict(_storage(t) for t in _tensors(obj) if t.is_floating_point())
+    storages = dict(_storage(t) for t in tree.tensors(obj) if t.is_floating_point())
     return sum(storages.values())
 
 

@@ -75,7 +75,7 @@ def _gpt_run(precision: str, comm: MPI.Comm, steps: int):
                                  loss_scale=2.0 ** 12), comm=comm)
     data = Batches(load_corpus(), 8, cfg.seq_len, seed=0)
     losses = [engine.train_step(*data.batch(i)) for i in range(steps)]
-    sent = comm.allreduce(engine.pipe.bytes_sent)
+    sent = comm.allreduce(engine.pipe_comm.bytes_sent)
     engine.close()
     return losses, sent
 

@@ -1,0 +1,144 @@
+"""The global batch (and its side inputs) into micro-batches, agreed across every rank.
+
+Every call of `train_step` / `eval_step` starts with one allgather over the engine's ranks:
+each rank says which call it is making, at which step, what batch it was given (the global
+batch's structure, shapes and dtypes) and whether splitting it failed. A bad batch anywhere,
+replicas given different batches, or ranks in different calls (one in `eval_step` while
+another trains, one a step ahead) fail at once on every rank with both sides named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import torch
+from mpi4py import MPI
+
+from pipeflow import tree
+from pipeflow.config import ConfigError
+
+__all__ = ["BatchError", "MicroBatch", "Batches", "prepare"]
+
+
+class BatchError(ConfigError):
+    """A batch the engine cannot split or use; raised on every rank alike."""
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    inputs: Any = None                 # on the rank holding the first virtual stage
+    targets: Any = None                # on the rank holding the last one
+    side: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Batches:
+    """One step's micro-batches on this rank, and what all ranks agreed on."""
+
+    micro: list[MicroBatch]
+    items: int | None = None           # valid items (tokens) in the global batch, if counted
+
+
+def _signature(batch: Any) -> Any:
+    """What must match across ranks: structure, shapes and dtypes (not values)."""
+    if batch is None:
+        return None
+    header, _ = tree.header_of(batch)
+    return str(header.spec), [(m.shape, str(m.dtype)) for m in header.metas]
+
+
+def split(what: str, batch: Any, m: int, d: int, replica: int, device: torch.device,
+          where: str) -> list[Any]:
+    """This replica's shard of `batch`, as `m` micro-batches on `device`.
+
+    Any structure of tensors, every tensor with the batch dimension first; other leaves (None,
+    numbers) are given to every micro-batch as they are.
+    """
+    leaves, spec = tree.flatten(batch)
+    ts = [x for x in leaves if isinstance(x, torch.Tensor)]
+    if not ts:
+        raise BatchError(f"{where}: {what} holds no tensor (found "
+                         f"{type(batch).__name__}); pass a tensor or a structure of tensors "
+                         f"with the batch dimension first")
+    n = ts[0].shape[0] if ts[0].dim() else 0
+    if any(t.dim() == 0 or t.shape[0] != n for t in ts):
+        raise BatchError(f"{where}: every tensor of {what} needs the same batch dimension "
+                         f"first; found shapes {[tuple(t.shape) for t in ts]}")
+    if n == 0 or n % (m * d):
+        raise BatchError(
+            f"{where}: a global batch of {n} samples does not divide into {d} replica(s) x "
+            f"{m} micro-batches; use a batch size that is a multiple of {m * d}")
+    shard = n // d
+    parts = [x[replica * shard:(replica + 1) * shard].to(device, non_blocking=True).chunk(m)
+             if isinstance(x, torch.Tensor) else [x] * m for x in leaves]
+    return [tree.unflatten([p[i] for p in parts], spec) for i in range(m)]
+
+
+def prepare(call: str, step: int, inputs: Any, targets: Any, side: Mapping[str, Any], *,
+            stage: Any, control: MPI.Comm, needs_targets: bool,
+            count_items: Callable[[Any], Any] | None) -> Batches:
+    """Split this rank's share of the batch and agree with every other rank on the call."""
+    cfg, topo = stage.config, stage.topo
+    m, d, where = cfg.microbatches, cfg.data, stage.describe()
+    micro = [MicroBatch() for _ in range(m)]
+    problem, items = None, None
+    try:
+        if stage.holds_first:
+            _fill(micro, "inputs", _need(call, "inputs", inputs, where, "first"),
+                  m, d, topo.replica, stage.device, where)
+        if stage.holds_last and (targets is not None or needs_targets):
+            _fill(micro, "targets", _need(call, "targets", targets, where, "last"),
+                  m, d, topo.replica, stage.device, where)
+            if count_items is not None:
+                items = int(sum(int(count_items(mb.targets)) for mb in micro))
+        for name, value in side.items():
+            for mb, part in zip(micro, split(f"side input {name!r}", value, m, d,
+                                             topo.replica, stage.device, where)):
+                mb.side[name] = part
+    except BatchError as exc:
+        problem = str(exc)
+    mine = {"rank": topo.rank, "call": call, "step": step, "problem": problem, "items": items,
+            "inputs": _signature(inputs) if stage.holds_first else None,
+            "targets": _signature(targets) if stage.holds_last else None,
+            "side": sorted((k, _signature(v)) for k, v in side.items())}
+    views = control.allgather(mine)
+    _check_agreement(views, mine)
+    counted = [v["items"] for v in views if v["items"] is not None]
+    return Batches(micro, sum(counted) if counted else None)
+
+
+def _need(call: str, what: str, batch: Any, where: str, which: str) -> Any:
+    if batch is None:
+        raise BatchError(
+            f"{where}: {call} got {what}=None, but the {which} stage needs the {what}; pass "
+            f"the global batch's {what} on every rank (or at least on this one)")
+    return batch
+
+
+def _fill(micro: list[MicroBatch], field: str, batch: Any, m: int, d: int, replica: int,
+          device: torch.device, where: str) -> None:
+    for mb, part in zip(micro, split(field, batch, m, d, replica, device, where)):
+        setattr(mb, field, part)
+
+
+def _check_agreement(views: list[dict], mine: dict) -> None:
+    problems = [v["problem"] for v in views if v["problem"]]
+    if problems:
+        raise BatchError(problems[0])
+    for key, what in (("call", "call"), ("step", "step number")):
+        other = next((v for v in views if v[key] != mine[key]), None)
+        if other is not None:
+            raise BatchError(
+                f"ranks disagree on the {what}: rank {mine['rank']} is in {mine['call']} of "
+                f"step {mine['step']}, rank {other['rank']} in {other['call']} of step "
+                f"{other['step']}; every rank must make the same engine calls in the same "
+                f"order (train_step/eval_step on all ranks alike)")
+    for key in ("inputs", "targets", "side"):
+        seen = [v for v in views if key == "side" or v[key] is not None]
+        for v in seen[1:]:
+            if v[key] != seen[0][key]:
+                raise BatchError(
+                    f"ranks were given different {key}: rank {seen[0]['rank']} has "
+                    f"{seen[0][key]}, rank {v['rank']} has {v[key]}; pass the same global "
+                    f"batch (shapes, dtypes, structure) on every rank")

@@ -1,0 +1,104 @@
+"""One rank's failure ends the whole job, named; a rank that stops progressing is reported.
+
+mpi4py leaves the other ranks blocked in a receive when one rank raises; `MPI_Abort` ends
+them all. `Abort` can return to Python (seen with some launchers): the process then exits
+on its own, so a rank never prints a second, misleading report.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Callable
+
+from mpi4py import MPI
+
+__all__ = ["abort_world", "report_and_abort", "install_excepthook", "Watchdog"]
+
+
+def abort_world(code: int = 1) -> None:
+    """End every rank. The launcher forwards a rank's output asynchronously and drops what is
+    still in flight when it tears the job down: give the report a moment to get out."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    time.sleep(0.5)
+    try:
+        MPI.COMM_WORLD.Abort(code)
+    finally:
+        os._exit(code)
+
+
+def report_and_abort(where: str, exc: BaseException) -> None:
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    sys.stderr.write(f"\npipeflow: {where}:\n{text}pipeflow: aborting all ranks\n")
+    abort_world()
+
+
+def install_excepthook() -> None:
+    """An uncaught exception on any rank ends the whole job instead of leaving it blocked.
+
+    Installed when pipeflow is imported under a multi-rank launch, so user code before the
+    engine exists is covered too. A hook the user set is left alone.
+    """
+    if sys.excepthook is not sys.__excepthook__:
+        return
+
+    def hook(kind, exc, tb):
+        sys.__excepthook__(kind, exc, tb)
+        sys.stderr.write(f"pipeflow: rank {MPI.COMM_WORLD.rank} raised an uncaught "
+                         f"{kind.__name__}; aborting all ranks\n")
+        abort_world()
+
+    sys.excepthook = hook
+
+
+class Watchdog:
+    """Aborts the job when an engine call makes no progress for `timeout_s` seconds.
+
+    The engine calls `beat()` after every instruction and arms the watchdog for the length of
+    each call (`with watchdog:`); between calls (user code, data loading) nothing is timed.
+    On expiry it prints `describe()` (rank, step, instruction and the peer waited on) and
+    aborts every rank: a stuck collective or a rank that never arrives is reported, not silent.
+    """
+
+    def __init__(self, timeout_s: float, describe: Callable[[], str]) -> None:
+        self.timeout_s = float(timeout_s)
+        self.describe = describe
+        self._last = time.monotonic()
+        self._depth = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if self.timeout_s > 0:
+            self._thread = threading.Thread(target=self._watch, name="pipeflow-watchdog",
+                                            daemon=True)
+            self._thread.start()
+
+    def beat(self) -> None:
+        self._last = time.monotonic()
+
+    def __enter__(self) -> "Watchdog":
+        self._depth += 1
+        self.beat()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        period = min(1.0, self.timeout_s / 4)
+        while not self._stop.wait(period):
+            idle = time.monotonic() - self._last
+            if self._depth > 0 and idle > self.timeout_s:
+                sys.stderr.write(
+                    f"\npipeflow: {self.describe()}: no progress for {idle:.1f} s "
+                    f"(watchdog_s = {self.timeout_s:g}); a rank is stuck or never arrived. "
+                    f"Aborting all ranks. Raise watchdog_s for steps that are legitimately "
+                    f"this slow.\n")
+                abort_world()
+                return

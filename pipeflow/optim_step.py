@@ -1,0 +1,101 @@
+"""Closing a step: gradient sums, norm, the non-finite verdict, clipping, the optimizer.
+
+Every decision here is taken from values that are identical on every rank (the global
+gradient norm and the global loss), so all ranks step or skip together and keep the same
+loss scale.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from pipeflow.comm import mpi_iallreduce_
+from pipeflow.config import ConfigError
+
+__all__ = ["close_step", "NonFiniteError"]
+
+
+class NonFiniteError(ConfigError):
+    """Too many steps in a row had a non-finite loss or gradient; raised on every rank."""
+
+
+def close_step(stage, loss: float, stats) -> None:
+    """Sum, check, clip and apply this step's gradients; record the verdict in `stats`."""
+    if stage.reducer is not None:
+        stage.reducer.finish()          # waits only for the buckets still in flight
+    _sum_ties(stage)
+    precision = stage.precision
+    precision.unscale_()
+    norm = grad_norm(stage)
+    stats.grad_norm = norm
+    finite = math.isfinite(norm) and math.isfinite(loss)
+    if precision.scaler is not None:
+        precision.scaler.update(not finite)   # the same verdict and scale on every rank
+    if not finite:
+        _skip(stage, stats, loss, norm)
+        return
+    stats.nonfinite_in_row = 0
+    clip = stage.config.clip
+    if clip > 0:
+        coef = clip / (norm + 1e-6)       # as torch.nn.utils.clip_grad_norm_, whole model
+        if coef < 1.0:
+            for p in precision.masters:
+                if p.grad is not None:
+                    p.grad.detach().mul_(coef)
+    if stage.optimizer is not None:
+        stage.optimizer.step()
+        precision.refresh_working()
+    zero_grad(stage)
+
+
+def _sum_ties(stage) -> None:
+    """A tied weight's gradient summed over the stages that hold it (after the replicas were
+    summed, so each replica's copy ends up with the whole gradient)."""
+    for tie in stage.ties:
+        param = stage.precision.master_of(tie.param)
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        mpi_iallreduce_(tie.comm, param.grad).wait()
+
+
+def _skip(stage, stats, loss: float, norm: float) -> None:
+    stats.skipped = True
+    stats.skipped_steps += 1
+    zero_grad(stage)
+    if stage.precision.scaler is not None:
+        return                          # fp16: the loss scaler's business
+    stats.nonfinite_in_row += 1
+    limit = stage.config.max_nonfinite_steps
+    if stage.topo.rank == 0:
+        print(f"pipeflow: step {stats.step}: non-finite loss {loss} or gradient norm {norm}; "
+              f"step skipped on every rank ({stats.nonfinite_in_row} in a row, at most "
+              f"{limit})", file=sys.stderr, flush=True)
+    if stats.nonfinite_in_row > limit:
+        raise NonFiniteError(
+            f"{stage.describe()}: {stats.nonfinite_in_row} steps in a row had a non-finite "
+            f"loss or gradient norm (last: loss {loss}, norm {norm}); the run has diverged. "
+            f"Lower the learning rate, enable clipping, check the data, or raise "
+            f"max_nonfinite_steps")
+
+
+def grad_norm(stage) -> float:
+    """The whole grid's gradient norm: tied weights once, replicas once (they agree)."""
+    grads = [p.grad.detach() for p in stage.norm_params if p.grad is not None]
+    # Per-tensor norms (no fp64 copy of every gradient), squared and summed in fp64.
+    sq = (torch.stack([torch.linalg.vector_norm(g) for g in grads]).double().square().sum()
+          if grads else torch.zeros((), dtype=torch.float64, device=stage.device))
+    sq = sq.reshape(1).to(getattr(stage.pipe_comm, "device", "cpu"))
+    if stage.stages > 1:
+        stage.pipe_comm.allreduce_(sq)
+    return math.sqrt(sq.item())
+
+
+def zero_grad(stage) -> None:
+    if stage.reducer is not None:
+        stage.reducer.zero_grad()       # the master gradients are views of its buckets
+        stage.precision.zero_grad(masters=False)
+    else:
+        stage.precision.zero_grad()

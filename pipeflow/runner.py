@@ -1,0 +1,223 @@
+"""One stage's instruction list for one batch: a small handler per instruction.
+
+The runner is an interpreter: `run` walks the program and dispatches each instruction to its
+handler (`OP -> method`), all per-step state lives in one `StepState`, and one routing helper
+says where a message goes (peer, the receiving chunk, tag). Messages carry any structure of
+tensors; the structure and shapes (`tree.Header`) travel only when they change, and every
+message is checked against them on arrival.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from pipeflow import schedule as sched
+from pipeflow import tree
+from pipeflow.batch import Batches
+from pipeflow.recompute import SavedTensorMeter, auto_policy, stage_forward
+from pipeflow.tree import Header
+
+__all__ = ["Runner", "StepState", "Route"]
+
+Key = tuple[int, int]          # (micro-batch, chunk)
+_ACT, _GRAD = 0, 1
+
+
+class Route(NamedTuple):
+    """Where a message goes or comes from: the peer's pipeline rank, the chunk of the
+    virtual stage that receives it, and its tag (unique per micro-batch, chunk and kind)."""
+
+    peer: int
+    chunk: int
+    tag: int
+
+
+@dataclasses.dataclass
+class StepState:
+    """Everything one batch's run holds between its instructions."""
+
+    train: bool
+    batches: Batches
+    loss_multiplier: float            # on each micro-batch loss: 1/(m·d) or 1/items, x scale
+    keep_outputs: bool = False
+    received: dict[Key, tuple[Any, list[torch.Tensor]]] = dataclasses.field(default_factory=dict)
+    stash: dict[Key, tuple[list[torch.Tensor], Any]] = dataclasses.field(default_factory=dict)
+    to_send: dict[Key, Any] = dataclasses.field(default_factory=dict)
+    sent: dict[Key, Header] = dataclasses.field(default_factory=dict)
+    grads_in: dict[Key, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
+    grads_out: dict[Key, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
+    sends: list[Any] = dataclasses.field(default_factory=list)
+    losses: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    outputs: list[Any] = dataclasses.field(default_factory=list)
+    peak_stash: int = 0
+
+
+class Runner:
+    """Interprets a stage's instructions. Headers per link persist across steps, so a
+    message's structure is announced only when it changes."""
+
+    def __init__(self, stage, loss_fn: Callable[[Any, Any], torch.Tensor],
+                 on_instruction: Callable[[str], None]) -> None:
+        self.stage = stage
+        self.loss_fn = loss_fn
+        self.on_instruction = on_instruction   # names the instruction for reports
+        self.measure_activations = False
+        self.activation_meter = SavedTensorMeter()
+        self.trace = False
+        self.timeline: list[tuple[str, float, float]] = []
+        self._announced: dict[tuple[int, int], Header] = {}   # (peer, chunk) -> last sent
+        self._heard: dict[tuple[int, int], Header] = {}       # (peer, chunk) -> last received
+        self._handlers = {sched.RECV_ACT: self.recv_activation, sched.FORWARD: self.forward,
+                          sched.SEND_ACT: self.send_activation,
+                          sched.RECV_GRAD: self.recv_gradient, sched.BACKWARD: self.backward,
+                          sched.SEND_GRAD: self.send_gradient}
+
+    # -- the loop -------------------------------------------------------------------------
+    def run(self, program: list[sched.Action], st: StepState) -> StepState:
+        self.timeline = []
+        for act in program:
+            self.on_instruction(self.describe(act))
+            t0 = time.perf_counter() if self.trace else 0.0
+            self._handlers[act.op](act, st)
+            # Let finished sends go and reductions in flight progress, without blocking.
+            st.sends = [s for s in st.sends if not s.test()]
+            reducer = self.stage.reducer
+            if reducer is not None and reducer.armed:
+                reducer.poll()
+            if self.trace:
+                self.timeline.append((repr(act), t0, time.perf_counter()))
+        for s in st.sends:
+            s.wait()
+        return st
+
+    def route(self, act: sched.Action) -> Route:
+        """Peer, receiving chunk and tag of the message `act` sends or receives.
+
+        Activations go to virtual stage v + 1 and gradients to v - 1; with chunks, the last
+        rank feeds the first rank's next chunk (and gradients come back the same way)."""
+        p, s, m = self.stage.stages, self.stage.index, self.stage.config.microbatches
+        ahead = act.op in (sched.SEND_ACT, sched.RECV_GRAD)
+        peer = (s + 1) % p if ahead else (s - 1) % p
+        chunk = act.chunk
+        if act.op == sched.SEND_ACT and s == p - 1:
+            chunk += 1                          # wraps onto the next chunk
+        elif act.op == sched.SEND_GRAD and s == 0:
+            chunk -= 1
+        kind = _ACT if act.op in (sched.SEND_ACT, sched.RECV_ACT) else _GRAD
+        return Route(peer, chunk, 2 * (chunk * m + act.mb) + kind)
+
+    def describe(self, act: sched.Action) -> str:
+        """The instruction, and for a message the rank it waits on, for reports."""
+        if act.op not in sched.SENDS and act.op not in sched.RECVS:
+            return repr(act)
+        peer = self.stage.topo.rank_of(self.route(act).peer, self.stage.topo.replica)
+        verb = "to" if act.op in sched.SENDS else "from"
+        return f"{act!r} ({verb} rank {peer})"
+
+    # -- handlers -------------------------------------------------------------------------
+    def recv_activation(self, act: sched.Action, st: StepState) -> None:
+        r = self.route(act)
+        comm = self.stage.pipe_comm
+        known = None if comm.always_header else self._heard.get((r.peer, r.chunk))
+        header, ts = comm.recv_message(r.peer, r.tag, known, self.stage.device)
+        self._heard[(r.peer, r.chunk)] = header
+        needs_grad = [t for t, meta in zip(ts, header.metas) if meta.requires_grad]
+        if st.train:
+            for t in needs_grad:
+                t.requires_grad_(True)
+        st.received[(act.mb, act.chunk)] = (header.rebuild(ts), needs_grad)
+
+    def forward(self, act: sched.Action, st: StepState) -> None:
+        stage, key = self.stage, (act.mb, act.chunk)
+        mb = st.batches.micro[act.mb]
+        if stage.virtual(act.chunk) == 0:
+            x, needs_grad = stage.precision.cast_input(mb.inputs), []
+        else:
+            x, needs_grad = st.received.pop(key)
+        layers = stage.chunk_layers[act.chunk]
+        last = stage.virtual(act.chunk) == stage.last_virtual
+        if st.train and stage.recompute == "auto":
+            self._resolve_auto(layers, x, mb.targets if last else None)
+        meter = self.activation_meter if st.train and self.measure_activations \
+            else contextlib.nullcontext()
+        with torch.set_grad_enabled(st.train), meter:
+            out = stage_forward(layers, x, stage.recompute if st.train else "none", mb.side)
+            if last:
+                out = self._finish(out, mb, st)
+            else:
+                st.to_send[key] = out
+        if st.train:
+            st.stash[key] = (needs_grad, out)
+            st.peak_stash = max(st.peak_stash, len(st.stash))
+
+    def _finish(self, out: Any, mb, st: StepState) -> Any:
+        """The last virtual stage: keep the outputs if asked, and the loss (in fp32, whatever
+        the working precision) when there are targets."""
+        if st.keep_outputs:
+            st.outputs.append(tree.detach(out))
+        if mb.targets is None:
+            return None
+        loss = self.loss_fn(tree.cast_floating(out, torch.float32), mb.targets)
+        st.losses.append(loss.detach())
+        return loss
+
+    def send_activation(self, act: sched.Action, st: StepState) -> None:
+        r = self.route(act)
+        header, ts = tree.header_of(st.to_send.pop((act.mb, act.chunk)))
+        link = (r.peer, r.chunk)
+        comm = self.stage.pipe_comm
+        announce = comm.always_header or self._announced.get(link) != header
+        self._announced[link] = header
+        st.sent[(act.mb, act.chunk)] = header
+        st.sends.append(comm.send_message(header if announce else None, ts, r.peer, r.tag))
+
+    def recv_gradient(self, act: sched.Action, st: StepState) -> None:
+        # Gradients come back for the leaves that were sent requiring one: no header needed,
+        # and no message at all when there were none.
+        metas = st.sent[(act.mb, act.chunk)].grad_metas()
+        grads: list[torch.Tensor] = []
+        if metas:
+            r = self.route(act)
+            expected = Header(None, (None,) * len(metas), metas)
+            _, grads = self.stage.pipe_comm.recv_message(r.peer, r.tag, expected,
+                                                         self.stage.device)
+        st.grads_in[(act.mb, act.chunk)] = grads
+
+    def backward(self, act: sched.Action, st: StepState) -> None:
+        stage, key = self.stage, (act.mb, act.chunk)
+        needs_grad, out = st.stash.pop(key)
+        if stage.reducer is not None and act == stage.last_backward:
+            stage.reducer.arm()
+        if stage.virtual(act.chunk) == stage.last_virtual:
+            (out * st.loss_multiplier).backward()
+        else:
+            outs = [t for t in tree.tensors(out) if t.requires_grad and t.is_floating_point()]
+            grads = st.grads_in.pop(key)
+            if len(outs) != len(grads):
+                raise RuntimeError(f"{len(outs)} outputs need a gradient but {len(grads)} came "
+                                   f"back for {act!r}")
+            if outs:
+                torch.autograd.backward(outs, grads)
+        st.grads_out[key] = [t.grad if t.grad is not None else torch.zeros_like(t)
+                             for t in needs_grad]
+
+    def send_gradient(self, act: sched.Action, st: StepState) -> None:
+        grads = st.grads_out.pop((act.mb, act.chunk))
+        if grads:
+            r = self.route(act)
+            st.sends.append(self.stage.pipe_comm.send_message(None, grads, r.peer, r.tag))
+
+    def _resolve_auto(self, layers: list, x: Any, target: Any) -> None:
+        """Measure this chunk on a real micro-batch and pick the cheapest policy whose stash
+        (depth from the simulator) fits the budget."""
+        stage = self.stage
+        budget = int(stage.config.activation_budget_mb * 2**20)
+        tail = ((lambda out: self.loss_fn(tree.cast_floating(out, torch.float32), target))
+                if target is not None else None)
+        stage.recompute = auto_policy(layers, x, stage.expected_peak_stash[stage.index],
+                                      budget, where=stage.describe(), tail=tail)

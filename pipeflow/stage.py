@@ -1,0 +1,234 @@
+"""`Stage`: what one rank holds — its layers, device, communicators, precision, optimizer.
+
+The runner, the batch splitter and the step closer take a `Stage`, never the `Engine`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from mpi4py import MPI
+from torch import nn
+
+from pipeflow import schedule as sched
+from pipeflow.comm import Communicator, MpiCommunicator, torch_grid_communicators
+from pipeflow.config import Config, ConfigError
+from pipeflow.data_parallel import GradReducer
+from pipeflow.layers import LayerSpec, build_layer, get_parameter, set_parameter, tie_groups
+from pipeflow.partition import measure_layer_times, partition_layers
+from pipeflow.precision import LossScaler, Precision
+from pipeflow.recompute import parse_policy
+from pipeflow.topology import Topology
+
+__all__ = ["Stage", "StageModule", "Tie"]
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+class StageModule(nn.Module):
+    """The layers one rank owns (one or more model chunks), named by their global indices.
+
+    Parameter names are those of `build_sequential` (`"{layer}.{name}"`), so state dicts of
+    all stages together are the sequential model's. It is a container, not a callable: the
+    runner calls each chunk's layers in turn (`Stage.chunk_layers`).
+    """
+
+    def __init__(self, layers: dict[int, nn.Module]) -> None:
+        super().__init__()
+        self.indices = sorted(layers)
+        for i in self.indices:
+            self.add_module(str(i), layers[i])
+
+
+class Tie:
+    """A weight shared with other stages: summed over its holders after each backward."""
+
+    def __init__(self, param: nn.Parameter, first: bool, comm: MPI.Comm) -> None:
+        self.param, self.first, self.comm = param, first, comm
+
+
+class Stage:
+    """One rank's share of the model and the machinery around it.
+
+    Virtual stage `chunk · p + stage` is chunk `chunk` of this rank (one chunk but under the
+    interleaved schedule); `chunk_layers[c]` are its layers in order.
+    """
+
+    def __init__(self, layers: Sequence[LayerSpec], config: Config, world: MPI.Comm,
+                 optimizer: OptimizerFactory, device: torch.device | None,
+                 sample: Any = None) -> None:
+        self.config = config
+        self.topo = topo = Topology(world, config.pipeline, config.data)
+        self.index, self.stages = topo.stage, topo.pipeline
+        self.num_chunks = config.virtual_stages
+        self.device = device if device is not None else default_device(topo)
+        self.n_layers = len(layers)
+        self.layer_times = _measure_times(layers, config, world, sample, self.device)
+        self.boundaries = partition_layers(layers, self.stages * self.num_chunks,
+                                           config.partition, self.layer_times)
+        ranges = [range(self.boundaries[self.virtual(c)], self.boundaries[self.virtual(c) + 1])
+                  for c in range(self.num_chunks)]
+        built = {i: build_layer(layers[i], config.seed, i) for r in ranges for i in r}
+        self.tie_comms: dict[str, MPI.Comm] = {}
+        self.ties = self._tie(layers, built)
+        self.module = StageModule(built).to(self.device)
+        self.chunk_layers = [[self.module.get_submodule(str(i)) for i in r] for r in ranges]
+        self.precision = Precision(self.module, config.precision, config.fp32_modules,
+                                   _scaler(config))
+        self.recompute = parse_policy(config.recompute, self.stages)[self.index]
+        self.backend = choose_backend(config.backend, topo, self.device)
+        self.pipe_comm, self.data_comm = self._communicators()
+        masters = self.precision.masters
+        self.reducer = (GradReducer(self.precision.working, self.data_comm,
+                                    int(config.bucket_mb * 2**20), grad_params=masters)
+                        if self.data_comm is not None and masters else None)
+        # A tied weight counts in the gradient norm on the first stage that holds it only.
+        later = {id(t.param) for t in self.ties if not t.first}
+        self.norm_params = [self.precision.master_of(p) for p in self.precision.working
+                            if id(p) not in later]
+        self.optimizer = _make_optimizer(optimizer, masters, topo.describe())
+        self._schedule()
+
+    # -- where things are -----------------------------------------------------------------
+    def virtual(self, chunk: int) -> int:
+        """The virtual stage of this rank's chunk `chunk`."""
+        return chunk * self.stages + self.index
+
+    @property
+    def last_virtual(self) -> int:
+        return self.stages * self.num_chunks - 1
+
+    @property
+    def holds_first(self) -> bool:
+        return self.virtual(0) == 0
+
+    @property
+    def holds_last(self) -> bool:
+        return self.virtual(self.num_chunks - 1) == self.last_virtual
+
+    def describe(self) -> str:
+        return self.topo.describe()
+
+    # -- construction ---------------------------------------------------------------------
+    def _schedule(self) -> None:
+        """The instruction lists, validated the same way on every rank before any message."""
+        cfg = self.config
+        programs = sched.build_schedule(cfg.schedule, self.stages, cfg.microbatches,
+                                        chunks=self.num_chunks)
+        self.expected_peak_stash = sched.simulate(programs).peak_stash
+        self.program = programs[self.index]
+        # Evaluation runs the forwards alone, in the training schedule's order (for GPipe and
+        # 1F1B, micro-batch order), so every rank meets its inputs in the order sent.
+        forwards = self.program if self.num_chunks > 1 else \
+            sched.gpipe(self.index, self.stages, cfg.microbatches)
+        self.eval_program = [a for a in forwards
+                             if a.op in (sched.RECV_ACT, sched.FORWARD, sched.SEND_ACT)]
+        backwards = [a for a in self.program if a.op == sched.BACKWARD]
+        self.last_backward = backwards[-1] if backwards else None
+
+    def _tie(self, layers: Sequence[LayerSpec], built: dict[int, nn.Module]) -> list[Tie]:
+        """Make tied weights identical; open a communicator per tie that spans stages."""
+        stage_of = {i: k % self.stages for k in range(len(self.boundaries) - 1)
+                    for i in range(self.boundaries[k], self.boundaries[k + 1])}
+        ties: list[Tie] = []
+        for key, holders in tie_groups(layers).items():
+            stages = sorted({stage_of[i] for i, _ in holders})
+            mine = [(i, attr) for i, attr in holders if i in built]
+            member = self.index in stages and len(stages) > 1
+            # Collective over the world: every rank takes part, members per replica.
+            comm = self.topo.world.Split(self.topo.replica if member else MPI.UNDEFINED,
+                                         self.index)
+            if member:
+                self.tie_comms[key] = comm
+            if not mine:
+                continue
+            first, first_attr = holders[0]
+            source = built[first] if first in built else \
+                build_layer(layers[first], self.config.seed, first)   # its initialisation
+            shared = get_parameter(source, first_attr)
+            for i, attr in mine:
+                set_parameter(built[i], attr, shared)
+            if member:
+                ties.append(Tie(shared, stages[0] == self.index, comm))
+        return ties
+
+    def _communicators(self) -> tuple[Communicator, Communicator | None]:
+        """The pipeline's communicator and, with replicas, the stage's data group's."""
+        topo = self.topo
+        if self.backend == "mpi":
+            data = MpiCommunicator(topo.data_group) if topo.data > 1 else None
+            return MpiCommunicator(topo.pipe), data
+        if topo.world.size != MPI.COMM_WORLD.size:
+            raise ConfigError(
+                f"{topo.describe()}: backend {self.backend!r} (torch.distributed) spans "
+                f"MPI.COMM_WORLD, but this engine runs on a communicator of {topo.world.size} "
+                f"of its {MPI.COMM_WORLD.size} ranks; use backend 'mpi', or one engine over "
+                f"the whole job")
+        return torch_grid_communicators(topo, self.backend, self.device,
+                                        ring=self.num_chunks > 1)
+
+    def close(self) -> None:
+        self.pipe_comm.free()
+        if self.data_comm is not None:
+            self.data_comm.free()
+        for comm in self.tie_comms.values():
+            comm.Free()
+        self.topo.free()
+
+
+def _measure_times(layers: Sequence[LayerSpec], config: Config, world: MPI.Comm, sample: Any,
+                   device: torch.device) -> list[float] | None:
+    """`partition = "time"`: measured once, on world rank 0, so every rank splits alike."""
+    if config.partition != "time":
+        return None
+    times = None
+    if world.rank == 0 and sample is not None:
+        times = measure_layer_times(layers, sample, config.seed, device=device)
+    return world.bcast(times, root=0)
+
+
+def _scaler(config: Config) -> LossScaler | None:
+    if config.precision != "fp16":
+        return None
+    return LossScaler(config.loss_scale, config.loss_scale_growth, config.loss_scale_backoff,
+                      config.loss_scale_interval, config.loss_scale_min)
+
+
+def _make_optimizer(factory: OptimizerFactory, masters: list[nn.Parameter],
+                    where: str) -> torch.optim.Optimizer | None:
+    if not masters:
+        return None
+    opt = factory(masters)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ConfigError(
+            f"{where}: the optimizer factory returned {type(opt).__name__}, expected a "
+            f"torch.optim.Optimizer over the parameters it is given (e.g. "
+            f"`lambda params: torch.optim.AdamW(params, lr=3e-4)`); did it forget `return`?")
+    return opt
+
+
+def default_device(topo: Topology) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", topo.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def choose_backend(name: str, topo: Topology, device: torch.device) -> str:
+    """`auto`: NCCL where CUDA and NCCL are present and every rank has a GPU of its own
+    (NCCL refuses two ranks on one GPU: "Duplicate GPU detected"); MPI otherwise."""
+    if name != "auto":
+        if name == "nccl" and not (device.type == "cuda" and _nccl_available()):
+            raise ConfigError(
+                f"{topo.describe()}: backend 'nccl' needs CUDA tensors and torch built with "
+                f"NCCL; this rank runs on {device}. Use backend = 'mpi' or 'auto'")
+        return name
+    if device.type == "cuda" and _nccl_available() and \
+            topo.local_size <= torch.cuda.device_count():
+        return "nccl"
+    return "mpi"
+
+
+def _nccl_available() -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_nccl_available()
