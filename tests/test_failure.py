@@ -36,3 +36,22 @@ def test_failure_on_one_rank_ends_the_job_fast(mode, expected):
     assert "boom" in out or "user code failed" in out
     # Start-up (python, torch, MPI) takes a few seconds here; the abort itself is immediate.
     assert elapsed < 60, f"the job took {elapsed:.0f} s to end"
+
+
+@pytest.mark.skipif(MPIRUN is None, reason="needs mpirun on PATH")
+@pytest.mark.parametrize("mode,expected", [
+    ("sleep", "no progress for"),
+    ("extra-step", "ranks disagree on the call"),
+    ("build", "failed at instruction setup"),
+])
+def test_a_stalled_or_mismatched_job_is_reported_not_hung(mode, expected):
+    start = time.monotonic()
+    proc = subprocess.run([MPIRUN, "-n", "2", sys.executable, os.path.join(HERE, "scripts",
+                                                                          "stall.py"), mode],
+                          capture_output=True, text=True, timeout=120, env=_clean_env())
+    elapsed = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "finished without failing" not in out
+    assert expected in out, out
+    assert elapsed < 60, f"the job took {elapsed:.0f} s to end"

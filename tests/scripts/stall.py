@@ -1,0 +1,45 @@
+"""A 2-rank job that stops making progress: `mpirun -n 2 python stall.py sleep|extra-step|build`.
+
+sleep: rank 1 sleeps inside a layer (the watchdog must report and end the job);
+extra-step: rank 1 calls train_step once more than rank 0, which exits (the close check);
+build: rank 1's layer constructor raises while rank 0 builds on (abort from the first line).
+"""
+
+import sys
+import time
+
+from mpi4py import MPI
+from torch import nn
+
+import pipeflow as pf
+
+sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
+from toy import adamw, batches, loss_fn, toy_layers  # noqa: E402
+
+MODE = sys.argv[1]
+RANK = MPI.COMM_WORLD.rank
+
+
+class Sleepy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        if MODE == "build" and RANK == 1:
+            raise RuntimeError("boom: a layer constructor failed on one rank")
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if MODE == "sleep" and self.calls == 3:
+            time.sleep(120)
+        return x
+
+
+layers = toy_layers()
+layers.insert(-1, pf.LayerSpec(Sleepy))
+engine = pf.Engine(layers, loss_fn, adamw,
+                   pf.Config(pipeline=2, microbatches=2, watchdog_s=2.0))
+steps = 3 + (MODE == "extra-step" and engine.stage == 1)
+for x, y in batches(steps, 8):
+    engine.train_step(x, y)
+engine.close()
+print("finished without failing", flush=True)

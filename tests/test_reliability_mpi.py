@@ -1,0 +1,152 @@
+"""Mismatched calls, mismatched batches, non-finite steps and shapes that change under the
+engine: a clear error on every rank, or the right result; never a hang, never garbage."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from mpi4py import MPI
+from torch import nn
+
+import pipeflow as pf
+from pipeflow.optim_step import NonFiniteError
+
+from toy import adamw, batches, loss_fn, toy_layers
+
+WORLD = MPI.COMM_WORLD
+
+
+def _pair() -> MPI.Comm:
+    return WORLD.Split(color=WORLD.rank // 2, key=WORLD.rank)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_eval_on_one_rank_while_another_trains_fails_on_both():
+    comm = _pair()
+    engine = pf.Engine(toy_layers(), loss_fn, adamw, pf.Config(pipeline=2, microbatches=2),
+                       comm=comm)
+    x, y = batches(1, 8)[0]
+    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    with pytest.raises(pf.BatchError, match="ranks disagree on the call: rank . is in "
+                                            "(train_step|eval_step) of step 0"):
+        if comm.rank == 0:
+            engine.train_step(x, y)
+        else:
+            engine.eval_step(x, y)
+    # Nobody stepped.
+    assert all(torch.equal(before[k], v) for k, v in engine.module.state_dict().items())
+    engine.close()
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_replicas_given_different_batches_fail_at_once():
+    comm = _pair()
+    engine = pf.Engine(toy_layers(), loss_fn, adamw, pf.Config(data=2, microbatches=2),
+                       comm=comm)
+    x, y = batches(1, 8 if comm.rank == 0 else 12)[0]
+    with pytest.raises(pf.BatchError, match="ranks were given different inputs"):
+        engine.train_step(x, y)
+    engine.close()
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_an_optimizer_factory_returning_none_is_refused():
+    comm = _pair()
+    with pytest.raises(pf.ConfigError, match="optimizer factory returned NoneType"):
+        pf.Engine(toy_layers(), loss_fn, lambda params: None, pf.Config(pipeline=2),
+                  comm=comm)
+    comm.Free()
+
+
+class Poison(nn.Module):
+    """Passes its input through; turns it into NaN while `Poison.on` is set."""
+
+    on = False
+
+    def forward(self, x):
+        h, tokens = x
+        return (h * float("nan") if Poison.on else h), tokens
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_non_finite_step_is_skipped_everywhere_then_the_run_stops(precision):
+    comm = _pair()
+    layers = toy_layers()
+    layers.insert(1, pf.LayerSpec(Poison))
+    config = pf.Config(pipeline=2, microbatches=2, precision=precision, max_nonfinite_steps=2)
+    engine = pf.Engine(layers, loss_fn, sgd, config, comm=comm)
+    data = batches(5, 8)
+    engine.train_step(*data[0])
+    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    Poison.on = True
+    try:
+        for x, y in data[1:3]:            # two non-finite steps: skipped, weights intact
+            assert math.isnan(engine.train_step(x, y))
+            assert engine.stats.skipped
+        assert all(torch.equal(before[k], v) for k, v in engine.module.state_dict().items())
+        assert engine.skipped_steps == 2
+        with pytest.raises(NonFiniteError, match="3 steps in a row had a non-finite"):
+            engine.train_step(*data[3])
+    finally:
+        Poison.on = False
+    assert math.isfinite(engine.train_step(*data[4]))     # and it recovers
+    engine.close()
+    comm.Free()
+
+
+class Switch(nn.Module):
+    """Changes its output's dtype (and length) between calls, the batch shape unchanged."""
+
+    mode = "float"
+
+    def forward(self, x):
+        h, tokens = x
+        if Switch.mode == "double":
+            return h.double(), tokens
+        if Switch.mode == "trim":
+            return h[:, :3], tokens[:, :3]
+        return h, tokens
+
+
+class Back(nn.Module):
+    def forward(self, x):
+        h, tokens = x
+        return h.float(), tokens
+
+
+def _trimmed_loss(logits, targets):
+    return loss_fn(logits, targets[:, :logits.shape[1]])
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_outputs_that_change_dtype_or_shape_are_renegotiated_not_misread():
+    comm = _pair()
+    layers = toy_layers(blocks=2)
+    layers[2:2] = [pf.LayerSpec(Switch), pf.LayerSpec(Back)]    # Switch ends stage 0
+    engine = pf.Engine(layers, _trimmed_loss, adamw,
+                       pf.Config(pipeline=2, microbatches=2, partition=[0, 3, 6]), comm=comm)
+    reference = pf.build_sequential(layers, 0)
+    x, y = batches(1, 8)[0]
+    try:
+        for mode in ("float", "double", "trim", "float"):
+            Switch.mode = mode
+            expected = _trimmed_loss(reference(x), y).item()
+            assert engine.eval_step(x, y) == pytest.approx(expected, rel=1e-6), mode
+    finally:
+        Switch.mode = "float"
+    engine.close()
+    comm.Free()
