@@ -42,7 +42,10 @@ class Config:
     virtual_stages: int = 1    # model chunks per rank; >= 2 with schedule "interleaved"
     partition: str | list[int] = "uniform"
     precision: str = "fp32"    # "fp32", or "bf16"/"fp16" working weights with fp32 masters
-    fp32_modules: list[str] = dataclasses.field(default_factory=lambda: ["LayerNorm"])
+    # Module classes kept in fp32 under bf16/fp16, by class-name suffix ("RMSNorm" covers
+    # LlamaRMSNorm) or, from Python, by type; their buffers (rotary inv_freq) stay fp32 too.
+    fp32_modules: list[str] = dataclasses.field(
+        default_factory=lambda: ["LayerNorm", "RMSNorm", "RotaryEmbedding"])
     loss_scale: float = 65536.0          # fp16 only: initial dynamic loss scale
     loss_scale_growth: float = 2.0       # x this after `loss_scale_interval` good steps
     loss_scale_backoff: float = 0.5      # x this after an overflow (the step is skipped)
@@ -51,6 +54,9 @@ class Config:
     # "none", "full", "every:k", "selective", "auto", or a list with one policy per stage
     recompute: str | list[str] = "none"
     activation_budget_mb: float = 0.0    # per rank, for recompute = "auto"
+    # What recompute = "selective" checkpoints: module classes by name suffix (e.g.
+    # ["LlamaAttention"]), besides modules marked `pipeflow_selective = True`.
+    recompute_modules: list[str] = dataclasses.field(default_factory=list)
     backend: str = "mpi"       # "mpi", "nccl", "auto"; "gloo" runs the torch.distributed
                                # path on CPUs (tests)
     bucket_mb: float = 25.0    # gradient all-reduce bucket size, MiB
@@ -96,11 +102,13 @@ class Config:
         else:
             self.partition = list(self.partition)
         _one_of("precision", self.precision, PRECISIONS)
-        if not (isinstance(self.fp32_modules, (list, tuple))
-                and all(isinstance(n, str) for n in self.fp32_modules)):
-            raise ConfigError(f"Config.fp32_modules must be a list of module class names, "
-                              f"found {self.fp32_modules!r}")
-        self.fp32_modules = list(self.fp32_modules)
+        for name in ("fp32_modules", "recompute_modules"):
+            value = getattr(self, name)
+            if not (isinstance(value, (list, tuple))
+                    and all(isinstance(n, (str, type)) for n in value)):
+                raise ConfigError(f"Config.{name} must be a list of module class names, "
+                                  f"found {value!r}")
+            setattr(self, name, list(value))
         if not (self.loss_scale_min > 0 and self.loss_scale >= self.loss_scale_min
                 and self.loss_scale_growth >= 1 and 0 < self.loss_scale_backoff < 1
                 and isinstance(self.loss_scale_interval, int) and self.loss_scale_interval >= 1):

@@ -10,7 +10,7 @@ from torch import nn
 
 from pipeflow.tree import cast_floating
 
-__all__ = ["DTYPES", "Precision", "LossScaler", "cast_floating", "keeps_fp32"]
+__all__ = ["DTYPES", "Precision", "LossScaler", "cast_floating", "class_matches"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -64,12 +64,7 @@ class Precision:
         params = list(module.parameters())
         exact = {id(p): p.detach().float().clone() for p in params} if self.mixed else {}
         if self.mixed:
-            module.to(self.dtype)
-            for sub in module.modules():
-                if keeps_fp32(sub, fp32_modules):
-                    sub.float()
-                    sub.register_forward_pre_hook(_cast_inputs_fp32)
-                    sub.register_forward_hook(self._cast_output_back)
+            self._cast_down(module, fp32_modules)
         self.all_working = params
         self.working = [p for p in params if p.requires_grad]
         if self.mixed:
@@ -81,6 +76,21 @@ class Precision:
             self._master_of = {id(p): p for p in params}
         # What the optimizer steps: trainable parameters only.
         self.masters = [self._master_of[id(p)] for p in self.working]
+
+    def _cast_down(self, module: nn.Module, fp32_modules: Sequence[Any]) -> None:
+        """Cast every module's own parameters and buffers to the working dtype, but those of
+        the `fp32_modules` and their children, which are never rounded (their values stay
+        bit-identical to fp32) and run in fp32 between casts of their inputs and outputs."""
+        kept: set[int] = set()
+        for sub in module.modules():
+            if id(sub) not in kept and class_matches(sub, fp32_modules):
+                kept.update(id(m) for m in sub.modules())
+                sub.register_forward_pre_hook(_cast_inputs_fp32)
+                sub.register_forward_hook(self._cast_output_back)
+        for sub in module.modules():
+            if id(sub) not in kept:
+                sub._apply(lambda t: t.to(self.dtype) if t.is_floating_point() else t,
+                           recurse=False)
 
     def master_of(self, p: nn.Parameter) -> nn.Parameter:
         return self._master_of[id(p)]
@@ -130,11 +140,11 @@ class Precision:
                 p.grad = None
 
 
-def keeps_fp32(module: nn.Module, fp32_modules: Sequence[Any]) -> bool:
-    """Whether `module` is one `fp32_modules` names: a class, or a class name that the
-    module's class name ends with (so "RMSNorm" covers LlamaRMSNorm and Qwen2RMSNorm)."""
+def class_matches(module: nn.Module, names: Sequence[Any]) -> bool:
+    """Whether `module` is one that `names` lists (as `fp32_modules` and `recompute_modules`
+    do): a class, or a name its class name ends with ("RMSNorm" covers LlamaRMSNorm)."""
     name = type(module).__name__
-    for entry in fp32_modules:
+    for entry in names:
         if isinstance(entry, type):
             if isinstance(module, entry):
                 return True

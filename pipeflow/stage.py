@@ -5,6 +5,7 @@ The runner, the batch splitter and the step closer take a `Stage`, never the `En
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -17,7 +18,7 @@ from pipeflow.config import Config, ConfigError
 from pipeflow.data_parallel import GradReducer
 from pipeflow.layers import LayerSpec, build_layer, get_parameter, set_parameter, tie_groups
 from pipeflow.partition import measure_layer_times, partition_layers
-from pipeflow.precision import LossScaler, Precision
+from pipeflow.precision import LossScaler, Precision, class_matches
 from pipeflow.recompute import parse_policy
 from pipeflow.topology import Topology
 
@@ -77,6 +78,7 @@ class Stage:
         self.precision = Precision(self.module, config.precision, config.fp32_modules,
                                    _scaler(config))
         self.recompute = parse_policy(config.recompute, self.stages)[self.index]
+        mark_selective(self.module, config.recompute_modules, self.recompute, self.describe())
         self.backend = choose_backend(config.backend, topo, self.device)
         self.pipe_comm, self.data_comm = self._communicators()
         masters = self.precision.masters
@@ -175,6 +177,21 @@ class Stage:
         for comm in self.tie_comms.values():
             comm.Free()
         self.topo.free()
+
+
+def mark_selective(module: nn.Module, names: Sequence[Any], policy: str, where: str) -> None:
+    """Mark the modules `recompute = "selective"` checkpoints: classes named (by suffix) in
+    `recompute_modules`; warn when a selective stage has none, which would recompute nothing."""
+    found = 0
+    for sub in module.modules():
+        if class_matches(sub, names):          
+            sub.pipeflow_selective = True
+        found += getattr(sub, "pipeflow_selective", False) is True
+    if policy == "selective" and not found:
+        warnings.warn(f"{where}: recompute 'selective' finds no module to recompute on this "
+                      f"stage, so it recomputes nothing; list module classes in "
+                      f"recompute_modules (e.g. ['Attention']) or mark modules with "
+                      f"`pipeflow_selective = True`", stacklevel=2)
 
 
 def _measure_times(layers: Sequence[LayerSpec], config: Config, world: MPI.Comm, sample: Any,

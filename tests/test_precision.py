@@ -59,3 +59,45 @@ def test_fp16_checkpoint_keeps_masters_and_loss_scale(tmp_path):
     assert engine.train_step(x, y) == other.train_step(x, y)
     engine.close()
     other.close()
+
+
+class MyRMSNorm(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class MyRotaryEmbedding(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(width) / width))
+
+    def forward(self, x):
+        return x
+
+
+class NormBlock(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = MyRMSNorm(width)
+        self.rotary = MyRotaryEmbedding(width)
+        self.lin = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.lin(self.norm(self.rotary(x)))
+
+
+def test_fp32_modules_match_by_class_name_suffix_and_keep_their_buffers():
+    layers = [pf.LayerSpec(NormBlock, 4)]
+    engine = pf.Engine(layers, lambda out, t: (out - t).pow(2).mean(),
+                       lambda ps: torch.optim.SGD(ps, lr=0.1), pf.Config(precision="bf16"))
+    block = engine.module.get_submodule("0")
+    assert block.lin.weight.dtype == torch.bfloat16
+    assert block.norm.weight.dtype == torch.float32          # "RMSNorm" suffix
+    assert block.rotary.inv_freq.dtype == torch.float32      # a buffer, "RotaryEmbedding"
+    reference = pf.build_sequential(layers, 0)
+    assert torch.equal(block.rotary.inv_freq, reference[0].rotary.inv_freq)
+    engine.close()

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+import pipeflow as pf
 from pipeflow import build_sequential
 from pipeflow.config import ConfigError
 from pipeflow.models import GPTConfig, gpt_layers, gpt_loss
@@ -367,3 +368,21 @@ def test_full_recomputation_does_not_help_a_stash_of_one():
             >= estimate_stash_bytes("none", saved, None, boundary, 1))
     assert choose_auto(saved, boundary, 1, 200) == "none"
     assert choose_auto(saved, boundary, 1, 190) == "every:1"
+
+
+def test_selective_recomputes_the_module_classes_it_is_told():
+    from toy import adamw, batches, loss_fn, toy_layers
+    data = batches(2, 8)
+    losses = {}
+    for names in ([], ["Block"]):
+        config = pf.Config(microbatches=2, recompute="selective", recompute_modules=names)
+        if names:
+            engine = pf.Engine(toy_layers(), loss_fn, adamw, config, measure_activations=True)
+            assert engine.module.get_submodule("1").pipeflow_selective is True
+        else:
+            with pytest.warns(UserWarning, match="finds no module to recompute"):
+                engine = pf.Engine(toy_layers(), loss_fn, adamw, config,
+                                   measure_activations=True)
+        losses[tuple(names)] = [engine.train_step(x, y) for x, y in data]
+        engine.close()
+    assert losses[()] == losses[("Block",)]       # the same training, bit for bit
