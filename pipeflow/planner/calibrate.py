@@ -9,12 +9,14 @@ from typing import Any, Callable, Sequence
 from pipeflow.planner.cost import block_forward_flops
 from pipeflow.planner.hardware import Hardware, LayerTimes, fit_relative
 from pipeflow.planner.shapes import Shape
+from pipeflow.topology import sleeping_barrier
 
 __all__ = ["measure_layer_times", "measure_link", "estimate_shared_memory_link", "calibrate",
-           "sleeping_barrier", "DEFAULT_MICRO_BATCHES"]
+           "DEFAULT_MICRO_BATCHES"]
 
-# torch and mpi4py are imported inside the functions: the planner package stays importable
-# (and its pure parts testable) without either.
+# torch and numpy are imported inside the functions that measure, and the communicator comes
+# from the caller: the cost model never runs a tensor. (`import pipeflow` itself loads the
+# engine, so torch and mpi4py are installed wherever the planner runs.)
 
 DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
 
@@ -38,19 +40,18 @@ def measure_layer_times(shape: Shape, micro_batch_sizes: Sequence[int] = DEFAULT
     """
     import torch
 
-    from pipeflow.models.gpt import Block, Embedding, GPTConfig, Head, gpt_loss
+    from pipeflow.models.gpt import Block, Embedding, Head, gpt_loss
 
-    cfg = GPTConfig(n_layers=shape.n_layers, d_model=shape.d_model, n_heads=shape.n_heads,
-                    seq_len=shape.seq_len, vocab_size=shape.vocab_size)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(seed)
     try:
         torch.manual_seed(seed)
         k = max(1, min(chain, shape.n_layers))
-        layers = {"embed": Embedding(cfg),
-                  "block": torch.nn.Sequential(*[Block(cfg) for _ in range(k)]),
-                  "head": Head(cfg)}
+        # A Shape is the GPTConfig the engine builds from.
+        layers = {"embed": Embedding(shape),
+                  "block": torch.nn.Sequential(*[Block(shape) for _ in range(k)]),
+                  "head": Head(shape)}
         per_call = {"embed": 1, "block": k, "head": 1}
         samples: dict[str, dict[str, list[float]]] = {
             k: {"forward": [], "backward": []} for k in layers}
@@ -117,14 +118,6 @@ def _measure_optimizer(module: Any, repeats: int) -> float:
 
     once()
     return _best_of(once, repeats) / count
-
-
-def sleeping_barrier(comm: Any) -> None:
-    """A barrier that sleeps while it waits: MPICH's blocking barrier spins, and with one core
-    per rank a spinning idle rank would steal time from the rank that is measuring."""
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(1e-4)
 
 
 def measure_link(comm: Any, sizes: Sequence[int] = (1 << 10, 1 << 16, 1 << 20, 1 << 22),

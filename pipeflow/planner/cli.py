@@ -11,7 +11,7 @@ import shlex
 import sys
 from typing import Sequence
 
-from pipeflow.planner.cost import PRECISIONS, RECOMPUTE, SCHEDULES
+from pipeflow.planner.cost import PLANNED_SCHEDULES, PRECISIONS, RECOMPUTE
 from pipeflow.planner.hardware import PRESETS, Cluster, Hardware, HardwareError, get_hardware
 from pipeflow.planner.plan import make_plan, render_table, to_json, train_toml
 from pipeflow.planner.scaling import METHODS, ScalingError, allocate
@@ -97,7 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequences per optimizer step (overrides --global-batch-tokens)")
     search.add_argument("--precision", choices=list(PRECISIONS), default=None,
                         help="bf16 (default) or fp32 (the default with --calibrate)")
-    search.add_argument("--schedules", type=_list(SCHEDULES), default=list(SCHEDULES),
+    search.add_argument("--schedules", type=_list(PLANNED_SCHEDULES),
+                        default=list(PLANNED_SCHEDULES),
                         help="schedules to consider (default 1f1b,gpipe)")
     search.add_argument("--recompute", type=_list(RECOMPUTE), default=list(RECOMPUTE),
                         help="recomputation allowed per stage, cheapest first "

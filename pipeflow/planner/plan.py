@@ -6,7 +6,8 @@ import dataclasses
 import math
 from typing import Any, Sequence
 
-from pipeflow.planner.cost import RECOMPUTE, SCHEDULES, Estimate
+from pipeflow.config import Config
+from pipeflow.planner.cost import PLANNED_SCHEDULES, RECOMPUTE, Estimate
 from pipeflow.planner.hardware import GB, Cluster
 from pipeflow.planner.scaling import (METHODS, SECONDS_PER_DAY, Allocation, allocate,
                                       allocate_for_params)
@@ -100,7 +101,7 @@ def make_plan(cluster: Cluster, *, compute: float | None = None, days: float | N
               tokens: float | None = None, method: str = "hoffmann",
               seq_len: int = DEFAULT_SEQ_LEN, vocab_size: int = DEFAULT_VOCAB,
               global_batch: int | None = None, global_batch_tokens: float | None = None,
-              precision: str = "bf16", schedules: Sequence[str] = SCHEDULES,
+              precision: str = "bf16", schedules: Sequence[str] = PLANNED_SCHEDULES,
               recompute: Sequence[str] = RECOMPUTE, max_micro_batch: int = 16,
               mfu: float | None = None) -> Plan:
     """Size the model for the budget (or take the user's), then search the grid.
@@ -214,7 +215,8 @@ def make_plan(cluster: Cluster, *, compute: float | None = None, days: float | N
 
 
 def _least_budget(method: str, params: float) -> float:
-    """The smallest budget whose compute-optimal model is at least `params`."""
+    """The smallest budget, rounded up to two digits, whose compute-optimal model
+    `shape_for_params` can shape (at least half of `params`, the smallest shape's)."""
     lo, hi = 1.0, 1e40
     for _ in range(200):
         mid = math.sqrt(lo * hi)
@@ -222,7 +224,8 @@ def _least_budget(method: str, params: float) -> float:
             hi = mid
         else:
             lo = mid
-    return hi
+    unit = 10.0 ** (math.floor(math.log10(hi)) - 1)
+    return math.ceil(hi / unit) * unit
 
 
 # -- output -----------------------------------------------------------------------------
@@ -350,81 +353,31 @@ def _compact(modes: Sequence[str]) -> str:
 
 
 def train_toml(plan: Plan, command_line: str = "pipeflow plan") -> str:
-    """The TOML `pipeflow train` runs. Values the engine does not accept yet (precision,
-    recomputation) are written as the engine's defaults, the planned ones in comments."""
-    best, g, sh = plan.best, plan.best.grid, plan.shape
-    precision = plan.precision if _engine_accepts(precision=plan.precision) else "fp32"
+    """The TOML `pipeflow train` runs: the planned `Config` written by `Config.to_toml` with
+    the `[model]` and `[train]` tables, under comments saying where the values come from."""
+    best, g, sh, hw = plan.best, plan.best.grid, plan.shape, plan.cluster.hardware
     modes = best.recompute
-    planned: str | list[str] = modes[0] if len(set(modes)) == 1 else list(modes)
-    accepted = _engine_accepts(pipeline=g.pipeline, recompute=planned)
-    recompute = planned if accepted else "none"
-    lines = [
+    config = Config(pipeline=g.pipeline, data=g.data, microbatches=g.microbatches,
+                    schedule=g.schedule, partition=best.boundaries, precision=plan.precision,
+                    recompute=modes[0] if len(set(modes)) == 1 else list(modes),
+                    backend="mpi" if hw.calibrated else "auto", clip=1.0, seed=0)
+    train = {"steps": plan.steps, "batch_size": plan.global_batch,
+             "lr": float(f"{default_lr(sh.params):.2g}")}
+    a = plan.allocation
+    header = [
         f"# Written by `{command_line}`.",
-        f"# {plan.allocation.method}: {_si(sh.params)} parameters, {_si(plan.allocation.tokens)} "
-        f"tokens, {plan.allocation.compute:.3g} FLOPs; predicted loss "
-        f"{plan.allocation.loss:.3f}.",
-        f"# Predicted on {g.gpus} × {plan.cluster.hardware.name}: {best.step_time_s:.4g} s per "
-        f"step, {plan.train_days:.3g} days; memory per stage (GB): "
+        f"# {a.method}: {_si(sh.params)} parameters, {_si(a.tokens)} tokens, {a.compute:.3g} "
+        f"FLOPs; predicted loss {a.loss:.3f}.",
+        f"# Predicted on {g.gpus} × {hw.name}: {best.step_time_s:.4g} s per step, "
+        f"{plan.train_days:.3g} days; memory per stage (GB): "
         f"{', '.join(f'{x:.1f}' for x in best.memory_gb)}.",
         f"# Run: {plan.command('<this file>')}",
-        "",
-        "[engine]",
-        f"pipeline = {g.pipeline}",
-        f"data = {g.data}",
-        f"microbatches = {g.microbatches}      # of {g.micro_batch_size} sequence(s) each",
-        f'schedule = "{g.schedule}"',
-        f"partition = {best.boundaries}      # stage boundaries in the layer list "
-        f"(embedding, {sh.n_layers} blocks, head), balanced by predicted time",
+        f"# engine: {g.microbatches} micro-batches of {g.micro_batch_size} sequence(s); "
+        f"partition: stage boundaries in the layer list (embedding, {sh.n_layers} blocks, "
+        f"head), balanced by predicted time"
+        + ("; backend auto: NCCL on GPUs (the bandwidths planned for), MPI elsewhere."
+           if config.backend == "auto" else "."),
+        f"# train: batch_size is the global batch in sequences ({_si(plan.batch_tokens)} "
+        f"tokens); lr GPT-3's for the nearest size (Brown et al. 2020, Table 2.1).",
     ]
-    if precision == plan.precision:
-        lines.append(f'precision = "{precision}"')
-    else:
-        lines.append(f'precision = "{precision}"      # planned: "{plan.precision}"; the engine '
-                     f"does not accept it yet, and {precision} needs more memory than planned")
-    if accepted:
-        lines.append(f"recompute = {_toml_value(recompute)}")
-    else:
-        lines.append(f'recompute = "none"      # planned per stage: {modes}; the engine '
-                     f"does not accept it yet, and without it the plan needs more memory")
-    if not plan.cluster.hardware.calibrated and _engine_accepts(backend="auto"):
-        lines.append('backend = "auto"      # NCCL on GPUs (the bandwidths planned for), '
-                     'MPI elsewhere')
-    lines += [
-        "clip = 1.0",
-        "seed = 0",
-        "",
-        "[model]",
-        f"n_layers = {sh.n_layers}",
-        f"d_model = {sh.d_model}",
-        f"n_heads = {sh.n_heads}",
-        f"seq_len = {sh.seq_len}",
-        f"vocab_size = {sh.vocab_size}",
-        "",
-        "[train]",
-        f"steps = {plan.steps}",
-        f"batch_size = {plan.global_batch}      # global batch, sequences "
-        f"({_si(plan.batch_tokens)} tokens)",
-        f"lr = {default_lr(sh.params):.2g}      # GPT-3's for the nearest size "
-        f"(Brown et al. 2020, Table 2.1)",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def _engine_accepts(**fields: Any) -> bool:
-    """Whether `pipeflow.Config` accepts these values today (the engine grows features)."""
-    try:
-        from pipeflow.config import Config, ConfigError
-    except ImportError:  # pragma: no cover - planner used without the engine
-        return False
-    try:
-        Config(**fields)
-    except (ConfigError, ValueError, TypeError):
-        return False
-    return True
-
-
-def _toml_value(value: str | Sequence[str]) -> str:
-    if isinstance(value, str):
-        return f'"{value}"'
-    return "[" + ", ".join(f'"{v}"' for v in value) + "]"
+    return "\n".join(header) + "\n\n" + config.to_toml(model=sh.to_dict(), train=train)
