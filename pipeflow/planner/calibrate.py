@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any, Callable, Sequence
@@ -40,7 +41,7 @@ def measure_layer_times(shape: Shape, micro_batch_sizes: Sequence[int] = DEFAULT
     """
     import torch
 
-    from pipeflow.models.gpt import Block, Embedding, Head, gpt_loss
+    from pipeflow.models.gpt import Block, Embedding, Head
 
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -59,29 +60,11 @@ def measure_layer_times(shape: Shape, micro_batch_sizes: Sequence[int] = DEFAULT
             ids = torch.randint(0, shape.vocab_size, (b, shape.seq_len), generator=gen)
             hidden = torch.randn(b, shape.seq_len, shape.d_model, generator=gen)
 
-            def run(kind: str, phase: str) -> float:
-                module = layers[kind]
-                if kind == "embed":
-                    x = ids
-                else:
-                    x = hidden.clone().requires_grad_(True)
-                t0 = time.perf_counter()
-                out = module(x)
-                if kind == "head":
-                    out = gpt_loss(out, ids)
-                t1 = time.perf_counter()
-                if phase == "forward":
-                    return t1 - t0
-                grad = None if kind == "head" else torch.ones_like(out)
-                t1 = time.perf_counter()
-                out.backward(grad)
-                return time.perf_counter() - t1
-
             for kind in layers:
                 for phase in ("forward", "backward"):
-                    run(kind, phase)                       # warm-up: allocator, kernels
-                    samples[kind][phase].append(
-                        _best_of(lambda: run(kind, phase), repeats) / per_call[kind])
+                    run = functools.partial(_time_layer, layers[kind], kind, phase, ids, hidden)
+                    run()                                  # warm-up: allocator, kernels
+                    samples[kind][phase].append(_best_of(run, repeats) / per_call[kind])
         # Over the whole chain: a stage's optimizer state does not fit in cache either.
         per_param = _measure_optimizer(layers["block"], repeats)
     finally:
@@ -94,6 +77,26 @@ def measure_layer_times(shape: Shape, micro_batch_sizes: Sequence[int] = DEFAULT
     by_size = {k: {ph: dict(zip(micro_batch_sizes, v)) for ph, v in phs.items()}
                for k, phs in samples.items()}
     return LayerTimes.from_samples(shape.to_dict(), by_size, per_param)
+
+
+def _time_layer(module: Any, kind: str, phase: str, ids: Any, hidden: Any) -> float:
+    """Seconds of one forward (the head with its loss) or, after it, one backward."""
+    import torch
+
+    from pipeflow.models.gpt import gpt_loss
+
+    x = ids if kind == "embed" else hidden.clone().requires_grad_(True)
+    t0 = time.perf_counter()
+    out = module(x)
+    if kind == "head":
+        out = gpt_loss(out, ids)
+    t1 = time.perf_counter()
+    if phase == "forward":
+        return t1 - t0
+    grad = None if kind == "head" else torch.ones_like(out)
+    t1 = time.perf_counter()
+    out.backward(grad)
+    return time.perf_counter() - t1
 
 
 def _measure_optimizer(module: Any, repeats: int) -> float:

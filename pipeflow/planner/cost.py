@@ -251,6 +251,33 @@ def _replica_samples(data: int, gpus_per_node: int) -> range:
     return range(min(data, gpus_per_node))
 
 
+def _p2p_time(cluster: Cluster, stage: int, p: int, d: int, send_bytes: float) -> float:
+    """Per micro-batch: the stage's activation sent forward and gradient sent backward."""
+    total = 0.0
+    for neighbour in (stage + 1, stage - 1):
+        if 0 <= neighbour < p:
+            # Every replica sends at once; the step waits for the slowest pair.
+            total += max(_transfer_time(cluster, [rank_of(stage, r, d),
+                                                  rank_of(neighbour, r, d)], send_bytes)
+                         for r in _replica_samples(d, cluster.gpus_per_node))
+    return total
+
+
+def _gradient_sync_time(shape: Shape, cluster: Cluster, prec: PrecisionBytes, stage: int,
+                        p: int, d: int, params: int) -> float:
+    """Per step: the all-reduce over the stage's replicas, and the tied matrix's sum."""
+    bw, lat = cluster.link([rank_of(stage, r, d) for r in range(d)])
+    total = ring_allreduce_time(params * prec.grad_reduce_bytes, d, bw, lat)
+    if p > 1 and stage in (0, p - 1) and shape.tie_embeddings:
+        # The tied embedding / head matrix: its gradient is summed between the first and
+        # the last stage after the replicas' all-reduce.
+        tie_bytes = shape.vocab_size * shape.d_model * prec.grad_reduce_bytes
+        total += max(ring_allreduce_time(tie_bytes, 2, *cluster.link([rank_of(0, r, d),
+                                                                      rank_of(p - 1, r, d)]))
+                     for r in _replica_samples(d, cluster.gpus_per_node))
+    return total
+
+
 # -- estimate ---------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -390,25 +417,9 @@ def estimate(shape: Shape, cluster: Cluster, grid: Grid, recompute: str | Sequen
         fwd = sum(n * times[k, "forward"] for k, n in count.items())
         bwd = sum(n * times[k, "backward"] for k, n in count.items())
         bwd += count["block"] * _recompute_time(shape, cluster, prec, modes[st], b)
-        p2p = 0.0
-        for neighbour in (st + 1, st - 1):        # activation forward, gradient backward
-            if 0 <= neighbour < p:
-                # Every replica sends at once; the step waits for the slowest pair.
-                p2p += max(_transfer_time(cluster, [rank_of(st, r, d),
-                                                    rank_of(neighbour, r, d)], send_bytes)
-                           for r in _replica_samples(d, cluster.gpus_per_node))
         params = _stage_params(shape, count)
-        group = [rank_of(st, r, d) for r in range(d)]
-        bw, lat = cluster.link(group)
-        allreduce = ring_allreduce_time(params * prec.grad_reduce_bytes, d, bw, lat)
-        if p > 1 and st in (0, p - 1):
-            # The tied embedding / head matrix: its gradient is summed between the first and
-            # the last stage after the replicas' all-reduce.
-            tie_bytes = shape.vocab_size * shape.d_model * prec.grad_reduce_bytes
-            allreduce += max(
-                ring_allreduce_time(tie_bytes, 2, *cluster.link([rank_of(0, r, d),
-                                                                 rank_of(p - 1, r, d)]))
-                for r in _replica_samples(d, cluster.gpus_per_node))
+        p2p = _p2p_time(cluster, st, p, d, send_bytes)
+        allreduce = _gradient_sync_time(shape, cluster, prec, st, p, d, params)
         if hw.layer_times is not None:
             optimizer = params * hw.layer_times.optimizer_s_per_param
         else:
