@@ -19,6 +19,8 @@ from typing import Callable, Iterable
 import torch
 from mpi4py import MPI
 
+from pipeflow.topology import sleeping_barrier
+
 __all__ = ["REPO", "DEFAULT_OUTPUT", "add_model_args", "sync", "time_block", "cpu_model", "cpu_flags",
            "load_average", "command_line", "header", "write_section", "busy", "busy_note",
            "run_main"]
@@ -38,14 +40,8 @@ def add_model_args(parser, layers: int = 8, width: int = 256, heads: int = 8,
 
 
 def sync(comm: MPI.Comm = MPI.COMM_WORLD) -> None:
-    """A barrier that sleeps while it waits.
-
-    MPICH's blocking barrier spins, and on a machine with one core per rank a spinning idle
-    rank would steal time from the ranks being measured.
-    """
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(1e-4)
+    """`pipeflow.topology.sleeping_barrier` over `comm` (the world by default)."""
+    sleeping_barrier(comm)
 
 
 def time_block(step: Callable[[int], None], first: int, n: int, active: bool,

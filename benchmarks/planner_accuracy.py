@@ -26,11 +26,12 @@ from mpi4py import MPI
 
 import pipeflow as pf
 from pipeflow.models import GPTConfig, gpt_layers, gpt_loss
-from pipeflow.planner.calibrate import calibrate, measure_layer_times, sleeping_barrier
-from pipeflow.planner.cost import SCHEDULES, Grid, estimate
+from pipeflow.planner.calibrate import calibrate, measure_layer_times
+from pipeflow.planner.cost import PLANNED_SCHEDULES, Grid, estimate
 from pipeflow.planner.hardware import Cluster
 from pipeflow.planner.search import divisors, search
 from pipeflow.planner.shapes import Shape
+from pipeflow.topology import sleeping_barrier
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import add_model_args, write_section  # noqa: E402
@@ -183,7 +184,7 @@ def main() -> int:
                    log=log)
     dp = data_parallel_works(shape, args.batch)
     keep = (lambda g: True) if dp else (lambda g: g.data == 1)
-    first = search(shape, Cluster(hw, 2, 2), args.batch, "fp32", SCHEDULES, ("none",),
+    first = search(shape, Cluster(hw, 2, 2), args.batch, "fp32", PLANNED_SCHEDULES, ("none",),
                    args.max_micro_batch, grid_filter=keep)
     grids = [e.grid for e in first.ranked]
     bounds = {e.grid: e.boundaries for e in first.ranked}
@@ -231,7 +232,7 @@ def main() -> int:
     if clean_times is not None:
         hw = dataclasses.replace(hw, layer_times=clean_times)
     cluster = Cluster(hw, gpus=2, gpus_per_node=2)
-    final = search(shape, cluster, args.batch, "fp32", SCHEDULES, ("none",),
+    final = search(shape, cluster, args.batch, "fp32", PLANNED_SCHEDULES, ("none",),
                    args.max_micro_batch, grid_filter=keep)
     choice = final.best.grid
     rows = []

@@ -154,8 +154,10 @@ class Config:
                 f"unknown engine setting(s) {unknown}; known settings are {sorted(known)}")
         return cls(**dict(values))
 
-    def to_toml(self) -> str:
-        return tomli_w.dumps({"engine": self.to_dict()})
+    def to_toml(self, **tables: Mapping[str, Any]) -> str:
+        """The `[engine]` table, followed by any other `tables` (a run file's `[model]` and
+        `[train]`, as `pipeflow train` reads them)."""
+        return tomli_w.dumps({"engine": self.to_dict(), **tables})
 
     def save(self, path: str | os.PathLike) -> None:
         from pipeflow._io import atomic_write_bytes

@@ -10,9 +10,29 @@ from torch import nn
 
 from pipeflow.tree import cast_floating
 
-__all__ = ["DTYPES", "Precision", "LossScaler", "cast_floating", "class_matches"]
+__all__ = ["DTYPES", "OPTIMIZER_STATES", "Precision", "LossScaler", "cast_floating", "itemsize",
+           "bytes_per_parameter", "class_matches"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# fp32 values the optimizer keeps per parameter: AdamW's first and second moments.
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
+
+
+def itemsize(precision: str) -> int:
+    """Bytes of one working value (weight, activation) under `precision`."""
+    return DTYPES[precision].itemsize
+
+
+def bytes_per_parameter(precision: str, optimizer: str = "adamw") -> int:
+    """Bytes one parameter holds under `Precision`: the working weight; under mixed precision
+    an fp32 master too; the fp32 gradient the micro-batches accumulate into (the master's, the
+    low-precision one is freed as soon as it is added); and the optimizer's fp32 state.
+
+    bf16/fp16 with AdamW: 2 + 4 + 4 + 8 = 18 bytes; fp32: 4 + 4 + 8 = 16.
+    """
+    work = itemsize(precision)
+    master = 4 if work != 4 else 0
+    return work + master + 4 + 4 * OPTIMIZER_STATES[optimizer]
 
 
 @dataclasses.dataclass

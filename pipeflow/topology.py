@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 from mpi4py import MPI
 
 from pipeflow.config import ConfigError
 
-__all__ = ["Topology", "TopologyError"]
+__all__ = ["Topology", "TopologyError", "rank_of", "sleeping_barrier"]
+
+
+def rank_of(stage: int, replica: int, data: int) -> int:
+    """World rank of `(stage, replica)` in a grid of `data` replicas: pipeline-outermost, so
+    a stage's replicas are neighbouring ranks (see `Topology`)."""
+    return stage * data + replica
+
+
+def sleeping_barrier(comm: Any) -> None:
+    """A barrier that sleeps while it waits.
+
+    MPICH's blocking barrier spins, and on a machine with one core per rank a spinning idle
+    rank would steal time from the ranks being measured.
+    """
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(1e-4)
 
 
 class TopologyError(ConfigError):
@@ -32,7 +52,7 @@ class Topology:
         self.rank = comm.rank
         self.pipeline = pipeline
         self.data = data
-        self.stage, self.replica = divmod(comm.rank, data)
+        self.stage, self.replica = divmod(comm.rank, data)     # the inverse of rank_of
         # Each replica's pipeline: ranks of all stages of one replica, ordered by stage, so
         # a stage's rank in `pipe` is its stage index.
         self.pipe = comm.Split(color=self.replica, key=self.stage)
@@ -52,7 +72,7 @@ class Topology:
 
     def rank_of(self, stage: int, replica: int) -> int:
         """World rank of `(stage, replica)`."""
-        return stage * self.data + replica
+        return rank_of(stage, replica, self.data)
 
     def describe(self) -> str:
         return (f"rank {self.rank} (stage {self.stage} of {self.pipeline}, "

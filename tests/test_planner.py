@@ -10,15 +10,18 @@ import sys
 import pytest
 
 from pipeflow.planner import cli
+from pipeflow.models.gpt import GPTConfig, layer_parameters, num_parameters
+from pipeflow.partition import partition_balanced
 from pipeflow.planner.cost import (PRECISIONS, Grid, activation_bytes_per_layer,
-                                   balanced_boundaries, bubble_fraction, estimate,
-                                   ring_allreduce_time, stage_memory, stash_microbatches)
+                                   bubble_fraction, estimate, peak_stash, ring_allreduce_time,
+                                   stage_memory, time_balanced_boundaries)
 from pipeflow.planner.hardware import GB, PRESETS, Cluster, Hardware, HardwareError, LayerTimes
 from pipeflow.planner.plan import make_plan, nice_batch
 from pipeflow.planner.scaling import (APPROACH1_G, BESIROGLU_FIT, HOFFMANN_FIT, TABLE3,
                                       allocate, allocate_for_params, compute_from_gpu_days)
 from pipeflow.planner.search import PlanError, minimum_gpus, search
-from pipeflow.planner.shapes import ASPECT_RANGE, Shape, ShapeError, param_count, shape_for_params
+from pipeflow.planner.shapes import ASPECT_RANGE, Shape, ShapeError, shape_for_params
+from pipeflow.schedule import build_schedule, simulate
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -94,10 +97,14 @@ def test_compute_from_gpu_days():
 
 # -- shapes -----------------------------------------------------------------------------
 
-def test_param_count_formula_matches_gpt3_xl():
+def test_shape_is_the_gpt_the_engine_builds_and_counts_gpt3_xl():
     # GPT-3 XL (Brown et al. 2020): 24 layers, d_model 2048 -> "1.3B".
-    assert param_count(24, 2048, 2048, 50304) == 12 * 24 * 2048**2 + 50304 * 2048 + 2048 * 2048
-    assert within(param_count(24, 2048, 2048, 50304), 1.3e9, 0.02)
+    shape = Shape(24, 2048, 16)
+    assert shape.params == num_parameters(GPTConfig(24, 2048, 16, 2048, 50304))
+    assert within(shape.params, 1.3e9, 0.02)
+    # Kaplan et al.'s 12·L·d² + V·d + s·d leaves out biases and LayerNorms: under 0.1% here.
+    kaplan = 12 * 24 * 2048**2 + 50304 * 2048 + 2048 * 2048
+    assert kaplan < shape.params < 1.001 * kaplan
 
 
 @pytest.mark.parametrize("target", [3e7, 1.25e8, 5e8, 1e9, 2.8e9, 1.3e10, 7e10, 1e12])
@@ -113,7 +120,7 @@ def test_shape_for_params_is_close_and_well_proportioned(target):
 def test_shape_errors_say_what_to_change():
     with pytest.raises(ShapeError, match="smallest GPT"):
         shape_for_params(1e5)
-    with pytest.raises(ShapeError, match="not divisible by n_heads"):
+    with pytest.raises(ShapeError, match="divisible by n_heads"):
         Shape(4, 100, 3)
 
 
@@ -128,10 +135,23 @@ def test_activation_formulas_korthikanti():
 
 
 def test_stash_and_bubble():
-    assert [stash_microbatches(s, 4, 8, "1f1b") for s in range(4)] == [4, 3, 2, 1]
-    assert [stash_microbatches(s, 4, 2, "1f1b") for s in range(4)] == [2, 2, 2, 1]
-    assert [stash_microbatches(s, 4, 8, "gpipe") for s in range(4)] == [8, 8, 8, 8]
+    assert peak_stash("1f1b", 4, 8) == (4, 3, 2, 1)
+    assert peak_stash("1f1b", 4, 2) == (2, 2, 2, 1)
+    assert peak_stash("gpipe", 4, 8) == (8, 8, 8, 8)
     assert bubble_fraction(4, 12) == 3 / 15 and bubble_fraction(1, 5) == 0
+
+
+@pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2),
+                                             ("interleaved", 3)])
+def test_planner_stash_is_the_simulators(schedule, chunks):
+    # The planner extrapolates long runs from two simulations past the warm-up: it must agree
+    # with simulating every micro-batch.
+    peak_stash.cache_clear()
+    for p in range(1, 9):
+        step = p if chunks > 1 else 1
+        for m in range(step, 8 * p + 3 * step, step):
+            full = simulate(build_schedule(schedule, p, m, chunks)).peak_stash
+            assert peak_stash(schedule, p, m, chunks) == tuple(full), (p, m)
 
 
 def test_stage_memory_is_state_plus_stash():
@@ -139,7 +159,7 @@ def test_stage_memory_is_state_plus_stash():
     prec = PRECISIONS["bf16"]
     grid = Grid(4, 1, 2, 8, "1f1b")
     state, acts, transient = stage_memory(shape, prec, grid, 1, (3, 5), "none")
-    assert state == 2 * 12 * 1024**2 * 18            # two blocks, 18 bytes per parameter
+    assert state == 2 * layer_parameters(shape)["block"] * 18   # two blocks, 18 bytes each
     per_block = activation_bytes_per_layer(2048, 2, 1024, 16)
     assert acts == 3 * 2 * per_block and transient == 0   # stage 1 of 4 stashes 3
     # Recomputation shrinks the stash; the rebuilt block comes on top once.
@@ -192,17 +212,15 @@ def test_allreduce_crosses_nodes_only_when_the_data_group_does():
     assert ring_allreduce_time(1e9, 4, 1e9, 0) == pytest.approx(1.5)
 
 
-def test_balanced_boundaries_minimise_the_heaviest_stage():
-    import itertools
-    for weights in ([1, 1, 1, 1], [5, 1, 1, 1, 1, 5], [0.5, 3, 3, 3, 3, 4], [3, 0, 0, 7, 1, 1]):
-        for p in range(1, len(weights) + 1):
-            b = balanced_boundaries(weights, p)
-            heaviest = max(sum(weights[b[i]:b[i + 1]]) for i in range(p))
-            brute = min(max(sum(weights[c[i]:c[i + 1]]) for i in range(p))
-                        for cuts in itertools.combinations(range(1, len(weights)), p - 1)
-                        for c in [[0, *cuts, len(weights)]])
-            assert heaviest == pytest.approx(brute)
-            assert b[0] == 0 and b[-1] == len(weights) and all(x < y for x, y in zip(b, b[1:]))
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 7, 10])
+def test_planner_partition_is_the_engines_solver(p):
+    shape, cluster = Shape(8, 1024, 16), Cluster(H100, 8)
+    # One layer a stage: each stage's forward + backward is one layer's time.
+    alone = estimate(shape, cluster, Grid(10, 1, 2, 8), "none", boundaries=list(range(11)))
+    weights = [st.forward_s + st.backward_s for st in alone.stages]
+    bounds = time_balanced_boundaries(shape, cluster, PRECISIONS["bf16"], p, 2)
+    assert list(bounds) == partition_balanced(weights, p)
+    assert estimate(shape, cluster, Grid(p, 1, 2, 8), "none").boundaries == list(bounds)
 
 
 # -- search -----------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Ready-made models, each a list of `LayerSpec`s that any pipeline grid can split."""
 
 from pipeflow.models.gpt import (Block, Embedding, GPTConfig, Head, flops_per_token,
-                                 gpt_layers, gpt_loss, num_parameters)
+                                 gpt_layers, gpt_loss, layer_parameters, num_parameters)
 
 __all__ = ["GPTConfig", "Embedding", "Block", "Head", "gpt_layers", "gpt_loss",
-           "num_parameters", "flops_per_token"]
+           "layer_parameters", "num_parameters", "flops_per_token"]

@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from pipeflow.layers import LayerSpec
 
 __all__ = ["GPTConfig", "Embedding", "AttentionCore", "Block", "Head", "gpt_layers",
-           "gpt_loss", "num_parameters", "flops_per_token"]
+           "gpt_loss", "layer_parameters", "num_parameters", "flops_per_token"]
 
 
 @dataclasses.dataclass
@@ -171,22 +171,32 @@ def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def num_parameters(cfg: GPTConfig, embeddings: bool = True) -> int:
-    """Parameter count from the formula (the tests check it against the built model).
+def layer_parameters(cfg: GPTConfig) -> dict[str, int]:
+    """Parameters of each layer `gpt_layers` builds: the "embed"ding, one "block", the "head".
 
-    With `embeddings=False` the token and position tables are left out: they are lookups,
-    not matrix products, so they cost no FLOPs.
+    Each counts the tables it holds, the tied token matrix in both the embedding and the head:
+    a stage holding only one of them keeps its own copy of that matrix.
     """
-    d, V, L, b = cfg.d_model, cfg.vocab_size, cfg.n_layers, int(cfg.bias)
+    d, V, b = cfg.d_model, cfg.vocab_size, int(cfg.bias)
     layer_norm = d + b * d
     block = (2 * layer_norm
              + 3 * d * d + b * 3 * d       # qkv
              + d * d + b * d               # attention projection
              + 4 * d * d + b * 4 * d       # fc
              + 4 * d * d + b * d)          # mlp projection
-    head = layer_norm + d * V + b * V
-    embedding = (0 if cfg.tie_embeddings else V * d) + cfg.seq_len * d
-    return L * block + head + (embedding if embeddings else 0)
+    return {"embed": V * d + cfg.seq_len * d, "block": block,
+            "head": layer_norm + d * V + b * V}
+
+
+def num_parameters(cfg: GPTConfig, embeddings: bool = True) -> int:
+    """Parameter count from the formula (the tests check it against the built model).
+
+    With `embeddings=False` the token and position tables are left out: they are lookups,
+    not matrix products, so they cost no FLOPs.
+    """
+    per = layer_parameters(cfg)
+    embedding = per["embed"] - (cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0)
+    return cfg.n_layers * per["block"] + per["head"] + (embedding if embeddings else 0)
 
 
 def flops_per_token(cfg: GPTConfig) -> int:

@@ -6,11 +6,11 @@ from pipeflow.planner.plan import Plan, make_plan, render_table, to_json, train_
 from pipeflow.planner.scaling import (BESIROGLU_FIT, HOFFMANN_FIT, METHODS, Allocation,
                                       allocate, allocate_for_params)
 from pipeflow.planner.search import PlanError, SearchResult, search
-from pipeflow.planner.shapes import Shape, param_count, shape_for_params
+from pipeflow.planner.shapes import Shape, shape_for_params
 
 __all__ = [
     "Allocation", "BESIROGLU_FIT", "Cluster", "Estimate", "Grid", "HOFFMANN_FIT", "Hardware",
     "LayerTimes", "METHODS", "PRESETS", "Plan", "PlanError", "SearchResult", "Shape",
-    "allocate", "allocate_for_params", "estimate", "get_hardware", "make_plan", "param_count",
+    "allocate", "allocate_for_params", "estimate", "get_hardware", "make_plan",
     "render_table", "search", "shape_for_params", "to_json", "train_toml",
 ]

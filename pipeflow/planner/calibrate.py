@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any, Callable, Sequence
@@ -9,12 +10,14 @@ from typing import Any, Callable, Sequence
 from pipeflow.planner.cost import block_forward_flops
 from pipeflow.planner.hardware import Hardware, LayerTimes, fit_relative
 from pipeflow.planner.shapes import Shape
+from pipeflow.topology import sleeping_barrier
 
 __all__ = ["measure_layer_times", "measure_link", "estimate_shared_memory_link", "calibrate",
-           "sleeping_barrier", "DEFAULT_MICRO_BATCHES"]
+           "DEFAULT_MICRO_BATCHES"]
 
-# torch and mpi4py are imported inside the functions: the planner package stays importable
-# (and its pure parts testable) without either.
+# torch and numpy are imported inside the functions that measure, and the communicator comes
+# from the caller: the cost model never runs a tensor. (`import pipeflow` itself loads the
+# engine, so torch and mpi4py are installed wherever the planner runs.)
 
 DEFAULT_MICRO_BATCHES = (1, 2, 4, 8)
 
@@ -38,19 +41,18 @@ def measure_layer_times(shape: Shape, micro_batch_sizes: Sequence[int] = DEFAULT
     """
     import torch
 
-    from pipeflow.models.gpt import Block, Embedding, GPTConfig, Head, gpt_loss
+    from pipeflow.models.gpt import Block, Embedding, Head
 
-    cfg = GPTConfig(n_layers=shape.n_layers, d_model=shape.d_model, n_heads=shape.n_heads,
-                    seq_len=shape.seq_len, vocab_size=shape.vocab_size)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(seed)
     try:
         torch.manual_seed(seed)
         k = max(1, min(chain, shape.n_layers))
-        layers = {"embed": Embedding(cfg),
-                  "block": torch.nn.Sequential(*[Block(cfg) for _ in range(k)]),
-                  "head": Head(cfg)}
+        # A Shape is the GPTConfig the engine builds from.
+        layers = {"embed": Embedding(shape),
+                  "block": torch.nn.Sequential(*[Block(shape) for _ in range(k)]),
+                  "head": Head(shape)}
         per_call = {"embed": 1, "block": k, "head": 1}
         samples: dict[str, dict[str, list[float]]] = {
             k: {"forward": [], "backward": []} for k in layers}
@@ -58,29 +60,11 @@ def measure_layer_times(shape: Shape, micro_batch_sizes: Sequence[int] = DEFAULT
             ids = torch.randint(0, shape.vocab_size, (b, shape.seq_len), generator=gen)
             hidden = torch.randn(b, shape.seq_len, shape.d_model, generator=gen)
 
-            def run(kind: str, phase: str) -> float:
-                module = layers[kind]
-                if kind == "embed":
-                    x = ids
-                else:
-                    x = hidden.clone().requires_grad_(True)
-                t0 = time.perf_counter()
-                out = module(x)
-                if kind == "head":
-                    out = gpt_loss(out, ids)
-                t1 = time.perf_counter()
-                if phase == "forward":
-                    return t1 - t0
-                grad = None if kind == "head" else torch.ones_like(out)
-                t1 = time.perf_counter()
-                out.backward(grad)
-                return time.perf_counter() - t1
-
             for kind in layers:
                 for phase in ("forward", "backward"):
-                    run(kind, phase)                       # warm-up: allocator, kernels
-                    samples[kind][phase].append(
-                        _best_of(lambda: run(kind, phase), repeats) / per_call[kind])
+                    run = functools.partial(_time_layer, layers[kind], kind, phase, ids, hidden)
+                    run()                                  # warm-up: allocator, kernels
+                    samples[kind][phase].append(_best_of(run, repeats) / per_call[kind])
         # Over the whole chain: a stage's optimizer state does not fit in cache either.
         per_param = _measure_optimizer(layers["block"], repeats)
     finally:
@@ -93,6 +77,26 @@ def measure_layer_times(shape: Shape, micro_batch_sizes: Sequence[int] = DEFAULT
     by_size = {k: {ph: dict(zip(micro_batch_sizes, v)) for ph, v in phs.items()}
                for k, phs in samples.items()}
     return LayerTimes.from_samples(shape.to_dict(), by_size, per_param)
+
+
+def _time_layer(module: Any, kind: str, phase: str, ids: Any, hidden: Any) -> float:
+    """Seconds of one forward (the head with its loss) or, after it, one backward."""
+    import torch
+
+    from pipeflow.models.gpt import gpt_loss
+
+    x = ids if kind == "embed" else hidden.clone().requires_grad_(True)
+    t0 = time.perf_counter()
+    out = module(x)
+    if kind == "head":
+        out = gpt_loss(out, ids)
+    t1 = time.perf_counter()
+    if phase == "forward":
+        return t1 - t0
+    grad = None if kind == "head" else torch.ones_like(out)
+    t1 = time.perf_counter()
+    out.backward(grad)
+    return time.perf_counter() - t1
 
 
 def _measure_optimizer(module: Any, repeats: int) -> float:
@@ -117,14 +121,6 @@ def _measure_optimizer(module: Any, repeats: int) -> float:
 
     once()
     return _best_of(once, repeats) / count
-
-
-def sleeping_barrier(comm: Any) -> None:
-    """A barrier that sleeps while it waits: MPICH's blocking barrier spins, and with one core
-    per rank a spinning idle rank would steal time from the rank that is measuring."""
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(1e-4)
 
 
 def measure_link(comm: Any, sizes: Sequence[int] = (1 << 10, 1 << 16, 1 << 20, 1 << 22),

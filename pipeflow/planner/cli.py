@@ -11,7 +11,7 @@ import shlex
 import sys
 from typing import Sequence
 
-from pipeflow.planner.cost import PRECISIONS, RECOMPUTE, SCHEDULES
+from pipeflow.planner.cost import PLANNED_SCHEDULES, PRECISIONS, RECOMPUTE
 from pipeflow.planner.hardware import PRESETS, Cluster, Hardware, HardwareError, get_hardware
 from pipeflow.planner.plan import make_plan, render_table, to_json, train_toml
 from pipeflow.planner.scaling import METHODS, ScalingError, allocate
@@ -97,7 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequences per optimizer step (overrides --global-batch-tokens)")
     search.add_argument("--precision", choices=list(PRECISIONS), default=None,
                         help="bf16 (default) or fp32 (the default with --calibrate)")
-    search.add_argument("--schedules", type=_list(SCHEDULES), default=list(SCHEDULES),
+    search.add_argument("--schedules", type=_list(PLANNED_SCHEDULES),
+                        default=list(PLANNED_SCHEDULES),
                         help="schedules to consider (default 1f1b,gpipe)")
     search.add_argument("--recompute", type=_list(RECOMPUTE), default=list(RECOMPUTE),
                         help="recomputation allowed per stage, cheapest first "
@@ -138,36 +139,44 @@ def _world() -> tuple[object | None, int, int]:
     return MPI.COMM_WORLD, MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 
 
+def _calibrated_cluster(args: argparse.Namespace,
+                        shape: Shape | None) -> tuple[Cluster | None, Shape]:
+    """Measure this machine on the model to plan (sized from the request when not given);
+    (None, shape) on every MPI rank but 0, which plans."""
+    if args.days is not None:
+        raise PlanError("--calibrate sizes the model before measuring it: give --compute, "
+                        "--params or --layers/--width instead of --days")
+    comm, rank, size = _world()
+    if shape is None:
+        if args.params is not None:
+            shape = shape_for_params(args.params, args.seq_len, args.vocab)
+        elif args.compute is not None:
+            shape = shape_for_params(allocate(args.compute, args.method).params,
+                                     args.seq_len, args.vocab)
+        else:
+            raise PlanError("--calibrate needs a model to measure: give --compute, "
+                            "--params or --layers/--width (small: it runs on this CPU)")
+    from pipeflow.planner.calibrate import calibrate
+    gpus = args.gpus or (size if size > 1 else (os.cpu_count() or 1))
+    hw = calibrate(shape, comm=comm, ranks_per_node=gpus,
+                   log=(lambda msg: print(msg, file=sys.stderr)) if rank == 0 else None)
+    if rank != 0:
+        return None, shape
+    if args.save_hardware:
+        hw.save(args.save_hardware)
+    return Cluster(hw, gpus, args.gpus_per_node or gpus), shape
+
+
 def _plan(args: argparse.Namespace, rank: int) -> int:
     shape = _shape_from_args(args)
     if args.gpus is not None and args.gpus < 1:
         raise PlanError(f"--gpus must be at least 1, found {args.gpus}: a plan runs on "
                         f"pipeline × data ≥ 1 GPUs. {_what_fits(args)}")
     precision = args.precision or ("fp32" if args.calibrate else "bf16")
-    comm = None
     if args.calibrate:
-        if args.days is not None:
-            raise PlanError("--calibrate sizes the model before measuring it: give --compute, "
-                            "--params or --layers/--width instead of --days")
-        comm, rank, size = _world()
-        if shape is None:
-            if args.params is not None:
-                shape = shape_for_params(args.params, args.seq_len, args.vocab)
-            elif args.compute is not None:
-                shape = shape_for_params(allocate(args.compute, args.method).params,
-                                         args.seq_len, args.vocab)
-            else:
-                raise PlanError("--calibrate needs a model to measure: give --compute, "
-                                "--params or --layers/--width (small: it runs on this CPU)")
-        from pipeflow.planner.calibrate import calibrate
-        gpus = args.gpus or (size if size > 1 else (os.cpu_count() or 1))
-        hw = calibrate(shape, comm=comm, ranks_per_node=gpus,
-                       log=(lambda msg: print(msg, file=sys.stderr)) if rank == 0 else None)
-        if rank != 0:
-            return 0
-        if args.save_hardware:
-            hw.save(args.save_hardware)
-        cluster = Cluster(hw, gpus, args.gpus_per_node or gpus)
+        cluster, shape = _calibrated_cluster(args, shape)
+        if cluster is None:
+            return 0                                  # rank 0 plans; the others measured
     else:
         if args.save_hardware:
             raise PlanError("--save-hardware saves what --calibrate measures: add --calibrate")

@@ -2,51 +2,70 @@
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import functools
 from typing import Sequence
 
+from pipeflow.config import SCHEDULES
+from pipeflow.models.gpt import layer_parameters
+from pipeflow.partition import partition_balanced
 from pipeflow.planner.hardware import GB, Cluster
 from pipeflow.planner.shapes import Shape
+from pipeflow.precision import bytes_per_parameter, itemsize
+from pipeflow.schedule import build_schedule, simulate
+from pipeflow.topology import rank_of
 
 __all__ = [
-    "Precision", "PRECISIONS", "RECOMPUTE", "SCHEDULES", "Grid", "StageCost", "Estimate",
-    "activation_bytes_per_layer", "head_activation_bytes", "stash_microbatches",
+    "PrecisionBytes", "PRECISIONS", "RECOMPUTE", "PLANNED_SCHEDULES", "Grid", "StageCost",
+    "Estimate", "activation_bytes_per_layer", "head_activation_bytes", "peak_stash",
     "bubble_fraction", "ring_allreduce_time", "block_forward_flops", "head_forward_flops",
-    "layer_kinds", "balanced_boundaries", "time_balanced_boundaries", "stage_memory",
-    "estimate",
+    "layer_kinds", "time_balanced_boundaries", "stage_memory", "estimate",
 ]
 
 RECOMPUTE = ("none", "selective", "full")     # cheapest first: the order the search tries
-SCHEDULES = ("1f1b", "gpipe")
+# The schedules of `pipeflow.config.SCHEDULES` the cost model times.
+PLANNED_SCHEDULES = tuple(s for s in SCHEDULES if s in ("1f1b", "gpipe"))
 
 
 @dataclasses.dataclass(frozen=True)
-class Precision:
-    """Bytes a parameter and an activation take under one numeric recipe."""
+class PrecisionBytes:
+    """What one numeric recipe of `pipeflow.precision` costs the cost model.
+
+    Bytes per parameter and per activation come from `pipeflow.precision`: bf16 keeps a bf16
+    working weight, an fp32 master, the fp32 gradient accumulated over micro-batches (as
+    Megatron-LM does) and AdamW's two fp32 moments, 18 bytes; fp32 keeps 16.
+    """
 
     name: str
-    state_bytes: int        # per parameter: weights + master + gradient + Adam m and v
-    activation_scale: float  # Korthikanti's per-layer formula counts 16-bit activations
-    grad_reduce_bytes: int   # per parameter on the wire in the data-parallel all-reduce
-    act_bytes: int           # per element sent between stages
     peak_scale: float        # fraction of the bf16 dense peak this recipe's matmuls run at
     note: str
+    grad_reduce_bytes: int = 4   # per parameter on the wire: the fp32 master gradients
+
+    @property
+    def state_bytes(self) -> int:
+        """Per parameter: weights, master, gradient, optimizer state."""
+        return bytes_per_parameter(self.name)
+
+    @property
+    def act_bytes(self) -> int:
+        """Per activation element kept or sent between stages."""
+        return itemsize(self.name)
+
+    @property
+    def activation_scale(self) -> float:
+        """Korthikanti's per-layer formula counts 16-bit activations."""
+        return self.act_bytes / 2
 
 
-PRECISIONS: dict[str, Precision] = {
-    # 2 (bf16 weights) + 4 (fp32 master) + 4 (fp32 gradient accumulator, as Megatron-LM keeps
-    # over micro-batches) + 8 (Adam m, v in fp32) = 18 bytes per parameter.
-    "bf16": Precision("bf16", 18, 1.0, 4, 2, 1.0,
-                      "bf16 working weights and activations, fp32 master weights, "
-                      "gradients and Adam state: 18 bytes/parameter"),
-    # 4 (weights) + 4 (gradients) + 8 (Adam m, v) = 16 bytes per parameter; activations twice
-    # the 16-bit figure; matmuls in TF32, half the bf16 dense peak on A100/H100/H200
-    # (datasheets: 156 vs 312, 494 vs 989 TFLOPS dense).
-    "fp32": Precision("fp32", 16, 2.0, 4, 4, 0.5,
-                      "fp32 weights, gradients, Adam state (16 bytes/parameter) and "
-                      "activations; TF32 matmuls at half the bf16 peak"),
+PRECISIONS: dict[str, PrecisionBytes] = {
+    "bf16": PrecisionBytes("bf16", 1.0, f"bf16 working weights and activations, fp32 master "
+                           f"weights, gradients and Adam state: {bytes_per_parameter('bf16')} "
+                           f"bytes/parameter"),
+    # TF32 matmuls run at half the bf16 dense peak on A100/H100/H200 (datasheets: 156 vs 312,
+    # 494 vs 989 TFLOPS dense).
+    "fp32": PrecisionBytes("fp32", 0.5, f"fp32 weights, gradients, Adam state "
+                           f"({bytes_per_parameter('fp32')} bytes/parameter) and activations; "
+                           f"TF32 matmuls at half the bf16 peak"),
 }
 
 
@@ -99,22 +118,33 @@ def activation_bytes_per_layer(seq_len: int, micro_batch_size: int, d_model: int
 
 
 def head_activation_bytes(seq_len: int, micro_batch_size: int, vocab_size: int,
-                          precision: Precision) -> float:
+                          precision: PrecisionBytes) -> float:
     """The output head's logits kept for backward: the logits in the working precision plus
     the fp32 log-softmax the cross-entropy keeps, per micro-batch."""
     return seq_len * micro_batch_size * vocab_size * (precision.act_bytes + 4)
 
 
-def stash_microbatches(stage: int, pipeline: int, microbatches: int, schedule: str) -> int:
-    """Micro-batches whose activations stage `stage` holds at its peak.
+@functools.lru_cache(maxsize=None)
+def peak_stash(schedule: str, pipeline: int, microbatches: int,
+               chunks: int = 1) -> tuple[int, ...]:
+    """Per stage, the most micro-batches (model-chunk forwards, with `chunks` > 1) whose
+    activations it holds at once: `pipeflow.schedule.simulate(...).peak_stash`.
 
-    1F1B: min(p - s, m), the warm-up depth (Narayanan et al. 2021); GPipe: all m.
+    Simulating m micro-batches costs O(p·m), and the search asks for hundreds of (p, m).
+    Past its warm-up, every schedule repeats one pattern, so its stash grows by a fixed step
+    each `step` micro-batches (1F1B and interleaved by 0, GPipe by 1): from m0 = chunks·p
+    (every warm-up is shorter) on, two simulations give the line. The tests hold it to the
+    full simulation.
     """
-    if schedule == "gpipe":
-        return microbatches
-    if schedule == "1f1b":
-        return min(pipeline - stage, microbatches)
-    raise ValueError(f"schedule must be one of {SCHEDULES}, found {schedule!r}")
+    step = pipeline if chunks > 1 else 1       # interleaved runs groups of p micro-batches
+    m0 = chunks * pipeline
+    if microbatches <= m0 + step:
+        programs = build_schedule(schedule, pipeline, microbatches, chunks)
+        return tuple(simulate(programs).peak_stash)
+    low = peak_stash(schedule, pipeline, m0, chunks)
+    high = peak_stash(schedule, pipeline, m0 + step, chunks)
+    steps = (microbatches - m0) // step
+    return tuple(lo + steps * (hi - lo) for lo, hi in zip(low, high))
 
 
 def bubble_fraction(pipeline: int, microbatches: int) -> float:
@@ -145,27 +175,19 @@ def layer_kinds(shape: Shape) -> list[str]:
     return ["embed"] + ["block"] * shape.n_layers + ["head"]
 
 
-def _layer_params(shape: Shape, kind: str) -> int:
-    h = shape.d_model
-    if kind == "embed":
-        return shape.vocab_size * h + shape.seq_len * h
-    if kind == "block":
-        return 12 * h * h
+def _stage_params(shape: Shape, count: dict[str, int]) -> int:
     # The head shares the embedding's matrix. When it sits on another stage it holds its own
     # copy (with gradients and optimizer state), so it counts in that stage's memory.
-    return shape.vocab_size * h
-
-
-def _stage_params(shape: Shape, count: dict[str, int]) -> int:
-    params = sum(n * _layer_params(shape, k) for k, n in count.items())
-    if count["embed"] and count["head"]:
+    per = layer_parameters(shape)
+    params = sum(n * per[k] for k, n in count.items())
+    if count["embed"] and count["head"] and shape.tie_embeddings:
         params -= shape.vocab_size * shape.d_model     # one tied matrix on a single stage
     return params
 
 
 # -- time per layer ---------------------------------------------------------------------
 
-def _layer_time(shape: Shape, cluster: Cluster, precision: Precision, kind: str, phase: str,
+def _layer_time(shape: Shape, cluster: Cluster, precision: PrecisionBytes, kind: str, phase: str,
                 b: int) -> float:
     hw = cluster.hardware
     if hw.layer_times is not None:
@@ -181,7 +203,7 @@ def _layer_time(shape: Shape, cluster: Cluster, precision: Precision, kind: str,
     return flops / rate * (2.0 if phase == "backward" else 1.0)
 
 
-def _recompute_time(shape: Shape, cluster: Cluster, precision: Precision, recompute: str,
+def _recompute_time(shape: Shape, cluster: Cluster, precision: PrecisionBytes, recompute: str,
                     b: int) -> float:
     """Extra time per block per micro-batch that recomputation adds to the backward."""
     if recompute == "none":
@@ -196,58 +218,16 @@ def _recompute_time(shape: Shape, cluster: Cluster, precision: Precision, recomp
 
 # -- partition --------------------------------------------------------------------------
 
-def balanced_boundaries(weights: Sequence[float], parts: int) -> list[int]:
-    """Contiguous split of `weights` into `parts` non-empty parts minimising the heaviest.
-
-    Bisection on the bottleneck with a greedy check (exact up to float tolerance), then
-    any part short of `parts` is made by splitting the heaviest multi-item part where its
-    halves are most even, which can only lower the heaviest.
-    """
-    n = len(weights)
-    if not 1 <= parts <= n:
-        raise ValueError(f"cannot split {n} layers into {parts} stages")
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-
-    def greedy(limit: float) -> list[int]:
-        # Fill each part as far as `limit` allows (at least one item): a bisection on the
-        # prefix sums per part rather than a walk over every item.
-        bounds, i = [0], 0
-        while i < n:
-            i = max(i + 1, bisect.bisect_right(prefix, prefix[i] + limit * (1 + 1e-12)) - 1)
-            bounds.append(i)
-        return bounds
-
-    lo, hi = max(max(weights), prefix[-1] / parts), prefix[-1]
-    for _ in range(100):
-        if hi - lo <= 1e-10 * hi:
-            break
-        mid = (lo + hi) / 2
-        if len(greedy(mid)) - 1 <= parts:
-            hi = mid
-        else:
-            lo = mid
-    bounds = greedy(hi)
-    while len(bounds) - 1 < parts:
-        _, i = max((prefix[bounds[i + 1]] - prefix[bounds[i]], i)
-                   for i in range(len(bounds) - 1) if bounds[i + 1] - bounds[i] > 1)
-        lo_i, hi_i = bounds[i], bounds[i + 1]
-        best = min(range(lo_i + 1, hi_i),
-                   key=lambda k: abs((prefix[k] - prefix[lo_i]) - (prefix[hi_i] - prefix[k])))
-        bounds.insert(i + 1, best)
-    return bounds
-
-
 @functools.lru_cache(maxsize=4096)
 def _balanced_cached(weights: tuple[float, ...], parts: int) -> tuple[int, ...]:
-    return tuple(balanced_boundaries(weights, parts))
+    return tuple(partition_balanced(weights, parts))
 
 
-def time_balanced_boundaries(shape: Shape, cluster: Cluster, precision: Precision,
+def time_balanced_boundaries(shape: Shape, cluster: Cluster, precision: PrecisionBytes,
                              pipeline: int, b: int) -> tuple[int, ...]:
     """Stage boundaries in the layer list balancing forward + backward time at micro-batch
-    size `b` (without recomputation)."""
+    size `b` (without recomputation): `pipeflow.partition.partition_balanced`, the solver
+    the engine's `partition = "time"` uses."""
     # Balance forward + backward time without recomputation; the search evaluates the same
     # (pipeline, micro-batch) split many times, hence the cache on the weights.
     w = {k: _layer_time(shape, cluster, precision, k, "forward", b)
@@ -269,6 +249,33 @@ def _replica_samples(data: int, gpus_per_node: int) -> range:
     # Replica r of neighbouring stages sits `data` ranks apart: with data >= gpus_per_node
     # every pair crosses nodes (replica 0 shows it); below that, check each replica.
     return range(min(data, gpus_per_node))
+
+
+def _p2p_time(cluster: Cluster, stage: int, p: int, d: int, send_bytes: float) -> float:
+    """Per micro-batch: the stage's activation sent forward and gradient sent backward."""
+    total = 0.0
+    for neighbour in (stage + 1, stage - 1):
+        if 0 <= neighbour < p:
+            # Every replica sends at once; the step waits for the slowest pair.
+            total += max(_transfer_time(cluster, [rank_of(stage, r, d),
+                                                  rank_of(neighbour, r, d)], send_bytes)
+                         for r in _replica_samples(d, cluster.gpus_per_node))
+    return total
+
+
+def _gradient_sync_time(shape: Shape, cluster: Cluster, prec: PrecisionBytes, stage: int,
+                        p: int, d: int, params: int) -> float:
+    """Per step: the all-reduce over the stage's replicas, and the tied matrix's sum."""
+    bw, lat = cluster.link([rank_of(stage, r, d) for r in range(d)])
+    total = ring_allreduce_time(params * prec.grad_reduce_bytes, d, bw, lat)
+    if p > 1 and stage in (0, p - 1) and shape.tie_embeddings:
+        # The tied embedding / head matrix: its gradient is summed between the first and
+        # the last stage after the replicas' all-reduce.
+        tie_bytes = shape.vocab_size * shape.d_model * prec.grad_reduce_bytes
+        total += max(ring_allreduce_time(tie_bytes, 2, *cluster.link([rank_of(0, r, d),
+                                                                      rank_of(p - 1, r, d)]))
+                     for r in _replica_samples(d, cluster.gpus_per_node))
+    return total
 
 
 # -- estimate ---------------------------------------------------------------------------
@@ -353,11 +360,11 @@ def _stage_kinds(shape: Shape, layers: tuple[int, int]) -> dict[str, int]:
     return {"embed": embed, "block": hi - lo - embed - head, "head": head}
 
 
-def stage_memory(shape: Shape, precision: Precision, grid: Grid, stage: int,
+def stage_memory(shape: Shape, precision: PrecisionBytes, grid: Grid, stage: int,
                  layers: tuple[int, int], recompute: str) -> tuple[float, float, float]:
     """(state, activation stash, transient) bytes of one stage.
 
-    The stash is `stash_microbatches` micro-batches of what each of the stage's layers keeps
+    The stash is `peak_stash` micro-batches of what each of the stage's layers keeps
     (Korthikanti's per-block formula; the head's logits on the last stage). Under full or
     selective recomputation the dropped activations of one block are rebuilt during its
     backward: that transient, and the fp32 logits gradient on the head's stage, come on top
@@ -376,7 +383,7 @@ def stage_memory(shape: Shape, precision: Precision, grid: Grid, stage: int,
     if recompute != "none" and count["block"]:
         transient += activation_bytes_per_layer(s, b, shape.d_model, shape.n_heads, "none",
                                                 precision.activation_scale) - per_block
-    stash = stash_microbatches(stage, grid.pipeline, grid.microbatches, grid.schedule)
+    stash = peak_stash(grid.schedule, grid.pipeline, grid.microbatches)[stage]
     return params * precision.state_bytes, stash * per_mb, transient
 
 
@@ -410,25 +417,9 @@ def estimate(shape: Shape, cluster: Cluster, grid: Grid, recompute: str | Sequen
         fwd = sum(n * times[k, "forward"] for k, n in count.items())
         bwd = sum(n * times[k, "backward"] for k, n in count.items())
         bwd += count["block"] * _recompute_time(shape, cluster, prec, modes[st], b)
-        p2p = 0.0
-        for neighbour in (st + 1, st - 1):        # activation forward, gradient backward
-            if 0 <= neighbour < p:
-                # Every replica sends at once; the step waits for the slowest pair.
-                p2p += max(_transfer_time(cluster, [cluster.rank(st, r, d),
-                                                    cluster.rank(neighbour, r, d)], send_bytes)
-                           for r in _replica_samples(d, cluster.gpus_per_node))
         params = _stage_params(shape, count)
-        group = [cluster.rank(st, r, d) for r in range(d)]
-        bw, lat = cluster.link(group)
-        allreduce = ring_allreduce_time(params * prec.grad_reduce_bytes, d, bw, lat)
-        if p > 1 and st in (0, p - 1):
-            # The tied embedding / head matrix: its gradient is summed between the first and
-            # the last stage after the replicas' all-reduce.
-            tie_bytes = shape.vocab_size * shape.d_model * prec.grad_reduce_bytes
-            allreduce += max(
-                ring_allreduce_time(tie_bytes, 2, *cluster.link([cluster.rank(0, r, d),
-                                                                 cluster.rank(p - 1, r, d)]))
-                for r in _replica_samples(d, cluster.gpus_per_node))
+        p2p = _p2p_time(cluster, st, p, d, send_bytes)
+        allreduce = _gradient_sync_time(shape, cluster, prec, st, p, d, params)
         if hw.layer_times is not None:
             optimizer = params * hw.layer_times.optimizer_s_per_param
         else:
@@ -436,7 +427,7 @@ def estimate(shape: Shape, cluster: Cluster, grid: Grid, recompute: str | Sequen
             # the working copy): memory-bound.
             optimizer = params * 30 / hw.memory_bandwidth
         stages.append(StageCost(st, layers, count["block"], params, modes[st],
-                                stash_microbatches(st, p, m, grid.schedule), state, acts,
+                                peak_stash(grid.schedule, p, m)[st], state, acts,
                                 transient, fwd, bwd, p2p, allreduce, optimizer))
     per_mb = [s.microbatch_s for s in stages]
     pipeline_s = sum(per_mb) + (m - 1) * max(per_mb)

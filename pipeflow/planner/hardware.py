@@ -209,9 +209,9 @@ class Cluster:
     """`gpus` accelerators of one kind, `gpus_per_node` to a node.
 
     Ranks fill nodes in order, and the grid places a stage's data-parallel replicas on
-    consecutive ranks (rank = stage·data + replica), as Megatron-LM does: the all-reduce stays
-    inside a node as long as the data group does, and the pipeline's point-to-point traffic
-    crosses nodes.
+    consecutive ranks (`pipeflow.topology.rank_of`), as Megatron-LM does: the all-reduce
+    stays inside a node as long as the data group does, and the pipeline's point-to-point
+    traffic crosses nodes.
     """
 
     hardware: Hardware
@@ -230,9 +230,6 @@ class Cluster:
     @property
     def nodes(self) -> int:
         return -(-self.gpus // self.gpus_per_node)
-
-    def rank(self, stage: int, replica: int, data: int) -> int:
-        return stage * data + replica
 
     def node(self, rank: int) -> int:
         return rank // self.gpus_per_node

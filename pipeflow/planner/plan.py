@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from pipeflow.planner.cost import RECOMPUTE, SCHEDULES, Estimate
+from pipeflow.config import Config
+from pipeflow.planner.cost import PLANNED_SCHEDULES, RECOMPUTE, Estimate
 from pipeflow.planner.hardware import GB, Cluster
 from pipeflow.planner.scaling import (METHODS, SECONDS_PER_DAY, Allocation, allocate,
                                       allocate_for_params)
@@ -100,7 +102,7 @@ def make_plan(cluster: Cluster, *, compute: float | None = None, days: float | N
               tokens: float | None = None, method: str = "hoffmann",
               seq_len: int = DEFAULT_SEQ_LEN, vocab_size: int = DEFAULT_VOCAB,
               global_batch: int | None = None, global_batch_tokens: float | None = None,
-              precision: str = "bf16", schedules: Sequence[str] = SCHEDULES,
+              precision: str = "bf16", schedules: Sequence[str] = PLANNED_SCHEDULES,
               recompute: Sequence[str] = RECOMPUTE, max_micro_batch: int = 16,
               mfu: float | None = None) -> Plan:
     """Size the model for the budget (or take the user's), then search the grid.
@@ -110,6 +112,39 @@ def make_plan(cluster: Cluster, *, compute: float | None = None, days: float | N
     planning). With a fixed model (`shape` or `params`) and no budget, tokens are the
     compute-optimal count for that size, or `tokens`.
     """
+    _check_budget(method, compute, days, tokens, shape is not None or params is not None, mfu)
+    if shape is None and params is not None:
+        shape = shape_for_params(params, seq_len, vocab_size)
+    size = functools.partial(_size, shape=shape, tokens=tokens, method=method,
+                             seq_len=seq_len, vocab_size=vocab_size)
+
+    def plan_for(s: Shape) -> tuple[int, SearchResult]:
+        if global_batch is not None:
+            batch = global_batch
+        else:
+            want = global_batch_tokens or default_batch_tokens(s.params)
+            batch = nice_batch(want / s.seq_len)
+        return batch, search(s, cluster, batch, precision, schedules, recompute,
+                             max_micro_batch)
+
+    if days is None:
+        alloc, optimal, shaped = size(compute)
+        batch, result = plan_for(shaped)
+        source = ("given" if compute is not None else
+                  "6·N·D at the given tokens" if tokens is not None else
+                  "compute-optimal for the given model")
+        mfu_used = None
+    else:
+        (alloc, optimal, shaped, batch, result, mfu_used,
+         source) = _size_for_days(cluster, days, mfu, method, size, plan_for)
+    if global_batch is None and result.best.grid.global_batch != batch:  # pragma: no cover
+        raise AssertionError("search returned a grid for another batch")
+    return Plan(alloc, optimal, source, shaped, cluster, batch, result, precision, mfu_used,
+                _notes(shaped, result, cluster, batch))
+
+
+def _check_budget(method: str, compute: float | None, days: float | None,
+                  tokens: float | None, fixed_model: bool, mfu: float | None) -> None:
     if method not in METHODS:
         raise PlanError(f"unknown --method {method!r}; expected one of {list(METHODS)}")
     given = [name for name, v in (("--compute", compute), ("--days", days), ("--tokens", tokens))
@@ -123,85 +158,69 @@ def make_plan(cluster: Cluster, *, compute: float | None = None, days: float | N
         raise PlanError(f"--days must be positive, found {days!r}")
     if tokens is not None and not tokens > 0:
         raise PlanError(f"--tokens must be positive, found {tokens!r}")
-    if tokens is not None and shape is None and params is None:
+    if tokens is not None and not fixed_model:
         raise PlanError("--tokens needs a fixed model: give --params or --layers/--width too")
     if mfu is not None and not 0 < mfu <= 1:
         raise PlanError(f"--mfu must be in (0, 1], found {mfu!r}")
-    if shape is None and params is not None:
-        shape = shape_for_params(params, seq_len, vocab_size)
+
+
+def _size(budget: float | None, shape: Shape | None, tokens: float | None, method: str,
+          seq_len: int, vocab_size: int) -> tuple[Allocation, float, Shape]:
+    """(N and D as trained, N before shaping, the shape) for `budget` FLOPs: the given
+    model's tokens, or the compute-optimal model shaped."""
+    if shape is not None:
+        if budget is None and tokens is not None:
+            budget = 6.0 * shape.params * tokens
+        return allocate_for_params(shape.params, method, budget), shape.params, shape
+    assert budget is not None
+    optimal = allocate(budget, method).params
+    try:
+        shaped = shape_for_params(optimal, seq_len, vocab_size)
+    except ShapeError:
+        small = smallest_shape(seq_len, vocab_size)
+        least = _least_budget(method, small.params)
+        raise PlanError(
+            f"a budget of {budget:.3g} FLOPs is too small for any GPT with a "
+            f"{vocab_size}-token vocabulary: its compute-optimal size is {optimal:.3g} "
+            f"parameters, and the smallest shape ({small.describe()}) has "
+            f"{small.params:.3g}. Give at least --compute {least:.2g}, or shrink "
+            f"--vocab/--seq-len") from None
+    return allocate_for_params(shaped.params, method, budget), optimal, shaped
+
+
+def _size_for_days(cluster: Cluster, days: float, mfu: float | None, method: str,
+                   size: Callable[[float], tuple[Allocation, float, Shape]],
+                   plan_for: Callable[[Shape], tuple[int, SearchResult]]) -> tuple:
+    """GPU-days to FLOPs needs the utilisation, which needs a plan, which needs the model
+    size: iterate from an assumed utilisation until the shape settles."""
     hw = cluster.hardware
-    notes: list[str] = []
+    mfu_used = mfu if mfu is not None else DEFAULT_MFU
+    seen: list[Shape] = []
+    for _ in range(6):
+        budget = cluster.gpus * days * SECONDS_PER_DAY * hw.peak_flops * mfu_used
+        alloc, optimal, shaped = size(budget)
+        batch, result = plan_for(shaped)
+        if mfu is not None:
+            break
+        achieved = 6.0 * shaped.params * batch * shaped.seq_len / result.best.step_time_s
+        # The budget counts every GPU of the cluster, used by the plan or not.
+        mfu_used = achieved / (cluster.gpus * hw.peak_flops)
+        if shaped in seen:
+            break
+        seen.append(shaped)
+    if mfu is None:
+        # Tokens for exactly `days` at this plan's predicted throughput (the shape is
+        # discrete, so sizing alone can only come close).
+        budget = cluster.gpus * days * SECONDS_PER_DAY * hw.peak_flops * mfu_used
+        alloc = allocate_for_params(shaped.params, method, budget)
+    source = (f"{cluster.gpus} GPUs × {days:g} days × {hw.peak_flops / 1e12:.0f} TFLOP/s "
+              f"× {mfu_used:.1%} utilisation"
+              + (" (given)" if mfu is not None else " (predicted by the plan)"))
+    return alloc, optimal, shaped, batch, result, mfu_used, source
 
-    def size(budget: float | None) -> tuple[Allocation, float, Shape]:
-        if shape is not None:
-            if budget is None:
-                alloc = allocate_for_params(shape.params, method)
-                if tokens is not None:
-                    alloc = allocate_for_params(shape.params, method, 6.0 * shape.params * tokens)
-            else:
-                alloc = allocate_for_params(shape.params, method, budget)
-            return alloc, shape.params, shape
-        assert budget is not None
-        optimal = allocate(budget, method).params
-        try:
-            shaped = shape_for_params(optimal, seq_len, vocab_size)
-        except ShapeError:
-            small = smallest_shape(seq_len, vocab_size)
-            least = _least_budget(method, small.params)
-            raise PlanError(
-                f"a budget of {budget:.3g} FLOPs is too small for any GPT with a "
-                f"{vocab_size}-token vocabulary: its compute-optimal size is {optimal:.3g} "
-                f"parameters, and the smallest shape ({small.describe()}) has "
-                f"{small.params:.3g}. Give at least --compute {least:.2g}, or shrink "
-                f"--vocab/--seq-len") from None
-        return allocate_for_params(shaped.params, method, budget), optimal, shaped
 
-    def batch_for(s: Shape) -> int:
-        if global_batch is not None:
-            return global_batch
-        want = global_batch_tokens or default_batch_tokens(s.params)
-        return nice_batch(want / s.seq_len)
-
-    def run(alloc_shape: Shape, batch: int) -> SearchResult:
-        return search(alloc_shape, cluster, batch, precision, schedules, recompute,
-                      max_micro_batch)
-
-    if days is None:
-        alloc, optimal, shaped = size(compute)
-        batch = batch_for(shaped)
-        result = run(shaped, batch)
-        source = ("given" if compute is not None else
-                  "6·N·D at the given tokens" if tokens is not None else
-                  "compute-optimal for the given model")
-        mfu_used = None
-    else:
-        # GPU-days to FLOPs needs the utilisation, which needs a plan, which needs the
-        # model size: iterate from an assumed utilisation until the shape settles.
-        mfu_used = mfu if mfu is not None else DEFAULT_MFU
-        seen: list[Shape] = []
-        for _ in range(6):
-            budget = cluster.gpus * days * SECONDS_PER_DAY * hw.peak_flops * mfu_used
-            alloc, optimal, shaped = size(budget)
-            batch = batch_for(shaped)
-            result = run(shaped, batch)
-            if mfu is not None:
-                break
-            achieved = 6.0 * shaped.params * batch * shaped.seq_len / result.best.step_time_s
-            # The budget counts every GPU of the cluster, used by the plan or not.
-            mfu_used = achieved / (cluster.gpus * hw.peak_flops)
-            if shaped in seen:
-                break
-            seen.append(shaped)
-        if mfu is None:
-            # Tokens for exactly `days` at this plan's predicted throughput (the shape is
-            # discrete, so sizing alone can only come close).
-            budget = cluster.gpus * days * SECONDS_PER_DAY * hw.peak_flops * mfu_used
-            alloc = allocate_for_params(shaped.params, method, budget)
-        source = (f"{cluster.gpus} GPUs × {days:g} days × {hw.peak_flops / 1e12:.0f} TFLOP/s "
-                  f"× {mfu_used:.1%} utilisation"
-                  + (" (given)" if mfu is not None else " (predicted by the plan)"))
-    if global_batch is None and result.best.grid.global_batch != batch:  # pragma: no cover
-        raise AssertionError("search returned a grid for another batch")
+def _notes(shaped: Shape, result: SearchResult, cluster: Cluster, batch: int) -> tuple[str, ...]:
+    notes = []
     if not FIT_RANGE[0] <= shaped.params <= FIT_RANGE[1]:
         notes.append(f"the scaling laws were fitted on models of {FIT_RANGE[0] / 1e6:.0f}M to "
                      f"{FIT_RANGE[1] / 1e9:.0f}B parameters (Hoffmann et al. 2022); "
@@ -209,12 +228,12 @@ def make_plan(cluster: Cluster, *, compute: float | None = None, days: float | N
     if result.best.grid.gpus < cluster.gpus:
         notes.append(f"the fastest plan uses {result.best.grid.gpus} of the {cluster.gpus} "
                      f"GPUs: no faster grid divides the batch of {batch} sequences")
-    return Plan(alloc, optimal, source, shaped, cluster, batch, result, precision, mfu_used,
-                tuple(notes))
+    return tuple(notes)
 
 
 def _least_budget(method: str, params: float) -> float:
-    """The smallest budget whose compute-optimal model is at least `params`."""
+    """The smallest budget, rounded up to two digits, whose compute-optimal model
+    `shape_for_params` can shape (at least half of `params`, the smallest shape's)."""
     lo, hi = 1.0, 1e40
     for _ in range(200):
         mid = math.sqrt(lo * hi)
@@ -222,7 +241,8 @@ def _least_budget(method: str, params: float) -> float:
             hi = mid
         else:
             lo = mid
-    return hi
+    unit = 10.0 ** (math.floor(math.log10(hi)) - 1)
+    return math.ceil(hi / unit) * unit
 
 
 # -- output -----------------------------------------------------------------------------
@@ -350,81 +370,31 @@ def _compact(modes: Sequence[str]) -> str:
 
 
 def train_toml(plan: Plan, command_line: str = "pipeflow plan") -> str:
-    """The TOML `pipeflow train` runs. Values the engine does not accept yet (precision,
-    recomputation) are written as the engine's defaults, the planned ones in comments."""
-    best, g, sh = plan.best, plan.best.grid, plan.shape
-    precision = plan.precision if _engine_accepts(precision=plan.precision) else "fp32"
+    """The TOML `pipeflow train` runs: the planned `Config` written by `Config.to_toml` with
+    the `[model]` and `[train]` tables, under comments saying where the values come from."""
+    best, g, sh, hw = plan.best, plan.best.grid, plan.shape, plan.cluster.hardware
     modes = best.recompute
-    planned: str | list[str] = modes[0] if len(set(modes)) == 1 else list(modes)
-    accepted = _engine_accepts(pipeline=g.pipeline, recompute=planned)
-    recompute = planned if accepted else "none"
-    lines = [
+    config = Config(pipeline=g.pipeline, data=g.data, microbatches=g.microbatches,
+                    schedule=g.schedule, partition=best.boundaries, precision=plan.precision,
+                    recompute=modes[0] if len(set(modes)) == 1 else list(modes),
+                    backend="mpi" if hw.calibrated else "auto", clip=1.0, seed=0)
+    train = {"steps": plan.steps, "batch_size": plan.global_batch,
+             "lr": float(f"{default_lr(sh.params):.2g}")}
+    a = plan.allocation
+    header = [
         f"# Written by `{command_line}`.",
-        f"# {plan.allocation.method}: {_si(sh.params)} parameters, {_si(plan.allocation.tokens)} "
-        f"tokens, {plan.allocation.compute:.3g} FLOPs; predicted loss "
-        f"{plan.allocation.loss:.3f}.",
-        f"# Predicted on {g.gpus} × {plan.cluster.hardware.name}: {best.step_time_s:.4g} s per "
-        f"step, {plan.train_days:.3g} days; memory per stage (GB): "
+        f"# {a.method}: {_si(sh.params)} parameters, {_si(a.tokens)} tokens, {a.compute:.3g} "
+        f"FLOPs; predicted loss {a.loss:.3f}.",
+        f"# Predicted on {g.gpus} × {hw.name}: {best.step_time_s:.4g} s per step, "
+        f"{plan.train_days:.3g} days; memory per stage (GB): "
         f"{', '.join(f'{x:.1f}' for x in best.memory_gb)}.",
         f"# Run: {plan.command('<this file>')}",
-        "",
-        "[engine]",
-        f"pipeline = {g.pipeline}",
-        f"data = {g.data}",
-        f"microbatches = {g.microbatches}      # of {g.micro_batch_size} sequence(s) each",
-        f'schedule = "{g.schedule}"',
-        f"partition = {best.boundaries}      # stage boundaries in the layer list "
-        f"(embedding, {sh.n_layers} blocks, head), balanced by predicted time",
+        f"# engine: {g.microbatches} micro-batches of {g.micro_batch_size} sequence(s); "
+        f"partition: stage boundaries in the layer list (embedding, {sh.n_layers} blocks, "
+        f"head), balanced by predicted time"
+        + ("; backend auto: NCCL on GPUs (the bandwidths planned for), MPI elsewhere."
+           if config.backend == "auto" else "."),
+        f"# train: batch_size is the global batch in sequences ({_si(plan.batch_tokens)} "
+        f"tokens); lr GPT-3's for the nearest size (Brown et al. 2020, Table 2.1).",
     ]
-    if precision == plan.precision:
-        lines.append(f'precision = "{precision}"')
-    else:
-        lines.append(f'precision = "{precision}"      # planned: "{plan.precision}"; the engine '
-                     f"does not accept it yet, and {precision} needs more memory than planned")
-    if accepted:
-        lines.append(f"recompute = {_toml_value(recompute)}")
-    else:
-        lines.append(f'recompute = "none"      # planned per stage: {modes}; the engine '
-                     f"does not accept it yet, and without it the plan needs more memory")
-    if not plan.cluster.hardware.calibrated and _engine_accepts(backend="auto"):
-        lines.append('backend = "auto"      # NCCL on GPUs (the bandwidths planned for), '
-                     'MPI elsewhere')
-    lines += [
-        "clip = 1.0",
-        "seed = 0",
-        "",
-        "[model]",
-        f"n_layers = {sh.n_layers}",
-        f"d_model = {sh.d_model}",
-        f"n_heads = {sh.n_heads}",
-        f"seq_len = {sh.seq_len}",
-        f"vocab_size = {sh.vocab_size}",
-        "",
-        "[train]",
-        f"steps = {plan.steps}",
-        f"batch_size = {plan.global_batch}      # global batch, sequences "
-        f"({_si(plan.batch_tokens)} tokens)",
-        f"lr = {default_lr(sh.params):.2g}      # GPT-3's for the nearest size "
-        f"(Brown et al. 2020, Table 2.1)",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def _engine_accepts(**fields: Any) -> bool:
-    """Whether `pipeflow.Config` accepts these values today (the engine grows features)."""
-    try:
-        from pipeflow.config import Config, ConfigError
-    except ImportError:  # pragma: no cover - planner used without the engine
-        return False
-    try:
-        Config(**fields)
-    except (ConfigError, ValueError, TypeError):
-        return False
-    return True
-
-
-def _toml_value(value: str | Sequence[str]) -> str:
-    if isinstance(value, str):
-        return f'"{value}"'
-    return "[" + ", ".join(f'"{v}"' for v in value) + "]"
+    return "\n".join(header) + "\n\n" + config.to_toml(model=sh.to_dict(), train=train)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Iterator, Sequence
 
-from pipeflow.planner.cost import (PRECISIONS, RECOMPUTE, SCHEDULES, Estimate, Grid, estimate,
-                                   layer_kinds, stage_memory, time_balanced_boundaries)
+from pipeflow.config import SCHEDULES
+from pipeflow.planner.cost import (PLANNED_SCHEDULES, PRECISIONS, RECOMPUTE, Estimate, Grid,
+                                   estimate, layer_kinds, stage_memory,
+                                   time_balanced_boundaries)
 from pipeflow.planner.hardware import GB, Cluster
 from pipeflow.planner.shapes import Shape
 
@@ -45,7 +47,7 @@ def divisors(n: int) -> list[int]:
 
 
 def enumerate_grids(shape: Shape, gpus: int, global_batch: int,
-                    schedules: Sequence[str] = SCHEDULES,
+                    schedules: Sequence[str] = PLANNED_SCHEDULES,
                     max_micro_batch: int = 16) -> Iterator[Grid]:
     """Every (pipeline, data, micro-batch size, micro-batch count, schedule) with
     pipeline·data ≤ gpus and data·count·size = global_batch sequences.
@@ -99,7 +101,7 @@ def choose_recompute(shape: Shape, cluster: Cluster, grid: Grid, precision: str,
 
 
 def search(shape: Shape, cluster: Cluster, global_batch: int, precision: str = "bf16",
-           schedules: Sequence[str] = SCHEDULES, recompute: Sequence[str] = RECOMPUTE,
+           schedules: Sequence[str] = PLANNED_SCHEDULES, recompute: Sequence[str] = RECOMPUTE,
            max_micro_batch: int = 16,
            grid_filter: Callable[[Grid], bool] | None = None) -> SearchResult:
     """Evaluate every grid of `enumerate_grids` (those `grid_filter` keeps); rank those that
@@ -111,8 +113,10 @@ def search(shape: Shape, cluster: Cluster, global_batch: int, precision: str = "
         raise PlanError(f"the global batch must be a positive number of sequences, found "
                         f"{global_batch!r}")
     for s in schedules:
-        if s not in SCHEDULES:
-            raise PlanError(f"unknown schedule {s!r}; expected some of {list(SCHEDULES)}")
+        if s not in PLANNED_SCHEDULES:
+            known = "the cost model does not time it yet" if s in SCHEDULES else "unknown"
+            raise PlanError(f"schedule {s!r}: {known}; expected some of "
+                            f"{list(PLANNED_SCHEDULES)}")
     for r in recompute:
         if r not in RECOMPUTE:
             raise PlanError(f"unknown recomputation {r!r}; expected some of {list(RECOMPUTE)}")
@@ -155,7 +159,7 @@ def _memory_reason(least: float, cluster: Cluster, recompute: Sequence[str]) -> 
 
 
 def minimum_gpus(shape: Shape, cluster: Cluster, global_batch: int, precision: str,
-                 schedules: Sequence[str] = SCHEDULES, recompute: Sequence[str] = RECOMPUTE,
+                 schedules: Sequence[str] = PLANNED_SCHEDULES, recompute: Sequence[str] = RECOMPUTE,
                  max_micro_batch: int = 16) -> tuple[int | None, float]:
     """(The fewest GPUs on which some plan fits this GPU's memory, or None when no pipeline
     depth does; the least memory in bytes the fullest stage needs at any depth).

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Shape", "ShapeError", "param_count", "shape_for_params", "smallest_shape",
-           "DEFAULT_SEQ_LEN", "DEFAULT_VOCAB", "ASPECT_RANGE"]
+from pipeflow.models.gpt import GPTConfig, num_parameters
+
+__all__ = ["Shape", "ShapeError", "shape_for_params", "smallest_shape", "DEFAULT_SEQ_LEN",
+           "DEFAULT_VOCAB", "ASPECT_RANGE"]
 
 DEFAULT_SEQ_LEN = 2048
 DEFAULT_VOCAB = 50304          # GPT-2's 50257 padded to a multiple of 128 (as nanoGPT does)
@@ -18,42 +20,24 @@ class ShapeError(ValueError):
     """A model shape that cannot be built or does not match the request."""
 
 
-def param_count(n_layers: int, d_model: int, seq_len: int = DEFAULT_SEQ_LEN,
-                vocab_size: int = DEFAULT_VOCAB) -> int:
-    """12·L·d² + V·d + s·d: the transformer blocks (4d² attention, 8d² MLP), the token
-    embedding (tied with the output head) and the learned positions. Biases and layer norms
-    (13·L·d + 2·d) are left out, as in Kaplan et al. 2020 and Narayanan et al. 2021."""
-    return 12 * n_layers * d_model * d_model + vocab_size * d_model + seq_len * d_model
+@dataclasses.dataclass
+class Shape(GPTConfig):
+    """The GPT `pipeflow.models.gpt` builds, with the planner's defaults: a 2048-token
+    context and GPT-2's vocabulary. Its parameter count is `num_parameters`: every weight,
+    bias and LayerNorm of the built model, the tied embedding counted once."""
 
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """A GPT: n_layers blocks of width d_model with n_heads heads, over seq_len tokens."""
-
-    n_layers: int
-    d_model: int
-    n_heads: int
     seq_len: int = DEFAULT_SEQ_LEN
     vocab_size: int = DEFAULT_VOCAB
 
-    def __post_init__(self) -> None:
-        for name in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ShapeError(f"model {name} must be a positive integer, found {value!r}")
-        if self.d_model % self.n_heads:
-            raise ShapeError(
-                f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}; choose "
-                f"heads that divide the width (head dim 64 or 128: n_heads="
-                f"{max(1, self.d_model // 64)} or {max(1, self.d_model // 128)})")
+    def validate(self) -> None:
+        try:
+            super().validate()
+        except ValueError as e:
+            raise ShapeError(str(e)) from None
 
     @property
     def params(self) -> int:
-        return param_count(self.n_layers, self.d_model, self.seq_len, self.vocab_size)
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return num_parameters(self)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -93,7 +77,7 @@ def shape_for_params(params: float, seq_len: int = DEFAULT_SEQ_LEN,
             continue
         for d_model in range(max(WIDTH_STEP, (lo * n_layers + WIDTH_STEP - 1) // WIDTH_STEP
                                  * WIDTH_STEP), hi * n_layers + 1, WIDTH_STEP):
-            count = param_count(n_layers, d_model, seq_len, vocab_size)
+            count = Shape(n_layers, d_model, _heads(d_model), seq_len, vocab_size).params
             error = abs(count - params) / params
             # Ties (rare) go to the aspect ratio nearest the middle of the range.
             key = (round(error, 4), abs(d_model / n_layers - (lo + hi) / 2), n_layers, d_model)
