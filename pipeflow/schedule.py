@@ -135,20 +135,21 @@ def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[Action]:
 # ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", the handcrafted H1), 3 stages,
 # 4 micro-batches, F = B = W = 1 unit:
 #
-#   stage 0 | F0 F1 F2 .  .  B0 F3 W0 B1 W1 B2 W2 B3 W3
-#   stage 1 | .  F0 F1 .  B0 F2 B1 F3 W0 B2 W1 B3 W2 W3
-#   stage 2 | .  .  F0 B0 F1 B1 F2 W0 B2 F3 W1 B3 W2 W3  (one unit ahead: shown aligned)
+#   stage 0 | F0 F1 F2 .  .  B0 W0 F3 B1 W1 B2 W2 B3 W3
+#   stage 1 | .  F0 F1 .  B0 F2 B1 W0 F3 B2 W1 B3 W2 W3
+#   stage 2 | .  .  F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3
 #
-# (`format_table(build_schedule("zb-h1", 3, 4))` prints the exact table.)
+# (`format_table(build_schedule("zb-h1", 3, 4))` prints this table.)
 #
 # 1F1B's order of F and B, each backward split into B (the input gradient the previous stage
-# waits for) and W (the weight gradient nobody waits for). Stage s defers W(i) until after
+# waits for) and W (the weight gradient nobody waits for). Stage s defers W(i) to right after
 # B(i + s): the deferred W's fill the gaps where 1F1B's drain waits on gradients. The stash
-# (forwarded, B not done) stays 1F1B's min(p - s, m); at most s more micro-batches wait for
-# their W, so no stage holds more than 1F1B's stage 0 (p). With F = B = W the bubble is
-# (p - 1) units of a stage's 3m, against 1F1B's 3(p - 1): a third.
+# (forwarded, B not done) stays 1F1B's min(p - s, m) and, counting the micro-batches whose W
+# waits, no stage holds more than min(p, m), 1F1B's stage 0. With F = B = W the step takes
+# 3m + p - 1 + max(0, p - m) units against 1F1B's 3(m + p - 1): for m >= p a bubble of p - 1
+# units instead of 3(p - 1), a third.
 def zb_h1(stage: int, stages: int, microbatches: int) -> list[Action]:
-    """1F1B with split backward; stage s runs W(i) after B(i + s) and the forward after it."""
+    """1F1B with split backward; stage s runs W(i) right after B(i + s) (or after its last B)."""
     _check(stage, stages, microbatches)
     m = microbatches
     due: dict[int, list[int]] = {}
@@ -204,16 +205,18 @@ def interleaved_1f1b(stage: int, stages: int, microbatches: int,
 # ZBV (Qi et al. 2024, section 6), 2 ranks, 4 micro-batches: 2p virtual stages in a V, rank r
 # holding virtual stages r (chunk 0, on the way down) and 2p - 1 - r (chunk 1, on the way
 # back), so rank 0 holds the first and the last, and the turn at rank p - 1 is local (its
-# message to itself is a hand-over, no link). One unit is a chunk's F, B or W:
+# message to itself is a hand-over, no link). One unit is a chunk's F, B or W; rank 0 never
+# waits:
 #
-#   rank 0 | F0 F1 F2 .  F0.1 B0.1 W0.1 F3 B0 W0 F1.1 B1.1 W1.1 B1 W1 F2.1 B2.1 ...
+#   rank 0 | F0 F1 F2 F0.1 B0.1 W0.1 F1.1 B1.1 W1.1 F3 B0 W0 F2.1 B2.1 W2.1 B1 W1 F3.1 ...
 #
 # (`format_table(build_schedule("zbv", 2, 4))` prints both ranks.) Rank r warms up with
 # 2(p - r) - 1 chunk-0 forwards, interleaves chunk 1's first forwards, then runs F B W on each
-# chunk in turn; the drain puts the W's it deferred where the last gradients are awaited.
-# With F = B = W the steady state has no bubble; only the ramps remain (Qi et al.: p - 1
-# chunk units against ZB-H1's p - 1 stage units). Forward counts below are as if m >= 2p - 1
-# (the least that fills the V); the micro-batches beyond m are then dropped.
+# chunk in turn; the drain runs the W's it deferred where the last gradients are awaited.
+# With F = B = W and m >= 2p - 1 the step takes 3m + (p - 1)/2 units of a whole stage's op:
+# the bubble is p - 1 chunk units, half ZB-H1's, for the same peak memory (2p chunks, p
+# stages' worth, on every rank). Counts below run as if m >= 2p - 1 (the least that fills the
+# V); the micro-batches beyond m are then dropped (torch.distributed.pipelining's order).
 def zbv(stage: int, stages: int, microbatches: int) -> list[Action]:
     """The V-shaped zero-bubble schedule: two chunks a rank, rank 0 holds both ends."""
     _check(stage, stages, microbatches)
@@ -505,9 +508,11 @@ def _check_programs(programs: Sequence[Sequence[Action]], layout: Sequence[Seque
             if any(sorted(runs[op]) != list(range(m)) for op in ops) or \
                     (not split and runs[WEIGHT]):
                 where = f"stage {s}" + (f" chunk {c}" if len(layout[s]) > 1 else "")
+                names = {FORWARD: "forwards", BACKWARD: "backwards", WEIGHT: "W's"}
                 raise ScheduleError(
-                    f"{where}: expected one {' and one '.join(ops)} of each micro-batch "
-                    f"0..{m - 1}, found " + ", ".join(f"{op} {runs[op]}" for op in ops))
+                    f"{where}: expected one forward and one backward{' and one W' * split} "
+                    f"of each micro-batch 0..{m - 1}, found "
+                    + " and ".join(f"{names[op]} {runs[op]}" for op in ops))
         _check_order(s, prog, layout[s], last)
 
 
