@@ -181,13 +181,15 @@ def backward_weight(pending: PendingWeight) -> None:
     if pending.whole is not None:
         outs, grads, params = pending.whole
         torch.autograd.backward(outs, grads, inputs=params, retain_graph=bool(pending.groups))
-    for params, hits in pending.groups:
-        into: dict[tuple[Node, int], torch.Tensor] = {}
+    # Each node alone (see `_branch_grads`); then every branch at once: the branches of
+    # different groups share no node, and each weight's accumulator runs once.
+    into: dict[tuple[Node, int], torch.Tensor] = {}
+    for _, hits in pending.groups:
         for node, edges, recorded in hits:
             _branch_grads(node, edges, recorded, into)
-        if into:
-            torch.autograd.backward([GradientEdge(c, nr) for c, nr in into],
-                                    list(into.values()), inputs=params)
+    if into:
+        torch.autograd.backward([GradientEdge(c, nr) for c, nr in into], list(into.values()),
+                                inputs=[p for params, _ in pending.groups for p in params])
     pending.groups, pending.whole, pending.done = [], None, True
 
 
