@@ -19,8 +19,8 @@ SCHEDULES = [("1f1b", None), ("interleaved", 2), ("zb-h1", None), ("zbv", None)]
 
 
 def table(grids: list[tuple[int, int]]) -> str:
-    rows = ["| p × m | schedule | bubble | vs 1F1B | peak stash per stage | held with pending W's |",
-            "|---|---|---:|---:|---|---|"]
+    rows = ["| p × m | schedule | bubble | vs 1F1B | peak stash per stage "
+            "| held with pending W's |", "|---|---|---:|---:|---|---|"]
     for p, m in grids:
         base = simulate(build_schedule("1f1b", p, m)).bubble
         for name, chunks in SCHEDULES:
