@@ -37,14 +37,23 @@ def _schedule(args: argparse.Namespace) -> int:
     from pipeflow.schedule import ScheduleError, build_schedule, format_table, simulate
 
     p, m = args.stages, args.microbatches
-    v = args.chunks if args.chunks is not None else (2 if args.schedule == "interleaved" else 1)
+    v = args.chunks if args.chunks is not None else (2 if args.schedule == "interleaved" else None)
     try:
         programs = build_schedule(args.schedule, p, m, v)
     except ScheduleError as exc:
         print(f"pipeflow: error: {exc}", file=sys.stderr)
         return 2
+    v = len(programs.layout[0])
     result = simulate(programs)
     print(format_table(programs))
+    if any(a.op == "W" for a in programs[0]):
+        # Split backward: F = B = W = 1 unit; 1F1B's whole backward takes B + W = 2.
+        print(f"\nbubble {result.bubble:.3f} (F = B = W; 1F1B with the same times: "
+              f"{simulate(build_schedule('1f1b', p, m)).bubble:.3f}); peak stash per stage "
+              f"{result.peak_stash}, waiting for W {result.peak_pending_w}, held in all "
+              f"{result.peak_held}" + (f" (in chunks: 1/{v} of a stage's layers each)"
+                                       if v > 1 else ""))
+        return 0
     print(f"\nbubble {result.bubble:.3f} (formula (p-1)/(v·m+p-1) = "
           f"{(p - 1) / (v * m + p - 1):.3f}); peak stash per stage {result.peak_stash}"
           + (f" (in chunks: 1/{v} of a stage's layers each)" if v > 1 else ""))
@@ -72,9 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--stages", "-p", type=int, default=4)
     show.add_argument("--microbatches", "-m", type=int, default=8)
     show.add_argument("--schedule", "-s", default="1f1b",
-                      help="1f1b, gpipe or interleaved")
+                      help="1f1b, gpipe, interleaved, zb-h1 or zbv")
     show.add_argument("--chunks", "-v", type=int, default=None,
-                      help="model chunks per rank (interleaved; default 2)")
+                      help="model chunks per rank (interleaved; default 2; zbv: 2)")
     show.set_defaults(func=_schedule)
 
     try:

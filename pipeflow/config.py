@@ -15,7 +15,7 @@ import tomli_w
 
 __all__ = ["Config", "ConfigError", "SCHEDULES", "PARTITIONS"]
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv")
 PARTITIONS = ("uniform", "parameters", "time")
 PRECISIONS = ("fp32", "bf16", "fp16")
 BACKENDS = ("mpi", "nccl", "gloo", "auto")
@@ -38,8 +38,8 @@ class Config:
     pipeline: int = 1          # pipeline stages
     data: int = 1              # data-parallel replicas of every stage
     microbatches: int = 1      # micro-batches per step: the gradient accumulation
-    schedule: str = "1f1b"     # "1f1b", "gpipe" or "interleaved"
-    virtual_stages: int = 1    # model chunks per rank; >= 2 with schedule "interleaved"
+    schedule: str = "1f1b"     # "1f1b", "gpipe", "interleaved", "zb-h1" or "zbv"
+    virtual_stages: int = 1    # model chunks per rank; >= 2 with "interleaved", 2 with "zbv"
     partition: str | list[int] = "uniform"
     precision: str = "fp32"    # "fp32", or "bf16"/"fp16" working weights with fp32 masters
     # Module classes kept in fp32 under bf16/fp16, by class-name suffix ("RMSNorm" covers
@@ -80,10 +80,15 @@ class Config:
         v = self.virtual_stages
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ConfigError(f"Config.virtual_stages must be a positive integer, found {v!r}")
+        if self.schedule == "zbv" and v in (1, 2):
+            self.virtual_stages = v = 2         # the V: two chunks a rank, implied
+        elif self.schedule == "zbv":
+            raise ConfigError(f"schedule 'zbv' runs exactly 2 model chunks per rank (a V), "
+                              f"found virtual_stages = {v}; set 2 or leave it out")
         if self.schedule == "interleaved" and v < 2:
             raise ConfigError("schedule 'interleaved' runs several model chunks per rank: set "
                               "virtual_stages >= 2 (2 halves the bubble)")
-        if self.schedule != "interleaved" and v != 1:
+        if self.schedule not in ("interleaved", "zbv") and v != 1:
             raise ConfigError(f"virtual_stages = {v} needs schedule 'interleaved'; "
                               f"{self.schedule!r} runs one model chunk per rank")
         if self.schedule == "interleaved" and self.microbatches % self.pipeline:

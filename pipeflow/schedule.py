@@ -3,29 +3,37 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple, Sequence
+import re
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 __all__ = [
-    "Action", "FORWARD", "BACKWARD", "SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD",
-    "gpipe", "one_f_one_b", "interleaved_1f1b", "SCHEDULES", "build_schedule",
-    "ScheduleError", "SimResult",
-    "simulate", "format_table",
+    "Action", "FORWARD", "BACKWARD", "WEIGHT", "SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD",
+    "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "zbv", "SCHEDULES", "build_schedule",
+    "Programs", "stage_layout", "ScheduleError", "SimResult", "simulate", "format_table",
 ]
 
-FORWARD, BACKWARD = "F", "B"
+# B is a stage's whole backward in a schedule without W; in one with W (zero bubble), B is the
+# input gradient alone (what the previous stage waits for) and W the weight gradient (what
+# only the optimizer waits for).
+FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 SEND_ACT, RECV_ACT = "SA", "RA"      # activations travel forward: stage s -> s + 1
 SEND_GRAD, RECV_GRAD = "SG", "RG"    # their gradients travel back: stage s + 1 -> s
-COMPUTE = (FORWARD, BACKWARD)
+COMPUTE = (FORWARD, BACKWARD, WEIGHT)
 SENDS = {SEND_ACT: (+1, "act"), SEND_GRAD: (-1, "grad")}
 RECVS = {RECV_ACT: (-1, "act"), RECV_GRAD: (+1, "grad")}
+_ACTION = re.compile(r"([A-Z]+)(\d+)(?:\.(\d+))?")
+
+
+class ScheduleError(RuntimeError):
+    """A schedule that cannot run: a deadlock, an unmatched message or a missing step."""
 
 
 class Action(NamedTuple):
     """One instruction for one stage: an op on a micro-batch, printed compactly as `F3`.
 
-    `chunk` is the model chunk (virtual stage) of an interleaved schedule: rank `r` of `p`
-    holds virtual stages `r, r + p, r + 2p, ...`; chunk 1's forward of micro-batch 3 prints
-    as `F3.1`.
+    `chunk` is the model chunk of a schedule with several per rank (interleaved, ZBV); which
+    virtual stage a chunk is depends on the schedule's layout (`stage_layout`). Chunk 1's
+    forward of micro-batch 3 prints as `F3.1`; `Action.from_str` reads that back.
     """
 
     op: str
@@ -35,26 +43,53 @@ class Action(NamedTuple):
     def __repr__(self) -> str:
         return f"{self.op}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
 
+    @staticmethod
+    def from_str(text: str) -> "Action":
+        """The reverse of `repr`: `"W3.1"` -> `Action("W", 3, 1)`."""
+        found = _ACTION.fullmatch(text.strip())
+        if not found or found.group(1) not in (*COMPUTE, *SENDS, *RECVS):
+            raise ScheduleError(
+                f"cannot read {text!r} as an action: expected an op of "
+                f"{[*COMPUTE, *SENDS, *RECVS]}, a micro-batch and an optional .chunk, "
+                f"like 'F3', 'W3.1' or 'RG0'")
+        op, mb, chunk = found.groups()
+        return Action(op, int(mb), int(chunk or 0))
 
-class ScheduleError(RuntimeError):
-    """A schedule that cannot run: a deadlock, an unmatched message or a missing step."""
+
+class Programs(list):
+    """Every rank's instruction list, one list a rank, and the schedule's `layout`:
+    `layout[rank][chunk]` is the virtual stage (slice of the model) that chunk runs."""
+
+    def __init__(self, programs: Iterable[list[Action]], layout: list[list[int]]) -> None:
+        super().__init__(programs)
+        self.layout = layout
 
 
-def _forward(stage: int, stages: int, mb: int, chunk: int = 0, chunks: int = 1) -> list[Action]:
-    virtual, last = chunk * stages + stage, stages * chunks - 1
-    acts = [Action(RECV_ACT, mb, chunk)] if virtual > 0 else []
-    acts.append(Action(FORWARD, mb, chunk))
-    if virtual < last:
-        acts.append(Action(SEND_ACT, mb, chunk))
-    return acts
+def stage_layout(name: str, stages: int, chunks: int = 1) -> list[list[int]]:
+    """`layout[rank][chunk]` -> virtual stage. Interleaved: rank r holds r, r + p, r + 2p...;
+    ZBV's V: rank r holds r and 2p - 1 - r, so rank 0 holds the first and the last."""
+    if name == "zbv":
+        return [[r, 2 * stages - 1 - r] for r in range(stages)]
+    return [[c * stages + r for c in range(chunks)] for r in range(stages)]
 
 
-def _backward(stage: int, stages: int, mb: int, chunk: int = 0, chunks: int = 1) -> list[Action]:
-    virtual, last = chunk * stages + stage, stages * chunks - 1
-    acts = [Action(RECV_GRAD, mb, chunk)] if virtual < last else []
-    acts.append(Action(BACKWARD, mb, chunk))
-    if virtual > 0:
-        acts.append(Action(SEND_GRAD, mb, chunk))
+def _messages(compute: Iterable[tuple[str, int, int]], virtuals: Sequence[int],
+              last: int) -> list[Action]:
+    """A compute-only order with its messages added: a receive right before the forward
+    (backward) that needs it, a send right after the one that produces it. W sends nothing."""
+    acts: list[Action] = []
+    for op, mb, chunk in compute:
+        virtual = virtuals[chunk]
+        if op == FORWARD:
+            acts += [Action(RECV_ACT, mb, chunk)] if virtual > 0 else []
+            acts.append(Action(FORWARD, mb, chunk))
+            acts += [Action(SEND_ACT, mb, chunk)] if virtual < last else []
+        elif op == BACKWARD:
+            acts += [Action(RECV_GRAD, mb, chunk)] if virtual < last else []
+            acts.append(Action(BACKWARD, mb, chunk))
+            acts += [Action(SEND_GRAD, mb, chunk)] if virtual > 0 else []
+        else:
+            acts.append(Action(op, mb, chunk))
     return acts
 
 
@@ -68,12 +103,16 @@ def _backward(stage: int, stages: int, mb: int, chunk: int = 0, chunks: int = 1)
 def gpipe(stage: int, stages: int, microbatches: int) -> list[Action]:
     """All forwards, then all backwards: stash `m` on every stage."""
     _check(stage, stages, microbatches)
-    acts: list[Action] = []
-    for mb in range(microbatches):
-        acts += _forward(stage, stages, mb)
-    for mb in range(microbatches):
-        acts += _backward(stage, stages, mb)
-    return acts
+    compute = [(op, mb, 0) for op in (FORWARD, BACKWARD) for mb in range(microbatches)]
+    return _messages(compute, [stage], stages - 1)
+
+
+def _one_f_one_b_order(stage: int, stages: int, microbatches: int) -> list[tuple[str, int, int]]:
+    warmup = min(stages - stage - 1, microbatches)
+    order = [(FORWARD, mb, 0) for mb in range(warmup)]
+    for i in range(microbatches - warmup):
+        order += [(FORWARD, warmup + i, 0), (BACKWARD, i, 0)]
+    return order + [(BACKWARD, mb, 0) for mb in range(microbatches - warmup, microbatches)]
 
 
 # 1F1B (PipeDream-Flush), 3 stages, 4 micro-batches:
@@ -90,16 +129,38 @@ def gpipe(stage: int, stages: int, microbatches: int) -> list[Action]:
 def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[Action]:
     """Warm-up forwards, then one forward one backward, then the remaining backwards."""
     _check(stage, stages, microbatches)
-    warmup = min(stages - stage - 1, microbatches)
-    acts: list[Action] = []
-    for mb in range(warmup):
-        acts += _forward(stage, stages, mb)
-    for i in range(microbatches - warmup):
-        acts += _forward(stage, stages, warmup + i)
-        acts += _backward(stage, stages, i)
-    for mb in range(microbatches - warmup, microbatches):
-        acts += _backward(stage, stages, mb)
-    return acts
+    return _messages(_one_f_one_b_order(stage, stages, microbatches), [stage], stages - 1)
+
+
+# ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", the handcrafted H1), 3 stages,
+# 4 micro-batches, F = B = W = 1 unit:
+#
+#   stage 0 | F0 F1 F2 .  .  B0 W0 F3 B1 W1 B2 W2 B3 W3
+#   stage 1 | .  F0 F1 .  B0 F2 B1 W0 F3 B2 W1 B3 W2 W3
+#   stage 2 | .  .  F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3
+#
+# (`format_table(build_schedule("zb-h1", 3, 4))` prints this table.)
+#
+# 1F1B's order of F and B, each backward split into B (the input gradient the previous stage
+# waits for) and W (the weight gradient nobody waits for). Stage s defers W(i) to right after
+# B(i + s): the deferred W's fill the gaps where 1F1B's drain waits on gradients. The stash
+# (forwarded, B not done) stays 1F1B's min(p - s, m) and, counting the micro-batches whose W
+# waits, no stage holds more than min(p, m), 1F1B's stage 0. With F = B = W the step takes
+# 3m + p - 1 + max(0, p - m) units against 1F1B's 3(m + p - 1): for m >= p a bubble of p - 1
+# units instead of 3(p - 1), a third.
+def zb_h1(stage: int, stages: int, microbatches: int) -> list[Action]:
+    """1F1B with split backward; stage s runs W(i) right after B(i + s) (or after its last B)."""
+    _check(stage, stages, microbatches)
+    m = microbatches
+    due: dict[int, list[int]] = {}
+    for i in range(m):
+        due.setdefault(min(i + stage, m - 1), []).append(i)
+    order: list[tuple[str, int, int]] = []
+    for op, mb, _ in _one_f_one_b_order(stage, stages, m):
+        order.append((op, mb, 0))
+        if op == BACKWARD:
+            order += [(WEIGHT, i, 0) for i in due.get(mb, [])]
+    return _messages(order, [stage], stages - 1)
 
 
 # Interleaved 1F1B (Narayanan et al. 2021), 2 ranks, 2 chunks each, 4 micro-batches: the model
@@ -125,46 +186,96 @@ def interleaved_1f1b(stage: int, stages: int, microbatches: int,
     p, v, m = stages, chunks, microbatches
     total = m * v
 
-    def unit(k: int, forward: bool) -> tuple[int, int]:
+    def unit(k: int, op: str) -> tuple[str, int, int]:
         group = (k // p) % v
-        chunk = group if forward else v - 1 - group
-        return (k // (p * v)) * p + k % p, chunk
+        chunk = group if op == FORWARD else v - 1 - group
+        return op, (k // (p * v)) * p + k % p, chunk
 
     if m == p:
         warmup = total      # one group: every forward comes before the first backward
     else:
         warmup = min((p - stage - 1) * 2 + (v - 1) * p, total)
-    acts: list[Action] = []
-    for k in range(warmup):
-        acts += _forward(stage, p, *unit(k, True), chunks=v)
+    order = [unit(k, FORWARD) for k in range(warmup)]
     for k in range(total - warmup):
-        acts += _forward(stage, p, *unit(k + warmup, True), chunks=v)
-        acts += _backward(stage, p, *unit(k, False), chunks=v)
-    for k in range(total - warmup, total):
-        acts += _backward(stage, p, *unit(k, False), chunks=v)
-    return acts
+        order += [unit(k + warmup, FORWARD), unit(k, BACKWARD)]
+    order += [unit(k, BACKWARD) for k in range(total - warmup, total)]
+    return _messages(order, stage_layout("interleaved", p, v)[stage], p * v - 1)
+
+
+# ZBV (Qi et al. 2024, section 6), 2 ranks, 4 micro-batches: 2p virtual stages in a V, rank r
+# holding virtual stages r (chunk 0, on the way down) and 2p - 1 - r (chunk 1, on the way
+# back), so rank 0 holds the first and the last, and the turn at rank p - 1 is local (its
+# message to itself is a hand-over, no link). One unit is a chunk's F, B or W; rank 0 never
+# waits:
+#
+#   rank 0 | F0 F1 F2 F0.1 B0.1 W0.1 F1.1 B1.1 W1.1 F3 B0 W0 F2.1 B2.1 W2.1 B1 W1 F3.1 ...
+#
+# (`format_table(build_schedule("zbv", 2, 4))` prints both ranks.) Rank r warms up with
+# 2(p - r) - 1 chunk-0 forwards, interleaves chunk 1's first forwards, then runs F B W on each
+# chunk in turn; the drain runs the W's it deferred where the last gradients are awaited.
+# With F = B = W and m >= 2p - 1 the step takes 3m + (p - 1)/2 units of a whole stage's op:
+# the bubble is p - 1 chunk units, half ZB-H1's, for the same peak memory (2p chunks, p
+# stages' worth, on every rank). Counts below run as if m >= 2p - 1 (the least that fills the
+# V); the micro-batches beyond m are then dropped (torch.distributed.pipelining's order).
+def zbv(stage: int, stages: int, microbatches: int) -> list[Action]:
+    """The V-shaped zero-bubble schedule: two chunks a rank, rank 0 holds both ends."""
+    _check(stage, stages, microbatches)
+    p, r, n = stages, stage, max(2 * stages - 1, microbatches)
+    count = {(op, c): 0 for op in COMPUTE for c in (0, 1)}
+    order: list[tuple[str, int, int]] = []
+
+    def run(op: str, chunk: int) -> None:
+        order.append((op, count[(op, chunk)], chunk))
+        count[(op, chunk)] += 1
+
+    for op, chunk in [(FORWARD, 0)] * (2 * (p - r) - 1) + [(FORWARD, 1), (FORWARD, 0)] * r \
+            + [(FORWARD, 1), (BACKWARD, 1), (WEIGHT, 1)] * (p - r):
+        run(op, chunk)
+    while count[(FORWARD, 1)] < count[(FORWARD, 0)] or count[(FORWARD, 0)] < n:
+        if count[(FORWARD, 0)] < n:
+            run(FORWARD, 0)
+        for op, chunk in [(BACKWARD, 0), (WEIGHT, 0), (FORWARD, 1), (BACKWARD, 1), (WEIGHT, 1)]:
+            run(op, chunk)
+    for op, chunk in [(BACKWARD, 0), (BACKWARD, 1)] * r + [(BACKWARD, 0), (WEIGHT, 0)] * (p - r):
+        run(op, chunk)
+    for chunk in (1, 0):
+        while count[(WEIGHT, chunk)] < count[(BACKWARD, chunk)]:
+            run(WEIGHT, chunk)
+    order = [a for a in order if a[1] < microbatches]
+    return _messages(order, stage_layout("zbv", p)[stage], 2 * p - 1)
 
 
 SCHEDULES: dict[str, Callable[..., list[Action]]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved": interleaved_1f1b,
+    "zb-h1": zb_h1,
+    "zbv": zbv,
 }
+# Model chunks per rank of the schedules that fix them (the others run one, interleaved v).
+_CHUNKS = {"zbv": 2}
 
 
 def build_schedule(name: str, stages: int, microbatches: int,
-                   chunks: int = 1) -> list[list[Action]]:
-    """Every stage's instruction list for schedule `name` (`chunks` > 1: interleaved only)."""
+                   chunks: int | None = None) -> Programs:
+    """Every stage's instruction list for schedule `name`, with the receives on each link put
+    in the order of its sends. `chunks`: model chunks per rank; more than 1 for
+    'interleaved' (default 1), and 2 (implied) for 'zbv'."""
     try:
         generator = SCHEDULES[name]
     except KeyError:
         raise ScheduleError(f"unknown schedule {name!r}; known: {sorted(SCHEDULES)}") from None
+    fixed = _CHUNKS.get(name, 1)
+    chunks = fixed if chunks is None else chunks
     if name == "interleaved":
-        return [generator(s, stages, microbatches, chunks) for s in range(stages)]
-    if chunks != 1:
-        raise ScheduleError(f"schedule {name!r} runs one model chunk per rank, found "
-                            f"chunks={chunks}; use schedule 'interleaved' for more")
-    return [generator(s, stages, microbatches) for s in range(stages)]
+        programs = [generator(s, stages, microbatches, chunks) for s in range(stages)]
+    elif chunks != fixed:
+        raise ScheduleError(f"schedule {name!r} runs {fixed} model chunk(s) per rank, found "
+                            f"chunks={chunks}; use schedule 'interleaved' for another count")
+    else:
+        programs = [generator(s, stages, microbatches) for s in range(stages)]
+    layout = stage_layout(name, stages, chunks)
+    return Programs(_receives_in_send_order(programs, layout), layout)
 
 
 def _check(stage: int, stages: int, microbatches: int) -> None:
@@ -174,14 +285,110 @@ def _check(stage: int, stages: int, microbatches: int) -> None:
             f"stages={stages}, microbatches={microbatches}")
 
 
+# A message is (kind, micro-batch, destination virtual stage): unique in a step.
+Message = tuple[str, int, int]
+
+
+def _owners(layout: Sequence[Sequence[int]]) -> dict[int, tuple[int, int]]:
+    """virtual stage -> (rank, chunk)."""
+    return {v: (r, c) for r, chunks in enumerate(layout) for c, v in enumerate(chunks)}
+
+
+def _route(act: Action, rank: int, layout: Sequence[Sequence[int]],
+           owners: dict[int, tuple[int, int]]) -> tuple[Message, int, int]:
+    """A send's or a receive's message, source rank and destination rank."""
+    virtual = layout[rank][act.chunk]
+    if act.op in SENDS:
+        step, kind = SENDS[act.op]
+        dest = virtual + step
+        if dest not in owners:
+            raise ScheduleError(f"stage {rank} sends {act} to virtual stage {dest}, which does "
+                                f"not exist in a pipeline of {len(owners)}")
+        return (kind, act.mb, dest), rank, owners[dest][0]
+    step, kind = RECVS[act.op]
+    source = virtual + step
+    if source not in owners:
+        raise ScheduleError(f"stage {rank} receives {act} from virtual stage {source}, which "
+                            f"does not exist in a pipeline of {len(owners)}")
+    return (kind, act.mb, virtual), owners[source][0], rank
+
+
+def _link_orders(programs: Sequence[Sequence[Action]], layout: Sequence[Sequence[int]]
+                 ) -> tuple[dict[tuple[int, int], list[Message]],
+                            dict[tuple[int, int], list[Message]]]:
+    """Per directed link (source rank, destination rank): its sends and its receives, each
+    in program order."""
+    owners = _owners(layout)
+    sent: dict[tuple[int, int], list[Message]] = {}
+    received: dict[tuple[int, int], list[Message]] = {}
+    for rank, prog in enumerate(programs):
+        for act in prog:
+            if act.op in SENDS or act.op in RECVS:
+                msg, src, dst = _route(act, rank, layout, owners)
+                (sent if act.op in SENDS else received).setdefault((src, dst), []).append(msg)
+    return sent, received
+
+
+def _receives_in_send_order(programs: Sequence[Sequence[Action]],
+                            layout: Sequence[Sequence[int]]) -> list[list[Action]]:
+    """Move receives earlier so that each link receives in the order it sends (NCCL matches
+    point-to-point messages by order alone). A receive moves just ahead of the one that
+    needs a later message: it waits no longer than that one would, so nothing new blocks."""
+    owners = _owners(layout)
+    sent, received = _link_orders(programs, layout)
+    out = []
+    for dst, prog in enumerate(programs):
+        wanted = {msg for (_, d), msgs in received.items() if d == dst for msg in msgs}
+        done: set[Message] = set()
+        at: dict[int, int] = {}
+        new: list[Action] = []
+        for act in prog:
+            if act.op not in RECVS:
+                new.append(act)
+                continue
+            msg, src, _ = _route(act, dst, layout, owners)
+            if msg in done:
+                continue
+            queue, i = sent.get((src, dst), []), at.get(src, 0)
+            if msg in queue[i:] and wanted.issuperset(queue[i:queue.index(msg, i)]):
+                for kind, mb, virtual in queue[i:queue.index(msg, i)]:
+                    new.append(Action(RECV_ACT if kind == "act" else RECV_GRAD, mb,
+                                      layout[dst].index(virtual)))
+                    done.add((kind, mb, virtual))
+                at[src] = queue.index(msg, i) + 1
+            new.append(act)
+            done.add(msg)
+        out.append(new)
+    return out
+
+
+def _check_link_order(programs: Sequence[Sequence[Action]],
+                      layout: Sequence[Sequence[int]]) -> None:
+    sent, received = _link_orders(programs, layout)
+    for (src, dst), sends in sorted(sent.items()):
+        recvs = received.get((src, dst), [])
+        for i, (s, r) in enumerate(zip(sends, recvs)):
+            if s != r:
+                raise ScheduleError(
+                    f"link rank {src} -> rank {dst}: message {i} is sent as {s[0]} of "
+                    f"micro-batch {s[1]} to virtual stage {s[2]} but received as {r[0]} of "
+                    f"micro-batch {r[1]} to virtual stage {r[2]}; NCCL matches messages by "
+                    f"order alone: receive them in the order they are sent")
+
+
 @dataclasses.dataclass
 class SimResult:
     """What a replay of all stages found."""
 
     makespan: float                  # time from the first instruction to the last
     busy: list[float]                # compute time per stage
-    peak_stash: list[int]            # most micro-batches forwarded but not yet backwarded
+    peak_stash: list[int]            # most micro-batches forwarded but not yet backwarded (B)
     timeline: list[list[tuple[float, float, Action]]]  # per stage: (start, end, action)
+    # Most micro-batches whose B is done but W is not (0 without split backward): their
+    # autograd graph is still held for W.
+    peak_pending_w: list[int] = dataclasses.field(default_factory=list)
+    # Most micro-batches forwarded whose backward is not complete (B, and W when split).
+    peak_held: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def bubble(self) -> float:
@@ -191,110 +398,142 @@ class SimResult:
 
 
 def simulate(programs: Sequence[Sequence[Action]], forward_time: float = 1.0,
-             backward_time: float = 1.0, comm_time: float = 0.0) -> SimResult:
+             backward_time: float | None = None, comm_time: float = 0.0, *,
+             backward_input_time: float = 1.0, weight_time: float = 1.0,
+             layout: Sequence[Sequence[int]] | None = None) -> SimResult:
     """Replay every stage's program together and check it can run.
 
     Sends never block (the engine posts them and moves on); a receive waits until the matching
     send has been issued. Raises `ScheduleError` on a deadlock (every unfinished stage waits
-    for a message nobody will send), on a send no stage receives, and on a program that does
-    not run each micro-batch's forward and backward exactly once, in that order. With model
-    chunks (interleaved), a chunk's forward takes `forward_time / chunks`: a rank's whole
-    forward of a micro-batch still takes `forward_time`.
+    for a message nobody will send), on a send no stage receives, on a link whose receives
+    come in another order than its sends, and on a program that does not run each
+    micro-batch's forward and backward (and W, if any) exactly once, in that order.
+
+    Times: F takes `forward_time`; in a schedule with W, B takes `backward_input_time` and W
+    `weight_time`; in one without, B is the whole backward, `backward_time` (default
+    `backward_input_time + weight_time`). With model chunks, a chunk's op takes 1/chunks of
+    that: a rank's whole forward of a micro-batch still takes `forward_time`. `layout` (which
+    virtual stage each rank's chunk runs) defaults to the programs' own (`Programs`), else
+    the interleaved one.
     """
     stages = len(programs)
     chunks = 1 + max((a.chunk for prog in programs for a in prog), default=0)
-    last = stages * chunks - 1
-    _check_programs(programs, chunks)
-    clock = [0.0] * stages
-    busy = [0.0] * stages
-    pc = [0] * stages
-    stash = [0] * stages
-    peak = [0] * stages
-    timeline: list[list[tuple[float, float, Action]]] = [[] for _ in range(stages)]
-    # (kind, micro-batch, destination virtual stage) -> arrival time
-    in_flight: dict[tuple[str, int, int], float] = {}
-    durations = {FORWARD: forward_time / chunks, BACKWARD: backward_time / chunks}
+    layout = layout or getattr(programs, "layout", None) or \
+        stage_layout("interleaved", stages, chunks)
+    split = any(a.op == WEIGHT for prog in programs for a in prog)
+    _check_programs(programs, layout, split)
+    full = backward_input_time + weight_time if backward_time is None else backward_time
+    durations = {FORWARD: forward_time / chunks,
+                 BACKWARD: (backward_input_time if split else full) / chunks}
+    if split:
+        durations[WEIGHT] = weight_time / chunks
+    result = _replay(programs, layout, durations, comm_time)
+    _check_link_order(programs, layout)
+    return result
 
-    while True:
+
+def _replay(programs: Sequence[Sequence[Action]], layout: Sequence[Sequence[int]],
+            durations: dict[str, float], comm_time: float) -> SimResult:
+    stages = len(programs)
+    owners = _owners(layout)
+    clock, busy, pc = [0.0] * stages, [0.0] * stages, [0] * stages
+    held = {kind: [0] * stages for kind in ("stash", "pending_w", "held")}
+    peaks = {kind: [0] * stages for kind in held}
+    split = WEIGHT in durations
+    timeline: list[list[tuple[float, float, Action]]] = [[] for _ in range(stages)]
+    in_flight: dict[Message, float] = {}            # message -> arrival time
+    while not all(pc[s] == len(programs[s]) for s in range(stages)):
         progressed = False
-        for s in range(stages):
-            prog = programs[s]
+        for s, prog in enumerate(programs):
             while pc[s] < len(prog):
                 act = prog[pc[s]]
-                virtual = act.chunk * stages + s
                 if act.op in RECVS:
-                    _, kind = RECVS[act.op]
-                    key = (kind, act.mb, virtual)
-                    if key not in in_flight:
+                    msg = _route(act, s, layout, owners)[0]
+                    if msg not in in_flight:
                         break                     # blocked until the sender gets there
-                    clock[s] = max(clock[s], in_flight.pop(key))
+                    clock[s] = max(clock[s], in_flight.pop(msg))
                 elif act.op in SENDS:
-                    step, kind = SENDS[act.op]
-                    dest = virtual + step
-                    if not 0 <= dest <= last:
-                        raise ScheduleError(f"stage {s} sends {act} to virtual stage {dest}, "
-                                            f"which does not exist in a pipeline of "
-                                            f"{last + 1}")
-                    in_flight[(kind, act.mb, dest)] = clock[s] + comm_time
+                    in_flight[_route(act, s, layout, owners)[0]] = clock[s] + comm_time
                 else:
-                    start = clock[s]
+                    timeline[s].append((clock[s], clock[s] + durations[act.op], act))
                     clock[s] += durations[act.op]
                     busy[s] += durations[act.op]
-                    timeline[s].append((start, clock[s], act))
-                    stash[s] += 1 if act.op == FORWARD else -1
-                    peak[s] = max(peak[s], stash[s])
+                    _count(held, peaks, s, act.op, split)
                 pc[s] += 1
                 progressed = True
-        if all(pc[s] == len(programs[s]) for s in range(stages)):
-            break
         if not progressed:
             waiting = ", ".join(f"stage {s} at {programs[s][pc[s]]} (instruction {pc[s]})"
                                 for s in range(stages) if pc[s] < len(programs[s]))
             raise ScheduleError(f"deadlock: every unfinished stage waits on a receive: {waiting}")
     if in_flight:
         lost = ", ".join(f"{kind} of micro-batch {mb} to "
-                         + (f"virtual stage {dest}" if chunks > 1 else f"stage {dest}")
+                         + (f"virtual stage {dest}" if len(owners) > stages else f"stage {dest}")
                          for kind, mb, dest in sorted(in_flight))
         raise ScheduleError(f"send with no matching receive: {lost}")
-    return SimResult(makespan=max(clock) if clock else 0.0, busy=busy, peak_stash=peak,
-                     timeline=timeline)
+    return SimResult(makespan=max(clock) if clock else 0.0, busy=busy,
+                     peak_stash=peaks["stash"], timeline=timeline,
+                     peak_pending_w=peaks["pending_w"], peak_held=peaks["held"])
 
 
-def _check_programs(programs: Sequence[Sequence[Action]], chunks: int = 1) -> None:
-    """Each stage runs F then B exactly once per micro-batch and chunk, with its messages
-    around them."""
-    stages = len(programs)
-    last = stages * chunks - 1
+def _count(held: dict[str, list[int]], peaks: dict[str, list[int]], s: int, op: str,
+           split: bool) -> None:
+    """Per stage: the stash (F done, B not), the pending W's (B done, W not) and all held
+    (F done, backward not complete), and their peaks."""
+    if op == FORWARD:
+        held["stash"][s] += 1
+        held["held"][s] += 1
+    elif op == BACKWARD:
+        held["stash"][s] -= 1
+        if split:
+            held["pending_w"][s] += 1
+        else:
+            held["held"][s] -= 1
+    else:
+        held["pending_w"][s] -= 1
+        held["held"][s] -= 1
+    for kind, counts in held.items():
+        peaks[kind][s] = max(peaks[kind][s], counts[s])
+
+
+def _check_programs(programs: Sequence[Sequence[Action]], layout: Sequence[Sequence[int]],
+                    split: bool) -> None:
+    """Each stage runs F, then B, then (split) W exactly once per micro-batch and chunk, with
+    its messages before them."""
+    last = max(v for chunks in layout for v in chunks)
+    ops = COMPUTE if split else (FORWARD, BACKWARD)
+    m = len([a for a in programs[0] if a.op == FORWARD and a.chunk == 0]) if programs else 0
     for s, prog in enumerate(programs):
-        for c in range(chunks):
-            forwards = [a.mb for a in prog if a.op == FORWARD and a.chunk == c]
-            backwards = [a.mb for a in prog if a.op == BACKWARD and a.chunk == c]
-            mbs = sorted(forwards)
-            if mbs != list(range(len(mbs))) or sorted(backwards) != mbs or \
-                    (c and len(mbs) != len([a for a in prog if a.op == FORWARD and not a.chunk])):
-                where = f"stage {s}" + (f" chunk {c}" if chunks > 1 else "")
+        for c in range(len(layout[s])):
+            runs = {op: [a.mb for a in prog if a.op == op and a.chunk == c] for op in COMPUTE}
+            if any(sorted(runs[op]) != list(range(m)) for op in ops) or \
+                    (not split and runs[WEIGHT]):
+                where = f"stage {s}" + (f" chunk {c}" if len(layout[s]) > 1 else "")
+                names = {FORWARD: "forwards", BACKWARD: "backwards", WEIGHT: "W's"}
                 raise ScheduleError(
-                    f"{where}: expected one forward and one backward of each micro-batch "
-                    f"0..m-1, found forwards {forwards} and backwards {backwards}")
-        seen_f: set[tuple[int, int]] = set()
-        have: set[tuple[str, int, int]] = set()
-        for act in prog:
-            virtual = act.chunk * stages + s
-            if act.op in RECVS:
-                have.add((act.op, act.mb, act.chunk))
-            elif act.op == FORWARD:
-                if virtual > 0 and (RECV_ACT, act.mb, act.chunk) not in have:
-                    raise ScheduleError(f"stage {s} runs {act} before receiving its input")
-                seen_f.add((act.mb, act.chunk))
-            elif act.op == BACKWARD:
-                if (act.mb, act.chunk) not in seen_f:
-                    raise ScheduleError(f"stage {s} runs {act} before its forward")
-                if virtual < last and (RECV_GRAD, act.mb, act.chunk) not in have:
-                    raise ScheduleError(f"stage {s} runs {act} before receiving its gradient")
+                    f"{where}: expected one forward and one backward{' and one W' * split} "
+                    f"of each micro-batch 0..{m - 1}, found "
+                    + " and ".join(f"{names[op]} {runs[op]}" for op in ops))
+        _check_order(s, prog, layout[s], last)
+
+
+def _check_order(s: int, prog: Sequence[Action], virtuals: Sequence[int], last: int) -> None:
+    done: set[tuple[str, int, int]] = set()
+    for act in prog:
+        virtual = virtuals[act.chunk]
+        need = {FORWARD: (RECV_ACT, "receiving its input", virtual > 0),
+                BACKWARD: (FORWARD, "its forward", True),
+                WEIGHT: (BACKWARD, "its B", True)}.get(act.op)
+        if need and need[2] and (need[0], act.mb, act.chunk) not in done:
+            raise ScheduleError(f"stage {s} runs {act} before {need[1]}")
+        if act.op == BACKWARD and virtual < last and (RECV_GRAD, act.mb, act.chunk) not in done:
+            raise ScheduleError(f"stage {s} runs {act} before receiving its gradient")
+        done.add((act.op, act.mb, act.chunk))
 
 
 def format_table(programs: Sequence[Sequence[Action]], **sim_kwargs: float) -> str:
-    """The pipeline order as a table, one column a stage, one row a unit of simulated time."""
+    """The pipeline order as a table, one column a stage, one row a unit of simulated time
+    (every op one unit unless times are given: a whole backward too)."""
+    sim_kwargs.setdefault("backward_time", 1.0)
     result = simulate(programs, **sim_kwargs)
     slots: dict[float, list[str]] = {}
     for s, events in enumerate(result.timeline):

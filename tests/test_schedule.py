@@ -1,9 +1,13 @@
-"""Property tests of the schedules through the simulator: no MPI, no torch."""
+"""Property tests of the schedules through the simulator: no MPI, no torch (a few Config and
+command-line checks aside)."""
 
 import pytest
 
-from pipeflow.schedule import (Action, BACKWARD, FORWARD, RECV_ACT, SEND_ACT, ScheduleError,
-                               build_schedule, format_table, simulate)
+from pipeflow import schedule
+from pipeflow.cli import main
+from pipeflow.config import Config, ConfigError
+from pipeflow.schedule import (Action, BACKWARD, FORWARD, RECV_ACT, SEND_ACT, WEIGHT,
+                               ScheduleError, build_schedule, format_table, simulate)
 
 GRID = [(p, m) for p in range(1, 9) for m in range(1, 33)]
 
@@ -24,7 +28,9 @@ def test_no_deadlock_and_bubble_matches_formula(name):
     for p, m in GRID:
         result = simulate(build_schedule(name, p, m))   # raises on deadlock or lost sends
         assert result.bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12), (p, m)
-        assert result.makespan == 2 * (m + p - 1)
+        # A whole backward takes B + W = 2 units by default, 1 when set.
+        assert result.makespan == 3 * (m + p - 1)
+        assert simulate(build_schedule(name, p, m), backward_time=1.0).makespan == 2 * (m + p - 1)
 
 
 def test_stash_1f1b_is_min_p_minus_s_and_m():
@@ -112,5 +118,169 @@ def test_interleaved_needs_whole_groups_and_only_it_takes_chunks():
         build_schedule("interleaved", 4, 6, chunks=2)
     with pytest.raises(ScheduleError, match="use schedule 'interleaved'"):
         build_schedule("1f1b", 4, 8, chunks=2)
+    with pytest.raises(ScheduleError, match="'zbv' runs 2 model chunk"):
+        build_schedule("zbv", 4, 8, chunks=3)
     assert [repr(a) for a in build_schedule("interleaved", 2, 2, chunks=2)[0][:6]] == \
         ["F0", "SA0", "F1", "SA1", "RA0.1", "F0.1"]
+
+
+# --- split backward: B (input gradient) and W (weight gradient) --------------------------
+
+ZERO_BUBBLE = ["zb-h1", "zbv"]
+
+
+def _one_f_one_b_bubble(p, m):
+    return (p - 1) / (m + p - 1)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", *ZERO_BUBBLE])
+def test_every_action_prints_and_parses_back(name):
+    for p, m in [(1, 1), (2, 4), (3, 6), (4, 8)]:
+        for prog in build_schedule(name, p, m):
+            assert [Action.from_str(repr(a)) for a in prog] == prog
+    assert Action.from_str(" W3.1 ") == Action(WEIGHT, 3, 1)
+    assert Action.from_str("RG12") == Action("RG", 12, 0)
+    for bad in ["X3", "F", "F3.", "3F", "W-1", "F3.1.2"]:
+        with pytest.raises(ScheduleError, match=f"cannot read {bad!r} as an action"):
+            Action.from_str(bad)
+
+
+@pytest.mark.parametrize("name", ZERO_BUBBLE)
+def test_each_f_b_and_w_runs_once_per_microbatch_and_stage_in_order(name):
+    for p, m in GRID:
+        programs = build_schedule(name, p, m)
+        virtuals = []
+        for r, prog in enumerate(programs):
+            for chunk, virtual in enumerate(programs.layout[r]):
+                virtuals.append(virtual)
+                at = {op: [prog.index(Action(op, mb, chunk)) for mb in range(m)]
+                      for op in (FORWARD, BACKWARD, WEIGHT)}
+                assert all(at[FORWARD][mb] < at[BACKWARD][mb] < at[WEIGHT][mb]
+                           for mb in range(m)), (name, p, m, r, chunk)
+            assert len([a for a in prog if a.op in (FORWARD, BACKWARD, WEIGHT)]) == \
+                3 * m * len(programs.layout[r])
+        assert sorted(virtuals) == list(range(len(virtuals)))    # every virtual stage once
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", *ZERO_BUBBLE])
+def test_no_deadlock_and_every_link_receives_in_send_order(name):
+    for p, m in GRID:
+        if name == "interleaved" and m % p:
+            continue
+        programs = build_schedule(name, p, m)
+        simulate(programs)      # raises on a deadlock, a lost send or a link out of order
+        sent, received = schedule._link_orders(programs, programs.layout)
+        assert sent == received, (name, p, m)
+
+
+def test_link_order_check_fails_when_receives_are_swapped():
+    # ZBV's own order receives a gradient ahead of an activation sent before it on one link:
+    # with NCCL (order-matched) that would pair the wrong buffers.
+    p, m = 2, 4
+    raw = [schedule.zbv(r, p, m) for r in range(p)]
+    with pytest.raises(ScheduleError, match="link rank 0 -> rank 1: message 2 is sent as act "
+                       "of micro-batch 2 .* received as grad of micro-batch 0"):
+        simulate(raw, layout=schedule.stage_layout("zbv", p))
+    # build_schedule moves that receive ahead, and nothing waits longer for it.
+    fixed = build_schedule("zbv", p, m)
+    assert fixed[1] != raw[1] and fixed[0] == raw[0]
+    times = {FORWARD: 0.5, BACKWARD: 0.5, WEIGHT: 0.5}
+    assert schedule._replay(raw, fixed.layout, times, 0.0).makespan == \
+        simulate(fixed).makespan
+
+
+def test_zb_h1_keeps_1f1b_memory_and_takes_p_minus_1_units_of_bubble():
+    for p, m in GRID:
+        result = simulate(build_schedule("zb-h1", p, m))      # F = B = W = 1
+        assert result.peak_stash == [min(p - s, m) for s in range(p)], (p, m)
+        # With the micro-batches waiting for W, no stage holds more than 1F1B's stage 0.
+        assert result.peak_held == [min(p, m)] * p, (p, m)
+        assert result.makespan == 3 * m + p - 1 + max(0, p - m), (p, m)
+        one_f_one_b = simulate(build_schedule("1f1b", p, m))  # its backward: B + W = 2
+        if p > 1:
+            assert result.bubble < one_f_one_b.bubble, (p, m)
+        if m >= p:
+            assert result.bubble == pytest.approx((p - 1) / (3 * m + p - 1)), (p, m)
+
+
+def test_zb_h1_bubble_is_about_a_third_of_1f1b_for_large_m():
+    for p in (2, 4, 8):
+        m = 256
+        ratio = simulate(build_schedule("zb-h1", p, m)).bubble / _one_f_one_b_bubble(p, m)
+        assert ratio == pytest.approx((m + p - 1) / (3 * m + p - 1))    # -> 1/3
+        assert 1 / 3 < ratio < 0.345, (p, ratio)
+
+
+@pytest.mark.parametrize("f,b,w", [(1, 1, 1), (1, 1.5, 0.5), (1, 2, 1), (2, 1, 1),
+                                   (1, 1, 2), (1, 0.5, 1.5)])
+def test_zb_h1_bubble_with_unequal_times_is_qi_et_al_formula(f, b, w):
+    # (p - 1)(F + B - W) (Qi et al. 2024) while W <= B; a W longer than that cannot shrink
+    # the ramps below one forward a stage.
+    for p, m in [(2, 8), (4, 8), (4, 16), (8, 32)]:
+        r = simulate(build_schedule("zb-h1", p, m), forward_time=f, backward_input_time=b,
+                     weight_time=w)
+        assert r.makespan - m * (f + b + w) == pytest.approx((p - 1) * max(f + b - w, f))
+        # 1F1B with the same whole backward (B + W) idles (p - 1)(F + B + W).
+        full = simulate(build_schedule("1f1b", p, m), forward_time=f,
+                        backward_input_time=b, weight_time=w)
+        assert full.makespan - m * (f + b + w) == pytest.approx((p - 1) * (f + b + w))
+
+
+def test_zbv_layout_is_a_v_with_both_ends_on_rank_0():
+    for p in range(1, 9):
+        layout = build_schedule("zbv", p, 4).layout
+        assert layout == [[r, 2 * p - 1 - r] for r in range(p)]
+        assert 0 in layout[0] and 2 * p - 1 in layout[0]
+
+
+def test_zbv_bubble_halves_zb_h1s_at_1f1b_memory():
+    for p, m in GRID:
+        result = simulate(build_schedule("zbv", p, m))
+        assert max(result.peak_held) <= 2 * p, (p, m)      # chunks: p stages' worth
+        if m >= 2 * p - 1:
+            # p - 1 chunk units of bubble: (p - 1)/2 of a stage's F, B or W.
+            assert result.makespan == 3 * m + (p - 1) / 2, (p, m)
+            assert result.bubble == pytest.approx((p - 1) / (6 * m + p - 1)), (p, m)
+            assert result.peak_held == [2 * p] * p, (p, m)
+            if p > 1:
+                assert result.bubble < simulate(build_schedule("zb-h1", p, m)).bubble
+
+
+def test_simulator_counts_pending_w_and_rejects_w_out_of_place():
+    result = simulate(build_schedule("zb-h1", 4, 8))
+    assert result.peak_pending_w == [1, 2, 3, 4]     # stage s defers W by s backwards
+    assert simulate(build_schedule("1f1b", 4, 8)).peak_pending_w == [0] * 4
+    programs = build_schedule("zb-h1", 2, 2)
+    with pytest.raises(ScheduleError, match="stage 1: expected one forward and one backward "
+                       "and one W .* W's \\[1\\]"):
+        simulate([programs[0], [a for a in programs[1] if a != Action(WEIGHT, 0)]])
+    early = [a for a in programs[1] if a != Action(WEIGHT, 0)]
+    early.insert(0, Action(WEIGHT, 0))
+    with pytest.raises(ScheduleError, match="stage 1 runs W0 before its B"):
+        simulate([programs[0], early])
+    # One W makes a schedule split: then every stage needs its W's.
+    with pytest.raises(ScheduleError, match="stage 0: expected .* and one W .* W's \\[0\\]"):
+        simulate([build_schedule("1f1b", 2, 2)[0] + [Action(WEIGHT, 0)],
+                  build_schedule("1f1b", 2, 2)[1]])
+
+
+def test_table_and_command_show_the_ws(capsys):
+    table = format_table(build_schedule("zb-h1", 3, 4)).splitlines()
+    assert table[2 + 6].split() == ["6", "|", "W0", "B1", "F2"]
+    assert len(table) == 2 + 14      # 3m + p - 1 units
+    assert main(["schedule", "-s", "zb-h1", "-p", "4", "-m", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "W7" in out and "bubble 0.111 (F = B = W; 1F1B with the same times: 0.273)" in out
+    assert "waiting for W [1, 2, 3, 4], held in all [4, 4, 4, 4]" in out
+    assert main(["schedule", "-s", "zbv", "-p", "4", "-m", "8"]) == 0
+    assert "bubble 0.059" in capsys.readouterr().out
+
+
+def test_config_knows_the_zero_bubble_schedules():
+    assert Config(pipeline=4, microbatches=8, schedule="zb-h1").virtual_stages == 1
+    assert Config(pipeline=4, microbatches=8, schedule="ZBV").virtual_stages == 2
+    assert Config(pipeline=4, microbatches=8, schedule="zbv", virtual_stages=2).schedule == "zbv"
+    with pytest.raises(ConfigError, match="'zbv' runs exactly 2 model chunks per rank"):
+        Config(pipeline=4, microbatches=8, schedule="zbv", virtual_stages=3)
+    with pytest.raises(ConfigError, match="needs schedule 'interleaved'"):
+        Config(pipeline=4, microbatches=8, schedule="zb-h1", virtual_stages=2)
