@@ -280,7 +280,7 @@ class Engine:
 
     def _last_rank(self) -> int:
         """The pipeline rank holding the last virtual stage."""
-        return self._stage.stages - 1
+        return self._stage.where[self._stage.last_virtual][0]
 
     def _gather_outputs(self, outputs: list[Any]) -> Any:
         """The last stage's outputs of every micro-batch and replica, in global batch order,

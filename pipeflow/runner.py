@@ -21,6 +21,7 @@ from pipeflow import tree
 from pipeflow.batch import Batches
 from pipeflow.recompute import SavedTensorMeter, auto_policy, stage_forward
 from pipeflow.tree import Header
+from pipeflow.zero_bubble import backward_input, backward_weight
 
 __all__ = ["Runner", "StepState", "Route"]
 
@@ -51,6 +52,9 @@ class StepState:
     sent: dict[Key, Header] = dataclasses.field(default_factory=dict)
     grads_in: dict[Key, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
     grads_out: dict[Key, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
+    pending_w: dict[Key, Any] = dataclasses.field(default_factory=dict)   # B done, W not
+    local: dict[int, tuple[Header, list[torch.Tensor]]] = dataclasses.field(
+        default_factory=dict)        # messages from this rank to itself (ZBV's bottom), by tag
     sends: list[Any] = dataclasses.field(default_factory=list)
     losses: list[torch.Tensor] = dataclasses.field(default_factory=list)
     outputs: list[Any] = dataclasses.field(default_factory=list)
@@ -75,7 +79,7 @@ class Runner:
         self._handlers = {sched.RECV_ACT: self.recv_activation, sched.FORWARD: self.forward,
                           sched.SEND_ACT: self.send_activation,
                           sched.RECV_GRAD: self.recv_gradient, sched.BACKWARD: self.backward,
-                          sched.SEND_GRAD: self.send_gradient}
+                          sched.SEND_GRAD: self.send_gradient, sched.WEIGHT: self.weight}
 
     # -- the loop -------------------------------------------------------------------------
     def run(self, program: list[sched.Action], st: StepState) -> StepState:
@@ -98,16 +102,13 @@ class Runner:
     def route(self, act: sched.Action) -> Route:
         """Peer, receiving chunk and tag of the message `act` sends or receives.
 
-        Activations go to virtual stage v + 1 and gradients to v - 1; with chunks, the last
-        rank feeds the first rank's next chunk (and gradients come back the same way)."""
-        p, s, m = self.stage.stages, self.stage.index, self.stage.config.microbatches
+        Activations go to virtual stage v + 1 and gradients to v - 1, wherever the schedule's
+        layout put it (the next rank; the first rank's next chunk when interleaved; this very
+        rank at the bottom of ZBV's V). Tags name the receiver's micro-batch and chunk."""
+        stage, m = self.stage, self.stage.config.microbatches
         ahead = act.op in (sched.SEND_ACT, sched.RECV_GRAD)
-        peer = (s + 1) % p if ahead else (s - 1) % p
-        chunk = act.chunk
-        if act.op == sched.SEND_ACT and s == p - 1:
-            chunk += 1                          # wraps onto the next chunk
-        elif act.op == sched.SEND_GRAD and s == 0:
-            chunk -= 1
+        peer, peer_chunk = stage.where[stage.virtual(act.chunk) + (1 if ahead else -1)]
+        chunk = peer_chunk if act.op in sched.SENDS else act.chunk
         kind = _ACT if act.op in (sched.SEND_ACT, sched.RECV_ACT) else _GRAD
         return Route(peer, chunk, 2 * (chunk * m + act.mb) + kind)
 
@@ -123,9 +124,12 @@ class Runner:
     def recv_activation(self, act: sched.Action, st: StepState) -> None:
         r = self.route(act)
         comm = self.stage.pipe_comm
-        known = None if comm.always_header else self._heard.get((r.peer, r.chunk))
-        header, ts = comm.recv_message(r.peer, r.tag, known, self.stage.device)
-        self._heard[(r.peer, r.chunk)] = header
+        if r.peer == comm.rank:
+            header, ts = st.local.pop(r.tag)
+        else:
+            known = None if comm.always_header else self._heard.get((r.peer, r.chunk))
+            header, ts = comm.recv_message(r.peer, r.tag, known, self.stage.device)
+            self._heard[(r.peer, r.chunk)] = header
         needs_grad = [t for t, meta in zip(ts, header.metas) if meta.requires_grad]
         if st.train:
             for t in needs_grad:
@@ -171,9 +175,12 @@ class Runner:
         header, ts = tree.header_of(st.to_send.pop((act.mb, act.chunk)))
         link = (r.peer, r.chunk)
         comm = self.stage.pipe_comm
+        st.sent[(act.mb, act.chunk)] = header
+        if r.peer == comm.rank:                 # to this rank's other chunk: no message
+            st.local[r.tag] = (header, [t.detach().clone() for t in ts])
+            return
         announce = comm.always_header or self._announced.get(link) != header
         self._announced[link] = header
-        st.sent[(act.mb, act.chunk)] = header
         st.sends.append(comm.send_message(header if announce else None, ts, r.peer, r.tag))
 
     def recv_gradient(self, act: sched.Action, st: StepState) -> None:
@@ -184,33 +191,55 @@ class Runner:
         if metas:
             r = self.route(act)
             expected = Header(None, (None,) * len(metas), metas)
-            _, grads = self.stage.pipe_comm.recv_message(r.peer, r.tag, expected,
-                                                         self.stage.device)
+            if r.peer == self.stage.pipe_comm.rank:
+                _, grads = st.local.pop(r.tag)
+            else:
+                _, grads = self.stage.pipe_comm.recv_message(r.peer, r.tag, expected,
+                                                             self.stage.device)
         st.grads_in[(act.mb, act.chunk)] = grads
 
     def backward(self, act: sched.Action, st: StepState) -> None:
+        """B: the gradient of this chunk's inputs, which the previous stage waits for. Under a
+        split-backward schedule the weight gradients wait for this chunk's W."""
         stage, key = self.stage, (act.mb, act.chunk)
         needs_grad, out = st.stash.pop(key)
-        if stage.reducer is not None and act == stage.last_backward:
-            stage.reducer.arm()
         if stage.virtual(act.chunk) == stage.last_virtual:
-            (out * st.loss_multiplier).backward()
+            outs, grads = [out * st.loss_multiplier], None
         else:
             outs = [t for t in tree.tensors(out) if t.requires_grad and t.is_floating_point()]
             grads = st.grads_in.pop(key)
             if len(outs) != len(grads):
                 raise RuntimeError(f"{len(outs)} outputs need a gradient but {len(grads)} came "
                                    f"back for {act!r}")
-            if outs:
-                torch.autograd.backward(outs, grads)
+        if stage.split_backward:
+            params = [p for layer in stage.chunk_layers[act.chunk] for p in layer.parameters()]
+            got, st.pending_w[key] = backward_input(outs, grads, needs_grad, params)
+            st.grads_out[key] = [g if g is not None else torch.zeros_like(t)
+                                 for t, g in zip(needs_grad, got)]
+            return
+        if stage.reducer is not None and act == stage.last_backward:
+            stage.reducer.arm()
+        if outs:
+            torch.autograd.backward(outs, grads)
         st.grads_out[key] = [t.grad if t.grad is not None else torch.zeros_like(t)
                              for t in needs_grad]
+
+    def weight(self, act: sched.Action, st: StepState) -> None:
+        """W: this chunk's weight gradients, into `.grad` (the hooks of mixed precision and
+        of the data-parallel buckets fire as in a full backward)."""
+        reducer = self.stage.reducer
+        if reducer is not None and act == self.stage.last_backward:
+            reducer.arm()
+        backward_weight(st.pending_w.pop((act.mb, act.chunk)))
 
     def send_gradient(self, act: sched.Action, st: StepState) -> None:
         grads = st.grads_out.pop((act.mb, act.chunk))
         if grads:
             r = self.route(act)
-            st.sends.append(self.stage.pipe_comm.send_message(None, grads, r.peer, r.tag))
+            if r.peer == self.stage.pipe_comm.rank:
+                st.local[r.tag] = (None, grads)
+            else:
+                st.sends.append(self.stage.pipe_comm.send_message(None, grads, r.peer, r.tag))
 
     def _resolve_auto(self, layers: list, x: Any, target: Any) -> None:
         """Measure this chunk on a real micro-batch and pick the cheapest policy whose stash

@@ -68,6 +68,9 @@ class Stage:
         self.layer_times = _measure_times(layers, config, world, sample, self.device)
         self.boundaries = partition_layers(layers, self.stages * self.num_chunks,
                                            config.partition, self.layer_times)
+        # layout[rank][chunk] = virtual stage; where[virtual] = (rank, chunk)
+        self.layout = sched.stage_layout(config.schedule, self.stages, self.num_chunks)
+        self.where = {v: (r, c) for r, row in enumerate(self.layout) for c, v in enumerate(row)}
         ranges = [range(self.boundaries[self.virtual(c)], self.boundaries[self.virtual(c) + 1])
                   for c in range(self.num_chunks)]
         built = {i: build_layer(layers[i], config.seed, i) for r in ranges for i in r}
@@ -94,8 +97,9 @@ class Stage:
 
     # -- where things are -----------------------------------------------------------------
     def virtual(self, chunk: int) -> int:
-        """The virtual stage of this rank's chunk `chunk`."""
-        return chunk * self.stages + self.index
+        """The virtual stage of this rank's chunk `chunk` (the schedule's layout: `chunk · p +
+        stage` when interleaved, the V `2p - 1 - stage` for ZBV's second chunk)."""
+        return self.layout[self.index][chunk]
 
     @property
     def last_virtual(self) -> int:
@@ -103,11 +107,11 @@ class Stage:
 
     @property
     def holds_first(self) -> bool:
-        return self.virtual(0) == 0
+        return self.where[0][0] == self.index
 
     @property
     def holds_last(self) -> bool:
-        return self.virtual(self.num_chunks - 1) == self.last_virtual
+        return self.where[self.last_virtual][0] == self.index
 
     def describe(self) -> str:
         return self.topo.describe()
@@ -126,12 +130,16 @@ class Stage:
             sched.gpipe(self.index, self.stages, cfg.microbatches)
         self.eval_program = [a for a in forwards
                              if a.op in (sched.RECV_ACT, sched.FORWARD, sched.SEND_ACT)]
-        backwards = [a for a in self.program if a.op == sched.BACKWARD]
-        self.last_backward = backwards[-1] if backwards else None
+        # The instruction that produces the step's last weight gradients: the data-parallel
+        # buckets launch as they become final during it (W under split backward, else B).
+        self.split_backward = any(a.op == sched.WEIGHT for a in self.program)
+        grad_op = sched.WEIGHT if self.split_backward else sched.BACKWARD
+        makers = [a for a in self.program if a.op == grad_op]
+        self.last_backward = makers[-1] if makers else None
 
     def _tie(self, layers: Sequence[LayerSpec], built: dict[int, nn.Module]) -> list[Tie]:
         """Make tied weights identical; open a communicator per tie that spans stages."""
-        stage_of = {i: k % self.stages for k in range(len(self.boundaries) - 1)
+        stage_of = {i: self.where[k][0] for k in range(len(self.boundaries) - 1)
                     for i in range(self.boundaries[k], self.boundaries[k + 1])}
         ties: list[Tie] = []
         for key, holders in tie_groups(layers).items():

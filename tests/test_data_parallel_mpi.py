@@ -26,7 +26,7 @@ def sgd(params):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("pipeline,data", GRIDS)
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("clip", [0.0, 0.3], ids=["noclip", "clip"])
 @pytest.mark.parametrize("optimizer", [adamw, sgd], ids=["adamw", "sgd"])
@@ -108,14 +108,15 @@ def test_batch_must_divide_by_replicas_times_microbatches():
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
 @pytest.mark.parametrize("backend,grid", [("mpi", "hybrid"), ("gloo", "pipeline")])
-def test_interleaved_chunks_with_tied_weights_and_clipping(backend, grid):
+def test_interleaved_chunks_with_tied_weights_and_clipping(backend, grid, schedule):
     # Two model chunks a rank: the embedding (chunk 0 of rank 0) and the head (the last chunk
     # of the last rank) are tied across the ring's wrap-around.
     pipeline, data = (2, WORLD.size // 2) if grid == "hybrid" else (WORLD.size, 1)
     layers = toy_layers(blocks=2 * pipeline * 2 - 2, tied=True)
     config = pf.Config(pipeline=pipeline, data=data, microbatches=2 * pipeline,
-                       schedule="interleaved", virtual_stages=2, clip=0.3, backend=backend,
+                       schedule=schedule, virtual_stages=2, clip=0.3, backend=backend,
                        bucket_mb=0.001)
     engine = pf.Engine(layers, loss_fn, sgd, config)
     steps = batches(3, 8 * pipeline * data)

@@ -34,7 +34,7 @@ def _cases():
     # Only grids this world can hold: `mpirun -n 2` runs the 2-stage cases, `-n 4` both.
     for p in (p for p in (2, 4) if p <= WORLD.size):
         for m in MICROBATCHES[p]:
-            for schedule in ("1f1b", "gpipe", "interleaved"):
+            for schedule in ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv"):
                 if schedule == "interleaved" and m % p:
                     continue        # interleaving runs micro-batches in groups of p
                 for part in ("uniform", "parameters", "time", "explicit"):
@@ -45,7 +45,7 @@ def _cases():
 @pytest.mark.parametrize("stages,microbatches,schedule,partition", list(_cases()))
 def test_pipeline_trains_like_one_process(stages, microbatches, schedule, partition):
     comm = _sub_world(stages)
-    interleaved = schedule == "interleaved"
+    interleaved = schedule in ("interleaved", "zbv")       # two model chunks a rank
     layers = toy_layers(blocks=7 if interleaved else 5)
     explicit = (EXPLICIT_INTERLEAVED if interleaved else EXPLICIT)[stages]
     config = pf.Config(pipeline=stages, microbatches=microbatches, schedule=schedule,
@@ -180,7 +180,7 @@ def test_checkpoint_resumes_onto_a_different_grid(tmp_path_factory):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1", "zbv"])
 @pytest.mark.parametrize("microbatches", [1, 3, 8])
 def test_plain_sgd_update_equals_one_process(schedule, microbatches):
     # AdamW's first steps are nearly lr * sign(g), blind to a wrong gradient scale; SGD's

@@ -21,7 +21,7 @@ def _train(comm, stages, schedule, recompute, budget_mb=0.0, steps=3):
     engine = pf.Engine(gpt_layers(CFG), gpt_loss,
                        lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9),
                        pf.Config(pipeline=stages, microbatches=4, schedule=schedule,
-                                 partition=BOUNDS[stages],
+                                 partition=BOUNDS[stages * (2 if schedule == "zbv" else 1)],
                                  recompute=recompute, activation_budget_mb=budget_mb),
                        comm=comm, measure_activations=True)
     data = Batches(load_corpus(), 8, CFG.seq_len, seed=0)
@@ -30,7 +30,7 @@ def _train(comm, stages, schedule, recompute, budget_mb=0.0, steps=3):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1", "zbv"])
 @pytest.mark.parametrize("recompute", ["full", "every:1", "every:2", "selective",
                                        ["full", "selective"], "auto"],
                          ids=["full", "every1", "every2", "selective", "per-stage", "auto"])
