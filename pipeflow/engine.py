@@ -15,7 +15,7 @@ from mpi4py import MPI
 from torch import nn
 
 from pipeflow import schedule as sched
-from pipeflow.checkpoint import load_checkpoint, save_checkpoint
+from pipeflow.checkpoint import CheckpointState, load_checkpoint, save_checkpoint
 from pipeflow.comm import (Communicator, MpiCommunicator, Request, TensorMeta, meta_of,
                            mpi_iallreduce_, torch_grid_communicators)
 from pipeflow.config import Config, ConfigError
@@ -232,11 +232,26 @@ class Engine:
 
     def save(self, directory: str | os.PathLike) -> str:
         """Write a checkpoint (per-layer shards, atomically); returns its folder."""
-        return save_checkpoint(self, directory)
+        return save_checkpoint(self._checkpoint_state(), directory)
 
     def load(self, directory: str | os.PathLike) -> None:
         """Restore the latest checkpoint in `directory`, written on any grid."""
-        load_checkpoint(self, directory)
+        self.step_count = load_checkpoint(self._checkpoint_state(), directory)
+
+    def _checkpoint_state(self) -> CheckpointState:
+        return CheckpointState(
+            topo=self.topo, n_layers=self.n_layers, step=self.step_count,
+            config=self.config.to_dict(), layer_indices=self.module.indices,
+            master_state_dict=self.master_state_dict,
+            named_master_parameters=self.named_master_parameters,
+            load_params=self._load_params, optimizer=self.optimizer,
+            scaler=self.precision.scaler)
+
+    def _load_params(self, params: dict[str, torch.Tensor]) -> None:
+        """Full-precision values by name: the working weights (cast) and the masters."""
+        self.module.load_state_dict(params)
+        self.precision.load_masters({id(p): params[n].to(self.device) for n, p in
+                                     self.module.named_parameters() if n in params})
 
     def close(self) -> None:
         """Free this engine's communicators (an engine per test would otherwise exhaust MPI's
