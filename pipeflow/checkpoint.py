@@ -233,8 +233,8 @@ def load_checkpoint(state: CheckpointState, directory: str | os.PathLike) -> int
     """Restore this rank's layers, optimizer state, loss scale and (on the grid that wrote
     it) random state from the checkpoint `directory` names; returns its step."""
     folder = resolve_checkpoint(directory)
-    meta = _read_meta(folder)
     where = state.topo.describe()
+    meta = _read_meta(folder, where)
     if meta.get("n_layers") != state.n_layers:
         raise CheckpointError(
             f"{where}: checkpoint {folder!r} holds {meta.get('n_layers')} layers, the model has "
@@ -261,17 +261,17 @@ def load_checkpoint(state: CheckpointState, directory: str | os.PathLike) -> int
     return int(meta["step"])
 
 
-def _read_meta(folder: str) -> dict[str, Any]:
+def _read_meta(folder: str, where: str) -> dict[str, Any]:
     path = os.path.join(folder, META)
     try:
         with open(path, "rb") as f:
             meta = json.loads(f.read())
     except (OSError, ValueError) as e:
         raise CheckpointError(
-            f"cannot read {path!r} ({type(e).__name__}: {e}): the file is truncated or "
+            f"{where}: cannot read {path!r} ({type(e).__name__}: {e}): the file is truncated or "
             f"corrupt; load an earlier checkpoint by its folder") from None
     if not isinstance(meta, dict) or not {"step", "n_layers"} <= set(meta):
-        raise CheckpointError(f"{path!r} lacks 'step' and 'n_layers': not written by "
+        raise CheckpointError(f"{where}: {path!r} lacks 'step' and 'n_layers': not written by "
                               f"Engine.save, or damaged; load an earlier checkpoint")
     if int(meta.get("format", 1)) > FORMAT:
         raise CheckpointError(f"{path!r} has format {meta['format']}, this pipeflow reads up "
@@ -303,9 +303,11 @@ def _read(folder: str, name: str, checksums: dict[str, str] | None, where: str) 
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:   # noqa: BLE001 - unpickling fails in many ways; name the file
-        raise CheckpointError(f"{where}: cannot read {path!r} ({type(e).__name__}: {e}); "
-                              f"the file is truncated or corrupt: load an earlier "
-                              f"checkpoint") from None
+        lines = str(e).splitlines() or [""]
+        detail = next((line for line in lines if "GLOBAL" in line), lines[0]).strip()
+        raise CheckpointError(f"{where}: cannot read {path!r} ({type(e).__name__}: {detail}); "
+                              f"the file is truncated or corrupt, or holds more than tensors "
+                              f"and plain values: load an earlier checkpoint") from None
 
 
 def _load_optimizer(state: CheckpointState, optim: dict[str, dict[str, Any]],
