@@ -153,8 +153,8 @@ def _write_meta(state: CheckpointState, directory: str, folder: str,
     topo = state.topo
     scaler = state.scaler
     meta = {"format": FORMAT, "step": state.step, "n_layers": state.n_layers,
-            "sequence": 1 + max((_written(os.path.join(directory, d))[0]
-                                 for d in _step_folders(directory)), default=-1),
+            "sequence": 1 + max([-1, *(_written(os.path.join(directory, d))[0]
+                                       for d in _step_folders(directory))]),
             "grid": {"pipeline": topo.pipeline, "data": topo.data},
             "config": state.config,
             "loss_scaler": dataclasses.asdict(scaler) if scaler is not None else None,
