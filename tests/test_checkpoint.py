@@ -13,12 +13,12 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 import pipeflow as pf
 from pipeflow.rng import seed_everything
 
-from toy import adamw, assert_same_parameters, batches, loss_fn, toy_layers, train_reference
+from toy import (adamw, assert_same_parameters, batches, dropout_layers, loss_fn, toy_layers,
+                 train_reference)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -143,24 +143,6 @@ def test_parameter_groups_and_their_changed_settings_are_restored(tmp_path):
         assert torch.equal(a, b), name
     engine.close()
     resumed.close()
-
-
-class Drop(nn.Module):
-    """Dropout on the activation of the toy model's (activation, tokens) pairs."""
-
-    def __init__(self, p: float) -> None:
-        super().__init__()
-        self.drop = nn.Dropout(p)
-
-    def forward(self, x):
-        h, tokens = x
-        return self.drop(h), tokens
-
-
-def dropout_layers() -> list[pf.LayerSpec]:
-    layers = toy_layers(blocks=2)
-    return [layers[0], pf.LayerSpec(Drop, 0.3), layers[1], pf.LayerSpec(Drop, 0.3),
-            *layers[2:]]
 
 
 def _masters(engine):
