@@ -35,7 +35,7 @@ from pipeflow.rng import get_rng_state, set_rng_state
 from pipeflow.topology import Topology
 
 __all__ = ["CheckpointState", "save_checkpoint", "load_checkpoint", "CheckpointError",
-           "resolve_checkpoint"]
+           "resolve_checkpoint", "check_save_dir"]
 
 FORMAT = 2        # 2: checksums, grid, sequence and per-rank random state
 KEEP = 2          # whole checkpoints kept in a folder; older ones are removed
@@ -88,9 +88,7 @@ def save_checkpoint(state: CheckpointState, directory: str | os.PathLike) -> str
     once every rank has written, then removes old checkpoints. Returns the folder."""
     directory = os.fspath(directory)
     topo = state.topo
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise CheckpointError(f"{topo.describe()}: the checkpoint folder {directory!r} is a "
-                              f"file; choose another save directory or remove the file")
+    check_save_dir(directory, topo.describe())
     folder = os.path.join(directory, f"step-{state.step:08d}")
     if topo.rank == 0:            # saving a step again: the folder is incomplete until whole
         _remove_meta(folder)
@@ -108,6 +106,23 @@ def save_checkpoint(state: CheckpointState, directory: str | os.PathLike) -> str
         _remove_old(directory, folder)
     topo.world.Barrier()
     return folder
+
+
+def check_save_dir(directory: str | os.PathLike, where: str = "") -> None:
+    """Fail at start-up, not at the first save, when `directory` cannot hold checkpoints: a
+    file in its place, or a nearest existing folder this process cannot write to."""
+    directory = os.fspath(directory)
+    prefix = f"{where}: " if where else ""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise CheckpointError(f"{prefix}the checkpoint folder {directory!r} is a file; choose "
+                              f"another save directory or remove the file")
+    existing = os.path.abspath(directory)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise CheckpointError(f"{prefix}cannot create checkpoints in {directory!r}: "
+                              f"{existing!r} is not a writable folder; choose another save "
+                              f"directory or fix its permissions")
 
 
 def _shards(state: CheckpointState) -> dict[int, dict[str, Any]]:

@@ -186,3 +186,23 @@ def test_seed_everything_is_reproducible_and_differs_per_rank_and_seed():
         seed_everything(seed, rank)
         other = _draws()
         assert not torch.equal(a[0], other[0]) and a[1] != other[1] and a[2] != other[2]
+
+
+def test_a_checkpoint_of_format_1_still_loads_without_the_random_state(tmp_path):
+    engine = _engine()
+    engine.train_step(*batches(1, 4)[0])
+    folder = engine.save(tmp_path)
+    meta = json.loads(open(os.path.join(folder, "engine.json")).read())
+    for key in ("checksums", "sequence", "grid"):
+        del meta[key]
+    meta["format"] = 1
+    with open(os.path.join(folder, "engine.json"), "w") as f:
+        json.dump(meta, f)
+    other = _engine()
+    with pytest.warns(RuntimeWarning, match="the random state is not restored"):
+        other.load(tmp_path)
+    assert other.step_count == 1
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(engine.named_master_parameters(),
+                                                           other.named_master_parameters()))
+    engine.close()
+    other.close()

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import pipeflow as pf
-from pipeflow.checkpoint import CheckpointError
+from pipeflow.checkpoint import CheckpointError, check_save_dir
 
 from toy import adamw, batches, loss_fn, toy_layers
 
@@ -247,7 +247,11 @@ CHECKPOINT = [
     Hostile("load-missing-folder", lambda tmp: _load(tmp / "nowhere"),
             ("no checkpoint in", "nowhere", "the folder does not exist"), CheckpointError),
     Hostile("save-into-a-file", _save_into_file,
-            ("the checkpoint folder", "ckpt", "is a file"), CheckpointError),
+            ("rank 0 (stage 0 of 1", "the checkpoint folder", "ckpt", "is a file"),
+            CheckpointError),
+    Hostile("save-dir-below-a-file", lambda tmp: (
+        (tmp / "f").write_text("x"), check_save_dir(tmp / "f" / "ckpt")),
+        ("cannot create checkpoints in", "is not a writable folder"), CheckpointError),
 ]
 
 CASES = CONFIG + CHECKPOINT
