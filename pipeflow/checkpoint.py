@@ -66,6 +66,7 @@ class CheckpointState:
     load_params: Callable[[Tensors], None]
     optimizer: torch.optim.Optimizer | None = None
     scaler: Any = None            # a precision.LossScaler (a dataclass) under fp16
+    device: torch.device | str = "cpu"     # whose CUDA random state is this rank's
 
 
 def _layer_name(index: int) -> str:
@@ -98,7 +99,7 @@ def save_checkpoint(state: CheckpointState, directory: str | os.PathLike) -> str
         for i, shard in _shards(state).items():
             written[_layer_name(i)] = _write(os.path.join(folder, _layer_name(i)), shard)
     rng = _rng_name(topo.rank)
-    written[rng] = _write(os.path.join(folder, rng), get_rng_state())
+    written[rng] = _write(os.path.join(folder, rng), get_rng_state(state.device))
     parts = topo.world.gather(written, root=0)
     if topo.rank == 0:
         checksums = {name: digest for part in parts for name, digest in part.items()}
@@ -360,7 +361,7 @@ def _restore_rng(state: CheckpointState, folder: str, meta: dict[str, Any],
                 f"{here}: the random state is not restored, so dropout draws other masks than "
                 f"an uninterrupted run would", RuntimeWarning, stacklevel=3)
         return
-    skipped = set_rng_state(_read(folder, name, checksums, topo.describe()))
+    skipped = set_rng_state(_read(folder, name, checksums, topo.describe()), state.device)
     if skipped:
         warnings.warn(f"{topo.describe()}: not restored from {folder!r}: {', '.join(skipped)}",
                       RuntimeWarning, stacklevel=3)

@@ -245,7 +245,7 @@ class Engine:
             master_state_dict=self.master_state_dict,
             named_master_parameters=self.named_master_parameters,
             load_params=self._load_params, optimizer=self.optimizer,
-            scaler=self.precision.scaler)
+            scaler=self.precision.scaler, device=self.device)
 
     def _load_params(self, params: dict[str, torch.Tensor]) -> None:
         """Full-precision values by name: the working weights (cast) and the masters."""

@@ -14,18 +14,16 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["rank_seed", "seed_everything", "get_rng_state", "set_rng_state"]
+from pipeflow.layers import layer_seed
 
-_MASK64 = 0xFFFFFFFFFFFFFFFF
+__all__ = ["rank_seed", "seed_everything", "get_rng_state", "set_rng_state"]
 
 
 def rank_seed(seed: int, rank: int) -> int:
-    """A 63-bit seed that depends only on `(seed, rank)`; nearby pairs land far apart."""
-    # splitmix64 finaliser; a distinct odd constant keeps it apart from `layer_seed`.
-    x = (seed * 0xBF58476D1CE4E5B9 + rank * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (x ^ (x >> 31)) >> 1
+    """A 63-bit seed that depends only on `(seed, rank)`, apart from every layer's seed."""
+    # layer_seed's mixing at negative indices (layers are built at 0, 1, ...); below -1, as
+    # index -1 with seed 0 mixes the value 0.
+    return layer_seed(seed, -2 - rank)
 
 
 def seed_everything(seed: int, rank: int) -> int:
@@ -38,12 +36,17 @@ def seed_everything(seed: int, rank: int) -> int:
     return s
 
 
-def get_rng_state() -> dict[str, Any]:
-    """Every generator's state, as values `torch.load(weights_only=True)` reads back."""
+def get_rng_state(device: torch.device | str | None = None) -> dict[str, Any]:
+    """Every generator's state, as values `torch.load(weights_only=True)` reads back.
+
+    `device` is the GPU this rank computes on: its generator alone is saved (asking every
+    visible GPU would open a context on each of them from every rank).
+    """
     np_state = np.random.get_state(legacy=False)
+    cuda = _cuda(device)
     return {
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": [torch.cuda.get_rng_state(cuda)] if cuda is not None else [],
         "python": _to_lists(random.getstate()),
         "numpy": {"bit_generator": np_state["bit_generator"],
                   "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
@@ -53,17 +56,17 @@ def get_rng_state() -> dict[str, Any]:
     }
 
 
-def set_rng_state(state: dict[str, Any]) -> list[str]:
-    """Restore what `get_rng_state` captured; returns what could not be (a CUDA device count
-    that differs), for the caller to report."""
+def set_rng_state(state: dict[str, Any], device: torch.device | str | None = None) -> list[str]:
+    """Restore what `get_rng_state` captured, the CUDA generator onto `device`; returns what
+    could not be restored (a CUDA state saved on a CPU run, or none for this GPU)."""
     torch.set_rng_state(state["torch"])
     skipped = []
-    cuda = state.get("cuda") or []
-    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(cuda)
-    elif cuda or torch.cuda.is_available():
-        skipped.append(f"CUDA random state ({len(cuda)} saved devices, "
-                       f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} here)")
+    saved, cuda = state.get("cuda") or [], _cuda(device)
+    if saved and cuda is not None:
+        torch.cuda.set_rng_state(saved[0], cuda)
+    elif saved or cuda is not None:
+        skipped.append(f"the CUDA random state (saved: {'yes' if saved else 'no'}, "
+                       f"device here: {device})")
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     n = state["numpy"]
@@ -71,6 +74,11 @@ def set_rng_state(state: dict[str, Any]) -> list[str]:
                          "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
                          "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
     return skipped
+
+
+def _cuda(device: torch.device | str | None) -> torch.device | None:
+    d = torch.device(device) if device is not None else None
+    return d if d is not None and d.type == "cuda" else None
 
 
 def _to_lists(value: Any) -> Any:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import pipeflow as pf
-from pipeflow.rng import seed_everything
+from pipeflow.rng import get_rng_state, rank_seed, seed_everything, set_rng_state
 
 from toy import (adamw, assert_same_parameters, batches, dropout_layers, loss_fn, toy_layers,
                  train_reference)
@@ -176,7 +176,19 @@ def _draws():
     return torch.rand(4), random.random(), np.random.rand()
 
 
+def test_the_random_state_round_trips_through_a_weights_only_file(tmp_path):
+    seed_everything(3, 1)
+    _draws()
+    torch.save(get_rng_state("cpu"), tmp_path / "rng.pt")
+    expected = _draws()
+    _draws()
+    assert set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True), "cpu") == []
+    got = _draws()
+    assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
+
+
 def test_seed_everything_is_reproducible_and_differs_per_rank_and_seed():
+    assert len({rank_seed(s, r) for s in range(4) for r in range(64)}) == 4 * 64
     seed_everything(7, 0)
     a = _draws()
     seed_everything(7, 0)
