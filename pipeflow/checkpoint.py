@@ -178,6 +178,7 @@ def _write_meta(state: CheckpointState, directory: str, folder: str,
     atomic_write_bytes(os.path.join(folder, META), json.dumps(meta, indent=2).encode())
     # Written (and the folder fsynced) last: `latest` names only a whole checkpoint.
     atomic_write_bytes(os.path.join(directory, "latest"), os.path.basename(folder).encode())
+    fsync_dir(os.path.dirname(os.path.abspath(directory)))    # a save folder made just now
 
 
 def _step_folders(directory: str) -> list[str]:

@@ -105,7 +105,8 @@ class Config:
             raise ConfigError(
                 f"schedule 'interleaved' runs micro-batches in groups of the {self.pipeline} "
                 f"stages: microbatches must be a multiple of {self.pipeline}, found "
-                f"{self.microbatches}")
+                f"{self.microbatches}; set microbatches = "
+                f"{-(-self.microbatches // self.pipeline) * self.pipeline}")
 
     def _check_partition(self) -> None:
         if isinstance(self.partition, str):
@@ -153,7 +154,7 @@ class Config:
             raise ConfigError(f"engine settings must be a table of name = value, found "
                               f"{type(values).__name__}: {values!r}")
         known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(values) - set(known))
+        unknown = sorted(set(values) - set(known), key=str)
         if unknown:
             close = {u: difflib.get_close_matches(u, known, n=1) for u in unknown}
             hints = "; ".join(f"{u!r}: did you mean {c[0]!r}?" for u, c in close.items() if c)
