@@ -149,14 +149,26 @@ class Config:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "Config":
+    def from_dict(cls, values: Mapping[str, Any], source: str | os.PathLike | None = None
+                  ) -> "Config":
+        """A validated `Config` from a table of settings; `source`, the file the table came
+        from, starts every error message (`run.toml: [engine] Config.pipeline must ...`)."""
+        try:
+            return cls._from_dict(values)
+        except ConfigError as e:
+            if source is None:
+                raise
+            raise ConfigError(f"{os.fspath(source)}: [engine] {e}") from None
+
+    @classmethod
+    def _from_dict(cls, values: Mapping[str, Any]) -> "Config":
         if not isinstance(values, Mapping):
             raise ConfigError(f"engine settings must be a table of name = value, found "
                               f"{type(values).__name__}: {values!r}")
         known = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(values) - set(known), key=str)
         if unknown:
-            close = {u: difflib.get_close_matches(u, known, n=1) for u in unknown}
+            close = {u: difflib.get_close_matches(str(u), known, n=1) for u in unknown}
             hints = "; ".join(f"{u!r}: did you mean {c[0]!r}?" for u, c in close.items() if c)
             raise ConfigError(
                 f"unknown engine setting(s) {unknown}; known settings are {sorted(known)}"
@@ -184,10 +196,7 @@ class Config:
             raise ConfigError(f"config file {path!r} not found: check the path") from None
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: not valid TOML ({e}); fix the line named") from None
-        try:
-            return cls.from_dict(doc.get("engine", doc))
-        except ConfigError as e:
-            raise ConfigError(f"{path}: [engine] {e}") from None
+        return cls.from_dict(doc.get("engine", doc), source=path)
 
 
 def _fail(name: str, expected: str, value: Any, change: str) -> NoReturn:
