@@ -100,6 +100,7 @@ def save_checkpoint(state: CheckpointState, directory: str | os.PathLike) -> str
             written[_layer_name(i)] = _write(os.path.join(folder, _layer_name(i)), shard)
     rng = _rng_name(topo.rank)
     written[rng] = _write(os.path.join(folder, rng), get_rng_state(state.device))
+    fsync_dir(folder)             # the renames of this rank's files, once
     parts = topo.world.gather(written, root=0)
     if topo.rank == 0:
         checksums = {name: digest for part in parts for name, digest in part.items()}
@@ -153,7 +154,7 @@ def _write(path: str, obj: Any) -> str:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     data = buffer.getvalue()
-    atomic_write_bytes(path, data)
+    atomic_write_bytes(path, data, sync_dir=False)
     return hashlib.sha256(data).hexdigest()
 
 

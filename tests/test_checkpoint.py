@@ -88,11 +88,11 @@ KILLED_SAVE = textwrap.dedent("""
     engine.train_step(*batches(2, 4)[1])
     writes = []
     real = ckpt.atomic_write_bytes
-    def dying(path, data):
+    def dying(path, data, **kwargs):
         writes.append(path)
         if len(writes) == 3:      # the third file of the second save: the process dies
             os._exit(9)
-        real(path, data)
+        real(path, data, **kwargs)
     ckpt.atomic_write_bytes = dying
     engine.save({folder!r})
     print("the save finished")
