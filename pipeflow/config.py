@@ -90,8 +90,9 @@ class Config:
     def _check_schedule(self) -> None:
         v = self.virtual_stages
         if self.schedule == "interleaved" and v < 2:
-            raise ConfigError("schedule 'interleaved' runs several model chunks per rank: set "
-                              "virtual_stages >= 2 (2 halves the bubble)")
+            raise ConfigError(f"schedule 'interleaved' runs several model chunks per rank: "
+                              f"set virtual_stages >= 2 (2 halves the bubble), found "
+                              f"virtual_stages = {v}")
         if self.schedule != "interleaved" and v != 1:
             raise ConfigError(f"virtual_stages = {v} needs schedule 'interleaved'; "
                               f"{self.schedule!r} runs one model chunk per rank: set "
