@@ -6,11 +6,17 @@ import os
 import tempfile
 from typing import Any, Callable
 
-__all__ = ["atomic_write_bytes", "atomic_write"]
+__all__ = ["atomic_write_bytes", "atomic_write", "fsync_dir"]
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[Any], None]) -> None:
-    """Call `write(file)` on a temporary file beside `path`, then rename it over `path`."""
+def atomic_write(path: str | os.PathLike, write: Callable[[Any], None],
+                 sync_dir: bool = True) -> None:
+    """Call `write(file)` on a temporary file beside `path`, then rename it over `path`.
+
+    The file is fsynced before the rename and its folder after it, so once this returns the
+    new file is on disk under its name. With `sync_dir=False` the caller fsyncs the folder
+    (once for many files).
+    """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
@@ -21,11 +27,27 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Any], None]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        if sync_dir:
+            fsync_dir(directory)  # the rename itself survives a power loss
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    atomic_write(path, lambda f: f.write(data))
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, sync_dir: bool = True) -> None:
+    atomic_write(path, lambda f: f.write(data), sync_dir)
+
+
+def fsync_dir(directory: str | os.PathLike) -> None:
+    """Make the entries of `directory` (files renamed or created in it) durable."""
+    try:
+        fd = os.open(os.fspath(directory), os.O_RDONLY)
+    except OSError:            # a platform without directory handles (Windows)
+        return
+    try:
+        os.fsync(fd)
+    except OSError:            # some file systems refuse fsync on a directory
+        pass
+    finally:
+        os.close(fd)

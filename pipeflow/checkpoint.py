@@ -1,43 +1,80 @@
-"""Checkpoints as per-layer shards, written atomically; resumable onto a different grid.
+"""Checkpoints as per-layer shards, written atomically, verified on load; resumable onto a
+different grid.
 
     ckpt/
       latest                  "step-00000120", replaced atomically once a save is whole
       step-00000120/
-        engine.json           step, layer count, config: written last
+        engine.json           step, layer count, config, grid, sha256 of every file: last
         layer-00000.pt        layer 0's parameters and their optimizer state, by name
         ...
+        rng-rank00000.pt      rank 0's random state (torch CPU/CUDA, random, NumPy)
+        ...
 
-A crash mid-save leaves `latest` naming the previous whole checkpoint.
+A crash mid-save leaves `latest` naming the previous whole checkpoint. Every file is checked
+against the sha256 that `engine.json` records before it is read, and read with
+`torch.load(weights_only=True)`. Cleanup keeps the `KEEP` most recently written checkpoints
+(by a sequence number in `engine.json`, not by step), so a run that restarts from step 0 in a
+folder holding higher steps never deletes what it just wrote.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import os
 import shutil
-from typing import TYPE_CHECKING, Any
+import warnings
+from typing import Any, Callable, Sequence
 
 import torch
 
-from pipeflow._io import atomic_write, atomic_write_bytes
+from pipeflow._io import atomic_write_bytes, fsync_dir
+from pipeflow.rng import get_rng_state, set_rng_state
+from pipeflow.topology import Topology
 
-if TYPE_CHECKING:
-    from pipeflow.engine import Engine
+__all__ = ["CheckpointState", "save_checkpoint", "load_checkpoint", "CheckpointError",
+           "resolve_checkpoint", "check_save_dir"]
 
-__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "resolve_checkpoint"]
-
-FORMAT = 1
+FORMAT = 2        # 2: checksums, grid, sequence and per-rank random state
 KEEP = 2          # whole checkpoints kept in a folder; older ones are removed
+META = "engine.json"
+
+Tensors = dict[str, torch.Tensor]
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, incomplete or does not fit the model."""
+    """A checkpoint that is missing, incomplete, corrupt or does not fit the model."""
 
 
-def _layer_file(folder: str, index: int) -> str:
-    return os.path.join(folder, f"layer-{index:05d}.pt")
+@dataclasses.dataclass
+class CheckpointState:
+    """What a checkpoint reads and writes of one rank's engine, and nothing else of it.
+
+    `load_params` takes full-precision values by `build_sequential` name for this rank's
+    layers and sets both the working weights and the masters.
+    """
+
+    topo: Topology
+    n_layers: int
+    step: int
+    config: dict[str, Any]
+    layer_indices: Sequence[int]
+    master_state_dict: Callable[[], Tensors]
+    named_master_parameters: Callable[[], list[tuple[str, torch.nn.Parameter]]]
+    load_params: Callable[[Tensors], None]
+    optimizer: torch.optim.Optimizer | None = None
+    scaler: Any = None            # a precision.LossScaler (a dataclass) under fp16
+    device: torch.device | str = "cpu"     # whose CUDA random state is this rank's
+
+
+def _layer_name(index: int) -> str:
+    return f"layer-{index:05d}.pt"
+
+
+def _rng_name(rank: int) -> str:
+    return f"rng-rank{rank:05d}.pt"
 
 
 def _split_name(name: str) -> tuple[int, str]:
@@ -45,104 +82,288 @@ def _split_name(name: str) -> tuple[int, str]:
     return int(head), rest
 
 
-def save_checkpoint(engine: "Engine", directory: str | os.PathLike) -> str:
+# -- save -----------------------------------------------------------------------------------
+
+def save_checkpoint(state: CheckpointState, directory: str | os.PathLike) -> str:
+    """Write this rank's shards and random state; rank 0 writes `engine.json` and `latest`
+    once every rank has written, then removes old checkpoints. Returns the folder."""
     directory = os.fspath(directory)
-    topo = engine.topo
-    folder = os.path.join(directory, f"step-{engine.step_count:08d}")
-    if topo.replica == 0:        # replicas hold identical copies: one writes
-        by_layer: dict[int, dict[str, Any]] = {
-            i: {"params": {}, "optim": {}, "groups": {}} for i in engine.module.indices}
-        # Full-precision values: the fp32 masters under mixed precision.
-        for name, tensor in engine.master_state_dict().items():
-            i, local = _split_name(name)
-            by_layer[i]["params"][local] = tensor.detach().to("cpu")
-        opt = engine.optimizer
-        if opt is not None:
-            group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
-            for name, p in engine.named_master_parameters():
-                i, local = _split_name(name)
-                if p in opt.state:
-                    by_layer[i]["optim"][local] = {
-                        k: v.detach().to("cpu") if torch.is_tensor(v) else v
-                        for k, v in opt.state[p].items()}
-                if id(p) in group_of:
-                    by_layer[i]["groups"][local] = {
-                        k: v for k, v in group_of[id(p)].items() if k != "params"}
-        for i, shard in by_layer.items():
-            atomic_write(_layer_file(folder, i), lambda f, shard=shard: torch.save(shard, f))
+    topo = state.topo
+    check_save_dir(directory, topo.describe())
+    folder = os.path.join(directory, f"step-{state.step:08d}")
+    if topo.rank == 0:            # saving a step again: the folder is incomplete until whole
+        _remove_meta(folder)
     topo.world.Barrier()
+    written: dict[str, str] = {}
+    if topo.replica == 0:         # replicas hold identical copies: one writes
+        for i, shard in _shards(state).items():
+            written[_layer_name(i)] = _write(os.path.join(folder, _layer_name(i)), shard)
+    rng = _rng_name(topo.rank)
+    written[rng] = _write(os.path.join(folder, rng), get_rng_state(state.device))
+    fsync_dir(folder)             # the renames of this rank's files, once
+    parts = topo.world.gather(written, root=0)
     if topo.rank == 0:
-        scaler = engine.precision.scaler
-        meta = {"format": FORMAT, "step": engine.step_count, "n_layers": engine.n_layers,
-                "config": engine.config.to_dict(),
-                "loss_scaler": dataclasses.asdict(scaler) if scaler is not None else None}
-        atomic_write_bytes(os.path.join(folder, "engine.json"),
-                           json.dumps(meta, indent=2).encode())
-        atomic_write_bytes(os.path.join(directory, "latest"), os.path.basename(folder).encode())
-        old = sorted(d for d in os.listdir(directory)
-                     if d.startswith("step-") and os.path.isdir(os.path.join(directory, d)))
-        for stale in old[:-KEEP]:
-            shutil.rmtree(os.path.join(directory, stale), ignore_errors=True)
+        checksums = {name: digest for part in parts for name, digest in part.items()}
+        _write_meta(state, directory, folder, checksums)
+        _remove_old(directory, folder)
     topo.world.Barrier()
     return folder
 
+
+def check_save_dir(directory: str | os.PathLike, where: str = "") -> None:
+    """Fail at start-up, not at the first save, when `directory` cannot hold checkpoints: a
+    file in its place, or a nearest existing folder this process cannot write to."""
+    directory = os.fspath(directory)
+    prefix = f"{where}: " if where else ""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise CheckpointError(f"{prefix}the checkpoint folder {directory!r} is a file; choose "
+                              f"another save directory or remove the file")
+    existing = os.path.abspath(directory)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise CheckpointError(f"{prefix}cannot create checkpoints in {directory!r}: "
+                              f"{existing!r} is not a writable folder; choose another save "
+                              f"directory or fix its permissions")
+
+
+def _shards(state: CheckpointState) -> dict[int, dict[str, Any]]:
+    """Per layer: full-precision values (the fp32 masters under mixed precision), their
+    optimizer state and their parameter group's settings, by local name."""
+    by_layer: dict[int, dict[str, Any]] = {
+        i: {"params": {}, "optim": {}, "groups": {}} for i in state.layer_indices}
+    for name, tensor in state.master_state_dict().items():
+        i, local = _split_name(name)
+        by_layer[i]["params"][local] = tensor.detach().to("cpu")
+    opt = state.optimizer
+    if opt is not None:
+        group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+        for name, p in state.named_master_parameters():
+            i, local = _split_name(name)
+            if p in opt.state:
+                by_layer[i]["optim"][local] = {
+                    k: v.detach().to("cpu") if torch.is_tensor(v) else v
+                    for k, v in opt.state[p].items()}
+            if id(p) in group_of:
+                by_layer[i]["groups"][local] = {
+                    k: v for k, v in group_of[id(p)].items() if k != "params"}
+    return by_layer
+
+
+def _write(path: str, obj: Any) -> str:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    data = buffer.getvalue()
+    atomic_write_bytes(path, data, sync_dir=False)
+    return hashlib.sha256(data).hexdigest()
+
+
+def _remove_meta(folder: str) -> None:
+    meta = os.path.join(folder, META)
+    if os.path.exists(meta):
+        os.unlink(meta)
+        fsync_dir(folder)
+
+
+def _write_meta(state: CheckpointState, directory: str, folder: str,
+                checksums: dict[str, str]) -> None:
+    topo = state.topo
+    scaler = state.scaler
+    meta = {"format": FORMAT, "step": state.step, "n_layers": state.n_layers,
+            "sequence": 1 + max([-1, *(_written(os.path.join(directory, d))[0]
+                                       for d in _step_folders(directory))]),
+            "grid": {"pipeline": topo.pipeline, "data": topo.data},
+            "config": state.config,
+            "loss_scaler": dataclasses.asdict(scaler) if scaler is not None else None,
+            "checksums": dict(sorted(checksums.items()))}
+    atomic_write_bytes(os.path.join(folder, META), json.dumps(meta, indent=2).encode())
+    # Written (and the folder fsynced) last: `latest` names only a whole checkpoint.
+    atomic_write_bytes(os.path.join(directory, "latest"), os.path.basename(folder).encode())
+    fsync_dir(os.path.dirname(os.path.abspath(directory)))    # a save folder made just now
+
+
+def _step_folders(directory: str) -> list[str]:
+    return [d for d in os.listdir(directory)
+            if d.startswith("step-") and os.path.isdir(os.path.join(directory, d))]
+
+
+def _written(folder: str) -> tuple[int, int]:
+    """(sequence, mtime) of a checkpoint, for "most recently written"; (-2, 0) when it has no
+    readable `engine.json` (an interrupted save), -1 for a checkpoint of format 1."""
+    path = os.path.join(folder, META)
+    try:
+        with open(path, "rb") as f:
+            meta = json.loads(f.read())
+        return int(meta.get("sequence", -1)), os.stat(path).st_mtime_ns
+    except (OSError, ValueError, TypeError, AttributeError):
+        return -2, 0
+
+
+def _remove_old(directory: str, new: str) -> None:
+    """Keep the KEEP most recently written whole checkpoints, always the new one (`latest`
+    names it); remove the rest, and what interrupted saves left behind."""
+    folders = _step_folders(directory)
+    whole = [d for d in folders if _written(os.path.join(directory, d))[0] > -2]
+    recent = sorted(whole, key=lambda d: _written(os.path.join(directory, d)), reverse=True)
+    keep = {os.path.basename(new), *recent[:KEEP]}
+    for stale in folders:
+        if stale not in keep:
+            shutil.rmtree(os.path.join(directory, stale), ignore_errors=True)
+
+
+# -- load -----------------------------------------------------------------------------------
 
 def resolve_checkpoint(directory: str | os.PathLike) -> str:
     """The whole checkpoint a folder names: itself, or the one its `latest` file names."""
     directory = os.fspath(directory)
-    if os.path.exists(os.path.join(directory, "engine.json")):
+    if os.path.exists(os.path.join(directory, META)):
         return directory
     latest = os.path.join(directory, "latest")
     if not os.path.exists(latest):
+        found = "" if os.path.isdir(directory) else " (the folder does not exist)"
         raise CheckpointError(
-            f"no checkpoint in {directory!r}: expected a 'latest' file or an 'engine.json' "
-            f"(written by Engine.save)")
-    with open(latest) as f:
-        folder = os.path.join(directory, f.read().strip())
-    if not os.path.exists(os.path.join(folder, "engine.json")):
-        raise CheckpointError(f"checkpoint {folder!r} named by {latest!r} is incomplete")
+            f"no checkpoint in {directory!r}{found}: expected a 'latest' file or an "
+            f"'{META}' (written by Engine.save); give the folder a save wrote to")
+    try:
+        with open(latest, "rb") as f:
+            name = f.read().decode().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"cannot read {latest!r} ({e}): load a checkpoint by its folder "
+                              f"({_whole_list(directory)})") from None
+    folder = os.path.join(directory, name)
+    if not name or not os.path.exists(os.path.join(folder, META)):
+        raise CheckpointError(
+            f"checkpoint {folder!r} named by {latest!r} is incomplete or missing (no {META}); "
+            f"load a whole one by its folder ({_whole_list(directory)})")
     return folder
 
 
-def load_checkpoint(engine: "Engine", directory: str | os.PathLike) -> None:
+def _whole_list(directory: str) -> str:
+    try:
+        whole = sorted(d for d in _step_folders(directory)
+                       if _written(os.path.join(directory, d))[0] > -2)
+    except OSError:
+        whole = []
+    return f"whole checkpoints here: {whole}" if whole else "none is whole here"
+
+
+def load_checkpoint(state: CheckpointState, directory: str | os.PathLike) -> int:
+    """Restore this rank's layers, optimizer state, loss scale and (on the grid that wrote
+    it) random state from the checkpoint `directory` names; returns its step."""
     folder = resolve_checkpoint(directory)
-    with open(os.path.join(folder, "engine.json")) as f:
-        meta = json.load(f)
-    where = engine.topo.describe()
-    if meta.get("n_layers") != engine.n_layers:
+    where = state.topo.describe()
+    meta = _read_meta(folder, where)
+    if meta.get("n_layers") != state.n_layers:
         raise CheckpointError(
             f"{where}: checkpoint {folder!r} holds {meta.get('n_layers')} layers, the model has "
-            f"{engine.n_layers}; load it into the same layer list")
-    params: dict[str, torch.Tensor] = {}
+            f"{state.n_layers}; load it into the same layer list")
+    checksums = meta.get("checksums")        # None in a checkpoint of format 1
+    params: Tensors = {}
     optim: dict[str, dict[str, Any]] = {}
     groups: dict[str, dict[str, Any]] = {}
-    for i in engine.module.indices:
-        with open(_layer_file(folder, i), "rb") as f:
-            shard = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=False)
+    for i in state.layer_indices:
+        shard = _read(folder, _layer_name(i), checksums, where)
+        if not (isinstance(shard, dict) and {"params", "optim", "groups"} <= set(shard)):
+            raise CheckpointError(f"{where}: {os.path.join(folder, _layer_name(i))!r} is not a "
+                                  f"layer shard written by Engine.save")
         params.update({f"{i}.{k}": v for k, v in shard["params"].items()})
         optim.update({f"{i}.{k}": v for k, v in shard["optim"].items()})
         groups.update({f"{i}.{k}": v for k, v in shard["groups"].items()})
-    engine.module.load_state_dict(params)       # cast to the working precision
-    engine.precision.load_masters({id(p): params[n].to(engine.device) for n, p in
-                                   engine.module.named_parameters() if n in params})
-    scaler = engine.precision.scaler
-    if scaler is not None and meta.get("loss_scaler"):
+    state.load_params(params)
+    if state.scaler is not None and meta.get("loss_scaler"):
         for k, v in meta["loss_scaler"].items():
-            setattr(scaler, k, v)
-    opt = engine.optimizer
-    if opt is not None:
-        name_of = {id(p): n for n, p in engine.named_master_parameters()}
-        state = opt.state_dict()
-        new_state: dict[int, Any] = {}
-        index = 0
-        for group, saved_group in zip(opt.param_groups, state["param_groups"]):
-            for p in group["params"]:
-                name = name_of.get(id(p))
-                if name in optim:
-                    new_state[index] = optim[name]
-                if name in groups:
-                    saved_group.update(groups[name])
-                index += 1
-        state["state"] = new_state
-        opt.load_state_dict(state)
-    engine.step_count = int(meta["step"])
+            setattr(state.scaler, k, v)
+    if state.optimizer is not None:
+        _load_optimizer(state, optim, groups)
+    _restore_rng(state, folder, meta, checksums)
+    return int(meta["step"])
+
+
+def _read_meta(folder: str, where: str) -> dict[str, Any]:
+    path = os.path.join(folder, META)
+    try:
+        with open(path, "rb") as f:
+            meta = json.loads(f.read())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(
+            f"{where}: cannot read {path!r} ({type(e).__name__}: {e}): the file is truncated or "
+            f"corrupt; load an earlier checkpoint by its folder") from None
+    if not isinstance(meta, dict) or not {"step", "n_layers"} <= set(meta):
+        raise CheckpointError(f"{where}: {path!r} lacks 'step' and 'n_layers': not written by "
+                              f"Engine.save, or damaged; load an earlier checkpoint")
+    if int(meta.get("format", 1)) > FORMAT:
+        raise CheckpointError(f"{path!r} has format {meta['format']}, this pipeflow reads up "
+                              f"to {FORMAT}: upgrade pipeflow")
+    return meta
+
+
+def _read(folder: str, name: str, checksums: dict[str, str] | None, where: str) -> Any:
+    """One file of the checkpoint, checked against its recorded sha256, then unpickled with
+    `weights_only=True` (tensors and plain values only: no code runs)."""
+    path = os.path.join(folder, name)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise CheckpointError(f"{where}: cannot read {path!r} ({e.strerror or e}): the "
+                              f"checkpoint is incomplete; load an earlier one") from None
+    if checksums is not None:
+        expected = checksums.get(name)
+        found = hashlib.sha256(data).hexdigest()
+        if expected is None:
+            raise CheckpointError(f"{where}: {path!r} is not listed in {META}'s checksums: "
+                                  f"the checkpoint was written on another grid or damaged")
+        if found != expected:
+            raise CheckpointError(
+                f"{where}: {path!r} fails its checksum: sha256 {found[:16]}... of {len(data)} "
+                f"bytes, {META} recorded {expected[:16]}...; the file was changed or "
+                f"truncated after the save: restore it, or load an earlier checkpoint")
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:   # noqa: BLE001 - unpickling fails in many ways; name the file
+        lines = str(e).splitlines() or [""]
+        detail = next((line for line in lines if "GLOBAL" in line), lines[0]).strip()
+        raise CheckpointError(f"{where}: cannot read {path!r} ({type(e).__name__}: {detail}); "
+                              f"the file is truncated or corrupt, or holds more than tensors "
+                              f"and plain values: load an earlier checkpoint") from None
+
+
+def _load_optimizer(state: CheckpointState, optim: dict[str, dict[str, Any]],
+                    groups: dict[str, dict[str, Any]]) -> None:
+    """Optimizer state and group settings by parameter name, so a checkpoint of any grid
+    (other partitions, other groupings of parameters into ranks) lands on the right ones."""
+    opt = state.optimizer
+    name_of = {id(p): n for n, p in state.named_master_parameters()}
+    saved = opt.state_dict()
+    new_state: dict[int, Any] = {}
+    index = 0
+    for group, saved_group in zip(opt.param_groups, saved["param_groups"]):
+        for p in group["params"]:
+            name = name_of.get(id(p))
+            if name in optim:
+                new_state[index] = optim[name]
+            if name in groups:
+                saved_group.update(groups[name])
+            index += 1
+    saved["state"] = new_state
+    opt.load_state_dict(saved)
+
+
+def _restore_rng(state: CheckpointState, folder: str, meta: dict[str, Any],
+                 checksums: dict[str, str] | None) -> None:
+    """This rank's random state, when the checkpoint was written on the same grid (so rank
+    r held the same stage and replica); otherwise a warning on rank 0."""
+    topo = state.topo
+    here = {"pipeline": topo.pipeline, "data": topo.data}
+    name = _rng_name(topo.rank)
+    if meta.get("grid") != here or checksums is None or name not in checksums:
+        if topo.rank == 0:
+            warnings.warn(
+                f"checkpoint {folder!r} was written on grid {meta.get('grid')}, this run is "
+                f"{here}: the random state is not restored, so dropout draws other masks than "
+                f"an uninterrupted run would", RuntimeWarning, stacklevel=3)
+        return
+    skipped = set_rng_state(_read(folder, name, checksums, topo.describe()), state.device)
+    if skipped:
+        warnings.warn(f"{topo.describe()}: not restored from {folder!r}: {', '.join(skipped)}",
+                      RuntimeWarning, stacklevel=3)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 import os
 import sys
-from typing import Any, Mapping
+from typing import Any, Mapping, NoReturn, Sequence
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -13,7 +15,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 import tomli_w
 
-__all__ = ["Config", "ConfigError", "SCHEDULES", "PARTITIONS"]
+__all__ = ["Config", "ConfigError", "SCHEDULES", "PARTITIONS", "POLICIES", "parse_policy",
+           "normalise_policy"]
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv")
 PARTITIONS = ("uniform", "parameters", "time")
@@ -38,8 +41,8 @@ class Config:
     pipeline: int = 1          # pipeline stages
     data: int = 1              # data-parallel replicas of every stage
     microbatches: int = 1      # micro-batches per step: the gradient accumulation
-    schedule: str = "1f1b"     # "1f1b", "gpipe", "interleaved", "zb-h1" or "zbv"
-    virtual_stages: int = 1    # model chunks per rank; >= 2 with "interleaved", 2 with "zbv"
+    schedule: str = "1f1b"     # "1f1b", "gpipe" or "interleaved"
+    virtual_stages: int = 1    # model chunks per rank; >= 2 with schedule "interleaved"
     partition: str | list[int] = "uniform"
     precision: str = "fp32"    # "fp32", or "bf16"/"fp16" working weights with fp32 masters
     # Module classes kept in fp32 under bf16/fp16, by class-name suffix ("RMSNorm" covers
@@ -62,68 +65,91 @@ class Config:
     bucket_mb: float = 25.0    # gradient all-reduce bucket size, MiB
     clip: float = 0.0          # clip gradients to this global norm; 0 turns clipping off
     seed: int = 0              # layer i is built under a seed derived from (seed, i)
-    watchdog_s: float = 300.0  # abort, naming who waits on whom, after this long without
-                               # progress inside an engine call; 0 turns the watchdog off
-    max_nonfinite_steps: int = 3   # fp32/bf16: non-finite steps skipped in a row before
-                                   # the run stops with an error
+    watchdog_s: float = 300.0  # abort when no instruction completes for this long; 0: off
+    max_nonfinite_steps: int = 3   # abort after this many non-finite steps in a row
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        for name in ("pipeline", "data", "microbatches"):
+        """Check every field; a `ConfigError` names the field, what it needs and what to set."""
+        for name in ("pipeline", "data", "microbatches", "virtual_stages"):
+            _integer(name, getattr(self, name), 1)
+        self.schedule = _choice("schedule", self.schedule, SCHEDULES)
+        self._check_schedule()
+        self._check_partition()
+        self.precision = _choice("precision", self.precision, PRECISIONS)
+        for name in ("fp32_modules", "recompute_modules"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"Config.{name} must be a positive integer, found {value!r}")
-        _one_of("schedule", self.schedule.lower(), SCHEDULES)
-        self.schedule = self.schedule.lower()
+            if not (isinstance(value, (list, tuple))
+                    and all(isinstance(n, (str, type)) for n in value)):
+                _fail(name, "a list of module class names", value,
+                      f'set e.g. {name} = ["LayerNorm"], or [] for none')
+            setattr(self, name, list(value))
+        self._check_loss_scale()
+        self._check_recompute()
+        self.backend = _choice("backend", self.backend, BACKENDS)
+        _number("bucket_mb", self.bucket_mb, 0.0, strict=True)
+        _number("clip", self.clip, 0.0, hint="0 turns clipping off", what="a norm")
+        _integer("seed", self.seed, None)
+        _number("watchdog_s", self.watchdog_s, 0.0, hint="0 turns the watchdog off")
+        _integer("max_nonfinite_steps", self.max_nonfinite_steps, 0)
+
+    def _check_schedule(self) -> None:
         v = self.virtual_stages
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ConfigError(f"Config.virtual_stages must be a positive integer, found {v!r}")
         if self.schedule == "zbv" and v in (1, 2):
             self.virtual_stages = v = 2         # the V: two chunks a rank, implied
         elif self.schedule == "zbv":
             raise ConfigError(f"schedule 'zbv' runs exactly 2 model chunks per rank (a V), "
                               f"found virtual_stages = {v}; set 2 or leave it out")
         if self.schedule == "interleaved" and v < 2:
-            raise ConfigError("schedule 'interleaved' runs several model chunks per rank: set "
-                              "virtual_stages >= 2 (2 halves the bubble)")
+            raise ConfigError(f"schedule 'interleaved' runs several model chunks per rank: "
+                              f"set virtual_stages >= 2 (2 halves the bubble), found "
+                              f"virtual_stages = {v}")
         if self.schedule not in ("interleaved", "zbv") and v != 1:
             raise ConfigError(f"virtual_stages = {v} needs schedule 'interleaved'; "
-                              f"{self.schedule!r} runs one model chunk per rank")
+                              f"{self.schedule!r} runs one model chunk per rank: set "
+                              f"virtual_stages = 1 or schedule = 'interleaved'")
+        if self.schedule == "interleaved" and self.pipeline < 2:
+            raise ConfigError(
+                f"schedule 'interleaved' passes model chunks between pipeline stages and needs "
+                f"Config.pipeline >= 2, found pipeline = {self.pipeline}: one stage has no "
+                f"bubble to shrink; use schedule '1f1b' (or 'gpipe') with virtual_stages = 1")
         if self.schedule == "interleaved" and self.microbatches % self.pipeline:
             raise ConfigError(
                 f"schedule 'interleaved' runs micro-batches in groups of the {self.pipeline} "
                 f"stages: microbatches must be a multiple of {self.pipeline}, found "
-                f"{self.microbatches}")
+                f"{self.microbatches}; set microbatches = "
+                f"{-(-self.microbatches // self.pipeline) * self.pipeline}")
+
+    def _check_partition(self) -> None:
         if isinstance(self.partition, str):
             _one_of("partition", self.partition, PARTITIONS,
                     hint="or a list of stage boundaries [0, b1, ..., n_layers]")
-        elif not (isinstance(self.partition, (list, tuple))
-                  and all(isinstance(b, int) for b in self.partition)):
-            raise ConfigError(
-                f"Config.partition must be one of {PARTITIONS} or a list of stage boundaries "
-                f"[0, b1, ..., n_layers], found {self.partition!r}")
-        else:
-            self.partition = list(self.partition)
-        _one_of("precision", self.precision, PRECISIONS)
-        for name in ("fp32_modules", "recompute_modules"):
-            value = getattr(self, name)
-            if not (isinstance(value, (list, tuple))
-                    and all(isinstance(n, (str, type)) for n in value)):
-                raise ConfigError(f"Config.{name} must be a list of module class names, "
-                                  f"found {value!r}")
-            setattr(self, name, list(value))
-        if not (self.loss_scale_min > 0 and self.loss_scale >= self.loss_scale_min
-                and self.loss_scale_growth >= 1 and 0 < self.loss_scale_backoff < 1
-                and isinstance(self.loss_scale_interval, int) and self.loss_scale_interval >= 1):
-            raise ConfigError(
-                f"loss scaling needs loss_scale >= loss_scale_min > 0, loss_scale_growth >= 1, "
-                f"0 < loss_scale_backoff < 1 and loss_scale_interval >= 1; found "
-                f"{self.loss_scale}, {self.loss_scale_min}, {self.loss_scale_growth}, "
-                f"{self.loss_scale_backoff}, {self.loss_scale_interval}")
-        from pipeflow.recompute import parse_policy   # torch-side module; imported lazily
+            return
+        bounds = self.partition
+        if not (isinstance(bounds, (list, tuple)) and len(bounds) >= 2
+                and all(_is_int(b) for b in bounds) and bounds[0] == 0
+                and all(a < b for a, b in zip(bounds, bounds[1:]))):
+            _fail("partition", f"one of {list(PARTITIONS)} or a list of increasing stage "
+                  f"boundaries [0, b1, ..., n_layers]", bounds,
+                  "give each stage at least one layer, e.g. partition = [0, 3, 7]")
+        self.partition = list(bounds)
+
+    def _check_loss_scale(self) -> None:
+        _number("loss_scale_min", self.loss_scale_min, 0.0, strict=True)
+        _number("loss_scale", self.loss_scale, self.loss_scale_min,
+                hint="at least loss_scale_min")
+        _number("loss_scale_growth", self.loss_scale_growth, 1.0)
+        _number("loss_scale_backoff", self.loss_scale_backoff, 0.0, strict=True)
+        if self.loss_scale_backoff >= 1:
+            _fail("loss_scale_backoff", "a factor with 0 < loss_scale_backoff < 1",
+                  self.loss_scale_backoff, "set e.g. loss_scale_backoff = 0.5")
+        _integer("loss_scale_interval", self.loss_scale_interval, 1)
+
+    def _check_recompute(self) -> None:
         policies = parse_policy(self.recompute, self.pipeline)
+        _number("activation_budget_mb", self.activation_budget_mb, 0.0)
         if "auto" in policies and not self.activation_budget_mb > 0:
             raise ConfigError(
                 f"Config.recompute 'auto' chooses each stage's policy to fit a memory budget: "
@@ -131,32 +157,36 @@ class Config:
                 f"{self.activation_budget_mb!r}")
         if isinstance(self.recompute, tuple):
             self.recompute = list(self.recompute)
-        _one_of("backend", self.backend, BACKENDS)
-        if not isinstance(self.bucket_mb, (int, float)) or self.bucket_mb <= 0:
-            raise ConfigError(f"Config.bucket_mb must be > 0 MiB, found {self.bucket_mb!r}")
-        if not isinstance(self.clip, (int, float)) or self.clip < 0:
-            raise ConfigError(f"Config.clip must be a norm >= 0 (0 = off), found {self.clip!r}")
-        if not isinstance(self.watchdog_s, (int, float)) or isinstance(self.watchdog_s, bool) \
-                or self.watchdog_s < 0:
-            raise ConfigError(f"Config.watchdog_s must be seconds >= 0 (0 = off), found "
-                              f"{self.watchdog_s!r}")
-        if not isinstance(self.max_nonfinite_steps, int) or self.max_nonfinite_steps < 0:
-            raise ConfigError(f"Config.max_nonfinite_steps must be an integer >= 0, found "
-                              f"{self.max_nonfinite_steps!r}")
-        if not isinstance(self.seed, int):
-            raise ConfigError(f"Config.seed must be an integer, found {self.seed!r}")
 
     # -- TOML ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "Config":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+    def from_dict(cls, values: Mapping[str, Any], source: str | os.PathLike | None = None
+                  ) -> "Config":
+        """A validated `Config` from a table of settings; `source`, the file the table came
+        from, starts every error message (`run.toml: [engine] Config.pipeline must ...`)."""
+        try:
+            return cls._from_dict(values)
+        except ConfigError as e:
+            if source is None:
+                raise
+            raise ConfigError(f"{os.fspath(source)}: [engine] {e}") from None
+
+    @classmethod
+    def _from_dict(cls, values: Mapping[str, Any]) -> "Config":
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"engine settings must be a table of name = value, found "
+                              f"{type(values).__name__}: {values!r}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(known), key=str)
         if unknown:
+            close = {u: difflib.get_close_matches(str(u), known, n=1) for u in unknown}
+            hints = "; ".join(f"{u!r}: did you mean {c[0]!r}?" for u, c in close.items() if c)
             raise ConfigError(
-                f"unknown engine setting(s) {unknown}; known settings are {sorted(known)}")
+                f"unknown engine setting(s) {unknown}; known settings are {sorted(known)}"
+                + (f" ({hints})" if hints else "") + "; remove or rename them")
         return cls(**dict(values))
 
     def to_toml(self, **tables: Mapping[str, Any]) -> str:
@@ -170,13 +200,112 @@ class Config:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Config":
-        """Read the `[engine]` table of a TOML file (or its top level when it has none)."""
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
-        return cls.from_dict(doc.get("engine", doc))
+        """Read the `[engine]` table of a TOML file (or its top level when it has none).
+
+        Every error names the file: a missing file, bad TOML, a wrong type or value.
+        """
+        path = os.fspath(path)
+        try:
+            with open(path, "rb") as f:
+                doc = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path!r} not found: check the path") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: not valid TOML ({e}); fix the line named") from None
+        return cls.from_dict(doc.get("engine", doc), source=path)
+
+
+def _fail(name: str, expected: str, value: Any, change: str) -> NoReturn:
+    raise ConfigError(f"Config.{name} must be {expected}, found {value!r} "
+                      f"({type(value).__name__}); {change}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _integer(name: str, value: Any, minimum: int | None) -> None:
+    if _is_int(value) and (minimum is None or value >= minimum):
+        return
+    if minimum is None:
+        _fail(name, "an integer", value, f"set {name} to a whole number, e.g. {name} = 0")
+    expected = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+    _fail(name, expected, value, f"set {name} to a whole number >= {minimum}")
+
+
+def _number(name: str, value: Any, minimum: float, strict: bool = False,
+            hint: str = "", what: str = "a finite number") -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value) and (value > minimum if strict else value >= minimum)
+    if not ok:
+        bound = f"{'>' if strict else '>='} {minimum:g}"
+        extra = f" ({hint})" if hint else ""
+        _fail(name, f"{what} {bound}{extra}", value,
+              f"set {name} to a number {bound}")
+
+
+def _choice(name: str, value: Any, allowed: tuple) -> str:
+    if not isinstance(value, str):
+        _fail(name, f"a string, one of {list(allowed)}", value,
+              f'set {name} = "{allowed[0]}" (quoted)')
+    _one_of(name, value.lower(), allowed)
+    return value.lower()
 
 
 def _one_of(name: str, value: Any, allowed: tuple, hint: str = "") -> None:
     if value not in allowed:
         extra = f" ({hint})" if hint else ""
         raise ConfigError(f"Config.{name} must be one of {list(allowed)}, found {value!r}{extra}")
+
+
+# -- recomputation policies (parsed here so the config needs no torch) --------------------
+
+# Cheapest in compute first. `every:k` and `full` both recompute the whole stage forward once
+# in the backward (every segment is rerun), so they cost the same FLOPs and differ in memory.
+POLICIES = ("none", "selective", "every:k", "full", "auto")
+_NAMED = ("none", "selective", "full", "auto")
+
+
+def parse_policy(spec: str | Sequence[str], stages: int) -> list[str]:
+    """`Config.recompute` -> one normalised policy per stage.
+
+    `spec` is one policy for every stage or a list with one per stage. A policy is `"none"`,
+    `"full"`, `"every:k"` (k >= 1), `"selective"` or `"auto"`; `"auto"` is returned as is and
+    resolved on its stage by `choose_auto` (or `auto_policy`) once the stage can be measured.
+    """
+    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+        raise ValueError(f"stages must be a positive integer, found {stages!r}")
+    if isinstance(spec, str):
+        return [normalise_policy(spec)] * stages
+    if not isinstance(spec, (list, tuple)):
+        raise ConfigError(
+            f"Config.recompute must be a policy {_expected()} or a list of {stages} of them "
+            f"(one per stage), found {type(spec).__name__}: {spec!r}")
+    if len(spec) != stages:
+        raise ConfigError(
+            f"Config.recompute lists {len(spec)} policies {list(spec)} for {stages} pipeline "
+            f"stages; give exactly one per stage, or a single policy for all")
+    return [normalise_policy(p, stage=s) for s, p in enumerate(spec)]
+
+
+def _expected() -> str:
+    return "(none, selective, every:k with k >= 1, full or auto)"
+
+
+def normalise_policy(policy: Any, stage: int | None = None) -> str:
+    """One recomputation policy in its canonical form (`" Every:02 "` -> `"every:2"`)."""
+    where = f" for stage {stage}" if stage is not None else ""
+    if not isinstance(policy, str):
+        raise ConfigError(f"Config.recompute{where} must be a policy {_expected()}, found "
+                          f"{type(policy).__name__}: {policy!r}")
+    p = policy.strip().lower()
+    if p in _NAMED:
+        return p
+    if p.startswith("every:"):
+        k = p.split(":", 1)[1].strip()
+        if not k.lstrip("+").isdigit() or int(k) < 1:
+            raise ConfigError(
+                f"Config.recompute{where}: 'every:k' checkpoints every k consecutive layers "
+                f"and needs a whole number k >= 1, found {policy!r}")
+        return f"every:{int(k)}"
+    raise ConfigError(f"Config.recompute{where} must be a policy {_expected()}, found {policy!r}")

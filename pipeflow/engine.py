@@ -23,11 +23,12 @@ from torch import nn
 
 from pipeflow import tree
 from pipeflow.batch import BatchError, prepare
-from pipeflow.checkpoint import load_checkpoint, save_checkpoint
+from pipeflow.checkpoint import CheckpointState, load_checkpoint, save_checkpoint
 from pipeflow.config import Config, ConfigError
 from pipeflow.failure import Watchdog, install_excepthook, report_and_abort
 from pipeflow.layers import LayerSpec, _check_layers
 from pipeflow.optim_step import close_step
+from pipeflow.rng import seed_everything
 from pipeflow.runner import Runner, StepState
 from pipeflow.stage import Stage, StageModule
 
@@ -104,6 +105,9 @@ class Engine:
         self.loss_fn = loss_fn
         self.runner = Runner(self._stage, loss_fn, self._at)
         self._control = world.Dup()    # the per-step agreement and the close check
+        # Dropout and other random draws: reproducible from Config.seed, different per rank
+        # (replicas must not draw the same masks). Layers were built under their own seeds.
+        seed_everything(config.seed, world.rank)
         self.watchdog = Watchdog(config.watchdog_s, self._report_where)
         _OPEN.add(self)
 
@@ -324,18 +328,32 @@ class Engine:
                 f"{self._stage.describe()}: load_state_dict expected the keys of layers "
                 f"{self.module.indices[0]}..{self.module.indices[-1]}; missing {missing[:5]}, "
                 f"unexpected {unexpected[:5]}; use build_sequential's keys ('<layer>.<name>')")
-        self.module.load_state_dict({k: v.to(self.device) for k, v in mine.items()})
-        values = {id(p): mine[n].to(self.device)
-                  for n, p in self.module.named_parameters(remove_duplicate=False)}
-        self.precision.load_masters(values)
+        self._load_params(mine)
+
+    def _load_params(self, params: Mapping[str, torch.Tensor]) -> None:
+        """Full-precision values by name: the working weights (cast) and the masters."""
+        self.module.load_state_dict({k: v.to(self.device) for k, v in params.items()})
+        self.precision.load_masters({id(p): params[n].to(self.device) for n, p in
+                                     self.module.named_parameters(remove_duplicate=False)
+                                     if n in params})
 
     def save(self, directory: str | os.PathLike) -> str:
-        """Write a checkpoint (per-layer shards, atomically); returns its folder."""
-        return save_checkpoint(self, directory)
+        """Write a checkpoint (per-layer shards, atomically, checksummed); returns its folder."""
+        return save_checkpoint(self._checkpoint_state(), directory)
 
     def load(self, directory: str | os.PathLike) -> None:
         """Restore the latest checkpoint in `directory`, written on any grid."""
-        load_checkpoint(self, directory)
+        self.step_count = load_checkpoint(self._checkpoint_state(), directory)
+
+    def _checkpoint_state(self) -> CheckpointState:
+        """What a checkpoint reads and writes: a narrow view, not the engine."""
+        return CheckpointState(
+            topo=self.topo, n_layers=self.n_layers, step=self.step_count,
+            config=self.config.to_dict(), layer_indices=self.module.indices,
+            master_state_dict=self.master_state_dict,
+            named_master_parameters=self.named_master_parameters,
+            load_params=self._load_params, optimizer=self.optimizer,
+            scaler=self.precision.scaler, device=self.device)
 
     def close(self) -> None:
         """Check that every rank made the same calls, then free this engine's communicators

@@ -13,66 +13,16 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipeflow import tree
-from pipeflow.config import ConfigError
+from pipeflow.config import ConfigError, normalise_policy
 
-__all__ = ["POLICIES", "parse_policy", "stage_forward", "SavedTensorMeter", "LayerBytes",
+__all__ = ["stage_forward", "SavedTensorMeter", "LayerBytes",
            "measure_layers", "estimate_stash_bytes", "choose_auto", "auto_policy"]
 
-# Cheapest in compute first. `every:k` and `full` both recompute the whole stage forward once
-# in the backward (every segment is rerun), so they cost the same FLOPs and differ in memory.
-POLICIES = ("none", "selective", "every:k", "full", "auto")
-_NAMED = ("none", "selective", "full", "auto")
-
-
-# -- policies ---------------------------------------------------------------------------
-
-def parse_policy(spec: str | Sequence[str], stages: int) -> list[str]:
-    """`Config.recompute` -> one normalised policy per stage.
-
-    `spec` is one policy for every stage or a list with one per stage. A policy is `"none"`,
-    `"full"`, `"every:k"` (k >= 1), `"selective"` or `"auto"`; `"auto"` is returned as is and
-    resolved on its stage by `choose_auto` (or `auto_policy`) once the stage can be measured.
-    """
-    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
-        raise ValueError(f"stages must be a positive integer, found {stages!r}")
-    if isinstance(spec, str):
-        return [_normalise(spec)] * stages
-    if not isinstance(spec, (list, tuple)):
-        raise ConfigError(
-            f"Config.recompute must be a policy {_expected()} or a list of {stages} of them "
-            f"(one per stage), found {type(spec).__name__}: {spec!r}")
-    if len(spec) != stages:
-        raise ConfigError(
-            f"Config.recompute lists {len(spec)} policies {list(spec)} for {stages} pipeline "
-            f"stages; give exactly one per stage, or a single policy for all")
-    return [_normalise(p, stage=s) for s, p in enumerate(spec)]
-
-
-def _expected() -> str:
-    return "(none, selective, every:k with k >= 1, full or auto)"
-
-
-def _normalise(policy: Any, stage: int | None = None) -> str:
-    where = f" for stage {stage}" if stage is not None else ""
-    if not isinstance(policy, str):
-        raise ConfigError(f"Config.recompute{where} must be a policy {_expected()}, found "
-                          f"{type(policy).__name__}: {policy!r}")
-    p = policy.strip().lower()
-    if p in _NAMED:
-        return p
-    if p.startswith("every:"):
-        k = p.split(":", 1)[1].strip()
-        if not k.lstrip("+").isdigit() or int(k) < 1:
-            raise ConfigError(
-                f"Config.recompute{where}: 'every:k' checkpoints every k consecutive layers "
-                f"and needs a whole number k >= 1, found {policy!r}")
-        return f"every:{int(k)}"
-    raise ConfigError(f"Config.recompute{where} must be a policy {_expected()}, found {policy!r}")
-
+# -- policies: parsed in pipeflow.config (no torch there), applied here ------------------
 
 def _segment_size(policy: str, n_layers: int) -> int | None:
     """Layers per checkpointed segment: None for `none`/`selective`, n_layers for `full`."""
-    p = _normalise(policy)
+    p = normalise_policy(policy)
     if p == "auto":
         raise ConfigError("recompute policy 'auto' must be resolved to a concrete policy "
                           "(choose_auto / auto_policy) before the stage runs")
@@ -100,7 +50,7 @@ def stage_forward(layers: Sequence[nn.Module], x: Any, policy: str,
     if not torch.is_grad_enabled():
         return run_layers(layers, x, side)          # nothing is saved, nothing to recompute
     if k is None:
-        if _normalise(policy) == "selective":
+        if normalise_policy(policy) == "selective":
             with _selective(layers):
                 return run_layers(layers, x, side)
         return run_layers(layers, x, side)
@@ -367,7 +317,7 @@ def _held_and_transient(policy: str, saved: Sequence[int], selective: Sequence[i
     n = len(saved)
     k = _segment_size(policy, n)
     if k is None:
-        if _normalise(policy) == "none":
+        if normalise_policy(policy) == "none":
             return sum(saved), 0
         if selective is None or len(selective) != n:
             raise ValueError(f"the selective estimate needs selective bytes for each of the "

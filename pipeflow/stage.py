@@ -19,7 +19,7 @@ from pipeflow.data_parallel import GradReducer
 from pipeflow.layers import LayerSpec, build_layer, get_parameter, set_parameter, tie_groups
 from pipeflow.partition import measure_layer_times, partition_layers
 from pipeflow.precision import LossScaler, Precision, class_matches
-from pipeflow.recompute import parse_policy
+from pipeflow.config import parse_policy
 from pipeflow.topology import Topology
 
 __all__ = ["Stage", "StageModule", "Tie"]

@@ -8,8 +8,9 @@ import pipeflow as pf
 from pipeflow import build_sequential
 from pipeflow.config import ConfigError
 from pipeflow.models import GPTConfig, gpt_layers, gpt_loss
+from pipeflow.config import parse_policy
 from pipeflow.recompute import (SavedTensorMeter, choose_auto, estimate_stash_bytes,
-                                measure_layers, parse_policy, stage_forward)
+                                measure_layers, stage_forward)
 from pipeflow.schedule import BACKWARD, FORWARD, one_f_one_b
 
 POLICIES = ["full", "every:1", "every:2", "every:3", "selective"]

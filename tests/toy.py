@@ -43,6 +43,25 @@ class Head(nn.Module):
         return self.out(self.norm(h))
 
 
+class Drop(nn.Module):
+    """Dropout on the activation of the toy model's (activation, tokens) pairs."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        h, tokens = x
+        return self.drop(h), tokens
+
+
+def dropout_layers() -> list[pf.LayerSpec]:
+    """The toy model with dropout after the embedding and the first block."""
+    layers = toy_layers(blocks=2)
+    return [layers[0], pf.LayerSpec(Drop, 0.3), layers[1], pf.LayerSpec(Drop, 0.3),
+            *layers[2:]]
+
+
 def loss_fn(logits, targets):
     return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 

@@ -1,0 +1,220 @@
+"""Checkpoints on one rank: cleanup keeps what was just written, a killed save loses nothing,
+parameter groups and the random state come back exactly, and seeding is per rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import pipeflow as pf
+from pipeflow.rng import get_rng_state, rank_seed, seed_everything, set_rng_state
+
+from toy import (adamw, assert_same_parameters, batches, dropout_layers, loss_fn, toy_layers,
+                 train_reference)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _engine(layers=None, optimizer=adamw, **config) -> pf.Engine:
+    return pf.Engine(layers or toy_layers(), loss_fn, optimizer,
+                     pf.Config(microbatches=2, **config))
+
+
+def _steps(directory) -> list[str]:
+    return sorted(d for d in os.listdir(directory) if d.startswith("step-"))
+
+
+def test_a_fresh_run_into_a_folder_with_higher_steps_keeps_what_it_writes(tmp_path):
+    data = batches(3, 4)
+    old = _engine()
+    for x, y in data:
+        old.train_step(x, y)
+        old.save(tmp_path)
+    assert _steps(tmp_path) == ["step-00000002", "step-00000003"]
+    # A second run from step 0 into the same folder: each save must survive its own cleanup.
+    new = _engine()
+    for step, (x, y) in enumerate(data[:2], start=1):
+        new.train_step(x, y)
+        folder = new.save(tmp_path)
+        assert os.path.isdir(folder)
+        assert (tmp_path / "latest").read_text() == f"step-{step:08d}"
+    # The two most recently written stay, whatever their step numbers.
+    assert _steps(tmp_path) == ["step-00000001", "step-00000002"]
+    resumed = _engine()
+    resumed.load(tmp_path)
+    assert resumed.step_count == 2
+    reference, _ = train_reference(toy_layers(), data[:2])
+    assert_same_parameters(resumed.gather_state_dict(), reference.state_dict())
+    for engine in (old, new, resumed):
+        engine.close()
+
+
+def test_saving_a_step_again_and_leftovers_of_interrupted_saves(tmp_path):
+    engine = _engine()
+    engine.train_step(*batches(1, 4)[0])
+    engine.save(tmp_path)
+    # What a save killed before its engine.json leaves behind: removed by the next save.
+    (tmp_path / "step-00000007").mkdir()
+    (tmp_path / "step-00000007" / "layer-00000.pt").write_bytes(b"half")
+    engine.load(tmp_path)
+    folder = engine.save(tmp_path)                  # the same step once more
+    assert _steps(tmp_path) == ["step-00000001"]
+    meta = json.loads((tmp_path / "step-00000001" / "engine.json").read_text())
+    assert meta["sequence"] == 0 and meta["grid"] == {"pipeline": 1, "data": 1}
+    assert sorted(meta["checksums"]) == sorted(set(os.listdir(folder)) - {"engine.json"})
+    engine.load(tmp_path)
+    assert engine.step_count == 1
+    engine.close()
+
+
+KILLED_SAVE = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, {here!r})
+    import pipeflow as pf
+    import pipeflow.checkpoint as ckpt
+    from toy import adamw, batches, loss_fn, toy_layers
+    engine = pf.Engine(toy_layers(), loss_fn, adamw, pf.Config(microbatches=2))
+    x, y = batches(2, 4)[0]
+    engine.train_step(x, y)
+    engine.save({folder!r})
+    engine.train_step(*batches(2, 4)[1])
+    writes = []
+    real = ckpt.atomic_write_bytes
+    def dying(path, data, **kwargs):
+        writes.append(path)
+        if len(writes) == 3:      # the third file of the second save: the process dies
+            os._exit(9)
+        real(path, data, **kwargs)
+    ckpt.atomic_write_bytes = dying
+    engine.save({folder!r})
+    print("the save finished")
+""")
+
+
+@pytest.mark.timeout(120)
+def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_usable(tmp_path):
+    script = KILLED_SAVE.format(here=HERE, folder=str(tmp_path))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_"))}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=110, env=env)
+    assert proc.returncode == 9, proc.stdout + proc.stderr
+    assert (tmp_path / "latest").read_text() == "step-00000001"
+    assert len(os.listdir(tmp_path / "step-00000002")) == 2      # two shards, no engine.json
+    engine = _engine()
+    engine.load(tmp_path)
+    assert engine.step_count == 1
+    reference, _ = train_reference(toy_layers(), batches(2, 4)[:1])
+    assert_same_parameters(engine.gather_state_dict(), reference.state_dict())
+    engine.close()
+
+
+def _two_groups(params):
+    # Matrices decay, vectors do not (nanoGPT's rule), at different learning rates.
+    matrices = [p for p in params if p.dim() >= 2]
+    vectors = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW([{"params": matrices, "lr": 1e-2, "weight_decay": 0.1},
+                              {"params": vectors, "lr": 3e-3, "weight_decay": 0.0}])
+
+
+def test_parameter_groups_and_their_changed_settings_are_restored(tmp_path):
+    data = batches(3, 4)
+    engine = _engine(optimizer=_two_groups)
+    engine.train_step(*data[0])
+    for group in engine.optimizer.param_groups:     # what a learning-rate schedule does
+        group["lr"] *= 0.5
+    engine.save(tmp_path)
+    resumed = _engine(optimizer=_two_groups)
+    resumed.load(tmp_path)
+    assert [(g["lr"], g["weight_decay"]) for g in resumed.optimizer.param_groups] == \
+        [(5e-3, 0.1), (1.5e-3, 0.0)]
+    for x, y in data[1:]:
+        engine.train_step(x, y)
+        resumed.train_step(x, y)
+    for (name, a), (_, b) in zip(engine.named_master_parameters(),
+                                 resumed.named_master_parameters()):
+        assert torch.equal(a, b), name
+    engine.close()
+    resumed.close()
+
+
+def _masters(engine):
+    return {n: p.detach().clone() for n, p in engine.named_master_parameters()}
+
+
+def test_a_dropout_run_resumes_bit_identically(tmp_path):
+    data = batches(3, 4)
+    seed_everything(0, 0)
+    engine = _engine(dropout_layers())
+    for x, y in data[:2]:
+        engine.train_step(x, y)
+    engine.save(tmp_path)
+    engine.train_step(*data[2])
+    expected = _masters(engine)
+    resumed = _engine(dropout_layers())
+    resumed.load(tmp_path)
+    resumed.train_step(*data[2])
+    assert all(torch.equal(expected[n], p) for n, p in _masters(resumed).items())
+    # The control: the same resume on another random state draws other masks.
+    other = _engine(dropout_layers())
+    other.load(tmp_path)
+    torch.manual_seed(1234)
+    other.train_step(*data[2])
+    assert not all(torch.equal(expected[n], p) for n, p in _masters(other).items())
+    for e in (engine, resumed, other):
+        e.close()
+
+
+def _draws():
+    return torch.rand(4), random.random(), np.random.rand()
+
+
+def test_the_random_state_round_trips_through_a_weights_only_file(tmp_path):
+    seed_everything(3, 1)
+    _draws()
+    torch.save(get_rng_state("cpu"), tmp_path / "rng.pt")
+    expected = _draws()
+    _draws()
+    assert set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True), "cpu") == []
+    got = _draws()
+    assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
+
+
+def test_seed_everything_is_reproducible_and_differs_per_rank_and_seed():
+    assert len({rank_seed(s, r) for s in range(4) for r in range(64)}) == 4 * 64
+    seed_everything(7, 0)
+    a = _draws()
+    seed_everything(7, 0)
+    again = _draws()
+    assert torch.equal(a[0], again[0]) and a[1:] == again[1:]
+    for seed, rank in [(7, 1), (8, 0)]:
+        seed_everything(seed, rank)
+        other = _draws()
+        assert not torch.equal(a[0], other[0]) and a[1] != other[1] and a[2] != other[2]
+
+
+def test_a_checkpoint_of_format_1_still_loads_without_the_random_state(tmp_path):
+    engine = _engine()
+    engine.train_step(*batches(1, 4)[0])
+    folder = engine.save(tmp_path)
+    meta = json.loads(open(os.path.join(folder, "engine.json")).read())
+    for key in ("checksums", "sequence", "grid"):
+        del meta[key]
+    meta["format"] = 1
+    with open(os.path.join(folder, "engine.json"), "w") as f:
+        json.dump(meta, f)
+    other = _engine()
+    with pytest.warns(RuntimeWarning, match="the random state is not restored"):
+        other.load(tmp_path)
+    assert other.step_count == 1
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(engine.named_master_parameters(),
+                                                           other.named_master_parameters()))
+    engine.close()
+    other.close()
