@@ -336,6 +336,7 @@ def _receives_in_send_order(programs: Sequence[Sequence[Action]],
     needs a later message: it waits no longer than that one would, so nothing new blocks."""
     owners = _owners(layout)
     sent, received = _link_orders(programs, layout)
+    positions = {link: {msg: i for i, msg in enumerate(msgs)} for link, msgs in sent.items()}
     out = []
     for dst, prog in enumerate(programs):
         wanted = {msg for (_, d), msgs in received.items() if d == dst for msg in msgs}
@@ -350,12 +351,13 @@ def _receives_in_send_order(programs: Sequence[Sequence[Action]],
             if msg in done:
                 continue
             queue, i = sent.get((src, dst), []), at.get(src, 0)
-            if msg in queue[i:] and wanted.issuperset(queue[i:queue.index(msg, i)]):
-                for kind, mb, virtual in queue[i:queue.index(msg, i)]:
+            j = positions[(src, dst)].get(msg, -1) if (src, dst) in positions else -1
+            if j >= i and wanted.issuperset(queue[i:j]):
+                for kind, mb, virtual in queue[i:j]:
                     new.append(Action(RECV_ACT if kind == "act" else RECV_GRAD, mb,
                                       layout[dst].index(virtual)))
                     done.add((kind, mb, virtual))
-                at[src] = queue.index(msg, i) + 1
+                at[src] = j + 1
             new.append(act)
             done.add(msg)
         out.append(new)

@@ -31,8 +31,9 @@ class PendingWeight:
     """What B leaves for W on one (micro-batch, chunk): for each group of weights, the graph
     nodes where their branches leave the input path and the gradients that reached them.
 
-    With no input path (a first stage) it holds the outputs and their gradients instead, and
-    W runs the whole backward. `done` turns true once W has run.
+    For weights no input path leads to (all of them on a first stage) and weights used at
+    several places, it holds the outputs and their gradients instead, and W runs their whole
+    backward. `done` turns true once W has run.
     """
 
     def __init__(self) -> None:
@@ -49,7 +50,8 @@ def _pairs(outputs: Any, grad_outputs: Any) -> tuple[list[torch.Tensor], list[An
     """The output leaves that carry a gradient and theirs (None: a scalar loss's implicit
     1)."""
     outs = tree_leaves(outputs)
-    grads = [None] * len(outs) if grad_outputs is None else tree_leaves(grad_outputs)
+    grads = [None] * len(outs) if grad_outputs is None else \
+        tree_leaves(grad_outputs, is_leaf=lambda g: g is None)
     if len(grads) != len(outs):
         raise ValueError(f"backward: {len(outs)} output leaves but {len(grads)} gradients; "
                          f"pass one gradient (or None) per output leaf, in the same structure")

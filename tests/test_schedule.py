@@ -153,7 +153,8 @@ def test_each_f_b_and_w_runs_once_per_microbatch_and_stage_in_order(name):
         for r, prog in enumerate(programs):
             for chunk, virtual in enumerate(programs.layout[r]):
                 virtuals.append(virtual)
-                at = {op: [prog.index(Action(op, mb, chunk)) for mb in range(m)]
+                pos = {a: i for i, a in enumerate(prog)}
+                at = {op: [pos[Action(op, mb, chunk)] for mb in range(m)]
                       for op in (FORWARD, BACKWARD, WEIGHT)}
                 assert all(at[FORWARD][mb] < at[BACKWARD][mb] < at[WEIGHT][mb]
                            for mb in range(m)), (name, p, m, r, chunk)

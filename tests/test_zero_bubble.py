@@ -252,3 +252,17 @@ def test_graph_is_kept_for_w_and_freed_after_it():
     assert len(saved.live) == after_forward
     del out
     assert len(saved.live) == 0
+
+
+def test_mismatched_gradients_and_outputs_without_gradient_are_clear():
+    lin = nn.Linear(3, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+    out = (lin(x), lin(x))
+    with pytest.raises(ValueError, match="2 output leaves but 1 gradients"):
+        backward_input(out, [torch.ones(2, 3)], [x], lin.parameters())
+    with torch.no_grad():
+        frozen = lin(x)
+    grads, w = backward_input(frozen, torch.ones(2, 3), [x], lin.parameters())
+    assert grads == [None] and lin.weight.grad is None
+    with pytest.raises(RuntimeError, match="no gradient to give"):
+        backward_weight(w)
