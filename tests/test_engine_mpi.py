@@ -6,14 +6,19 @@ as two independent pipelines side by side (the world split in halves).
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import pytest
 import torch
 from mpi4py import MPI
+from torch import nn
 
 import pipeflow as pf
 from pipeflow.schedule import build_schedule, simulate
 
-from toy import adamw, assert_same_parameters, batches, loss_fn, toy_layers, train_reference
+from toy import (Drop, adamw, assert_same_parameters, batches, loss_fn, sgd, toy_layers,
+                 train_reference)
 
 WORLD = MPI.COMM_WORLD
 BATCH = 24
@@ -121,6 +126,107 @@ def test_eval_step_is_forward_only_and_agrees_everywhere():
                                                       rel=1e-6)
     engine.close()
     comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_eval_step_turns_dropout_off_and_repeats_exactly(schedule):
+    comm = _sub_world(2)
+    layers = toy_layers(blocks=7)
+    layers.insert(2, pf.LayerSpec(Drop, 0.5))       # on the first stage
+    layers.insert(-1, pf.LayerSpec(Drop, 0.5))      # on the last stage
+    interleaved = schedule == "interleaved"
+    engine = pf.Engine(layers, loss_fn, sgd,
+                       pf.Config(pipeline=2, microbatches=4, schedule=schedule,
+                                 virtual_stages=2 if interleaved else 1), comm=comm)
+    x, y = batches(1, 12)[0]
+    reference = pf.build_sequential(layers, 0).eval()
+    for when in ("fresh", "after a train_step"):   # train_step turns dropout on
+        if when != "fresh":
+            engine.train_step(x, y)
+            reference.load_state_dict(comm.bcast(engine.gather_state_dict(), root=0))
+        with torch.no_grad():
+            expected = loss_fn(reference(x), y).item()
+        losses = [engine.eval_step(x, y) for _ in range(2)]
+        assert losses[0] == losses[1], f"{when}: eval is not repeatable: {losses}"
+        assert losses[0] == pytest.approx(expected, rel=1e-6), \
+            f"{when}: eval loss {losses[0]} != build_sequential(...).eval() loss {expected}"
+    engine.close()
+    comm.Free()
+
+
+class Slow(nn.Module):
+    """Identity, slowly: the stage after it receives each message well after it was sent."""
+
+    def forward(self, x):
+        time.sleep(0.05)
+        return x
+
+
+class _Watched:
+    """A send request that remembers whether it was seen complete (`wait`, or a true `test`)."""
+
+    def __init__(self, request: Any) -> None:
+        self.request, self.done = request, False
+
+    def test(self) -> bool:
+        self.done = self.done or self.request.test()
+        return self.done
+
+    def wait(self) -> Any:
+        out = self.request.wait()
+        self.done = True
+        return out
+
+
+class SendWatch:
+    """Wraps a communicator's `isend` to list the sends never seen complete."""
+
+    def __init__(self, comm: Any) -> None:
+        self._isend = comm.isend
+        self.requests: list[_Watched] = []
+        comm.isend = self.isend
+
+    def isend(self, tensors, dest, tag) -> _Watched:
+        self.requests.append(_Watched(self._isend(tensors, dest, tag)))
+        return self.requests[-1]
+
+    def open(self) -> list[int]:
+        return [i for i, r in enumerate(self.requests) if not r.done]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_messages_of_megabytes_arrive_whole_and_every_send_completes(backend):
+    # Several MB a message: MPI sends them by rendezvous, not eagerly, so a send still in
+    # flight when the step returns would read a buffer already freed. The slow last stage
+    # takes each activation long after the first stage sent it and returned from eval_step.
+    comm = WORLD.Split(color=WORLD.rank // 2, key=WORLD.rank)
+    if backend == "gloo" and comm.size != WORLD.size:
+        comm.Free()
+        comm = WORLD                      # torch.distributed spans the whole world
+    layers = toy_layers()
+    layers.insert(-1, pf.LayerSpec(Slow))
+    engine = pf.Engine(layers, loss_fn, sgd,
+                       pf.Config(pipeline=comm.size, microbatches=4, backend=backend),
+                       comm=comm)
+    watch = SendWatch(engine.pipe)
+    x, y = batches(1, 4 * 2**13)[0]       # 8192 samples a micro-batch: 2.6 MB of activations
+    loss = engine.train_step(x, y)
+    assert watch.open() == [], f"rank {comm.rank}: sends {watch.open()} never completed"
+    reference, ref_losses = train_reference(layers, [(x, y)], optimizer=sgd)
+    assert loss == pytest.approx(ref_losses[0], rel=1e-5)
+    local = engine.module.state_dict()
+    # Sums over 160000 tokens in another order: 1e-4, where a lost message is off by far more.
+    assert_same_parameters(local, {k: v for k, v in reference.state_dict().items()
+                                   if k in local}, rtol=1e-4)
+    with torch.no_grad():
+        expected = loss_fn(reference(x), y).item()
+    assert engine.eval_step(x, y) == pytest.approx(expected, rel=1e-5)
+    assert watch.open() == [], f"rank {comm.rank}: sends {watch.open()} never completed"
+    engine.close()
+    if comm is not WORLD:
+        comm.Free()
 
 
 @pytest.mark.mpi(min_size=2)

@@ -43,6 +43,18 @@ class Head(nn.Module):
         return self.out(self.norm(h))
 
 
+class Drop(nn.Module):
+    """Dropout on the activations: training and evaluation differ, as they must."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        h, tokens = x
+        return self.drop(h), tokens
+
+
 def loss_fn(logits, targets):
     return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
@@ -60,6 +72,12 @@ def toy_layers(blocks: int = 5, tied: bool = False) -> list[pf.LayerSpec]:
 
 def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def sgd(params):
+    # Plain SGD: the update is the gradient itself, so a gradient of the wrong size shows
+    # (AdamW's first steps are nearly lr * sign(g), blind to it).
+    return torch.optim.SGD(params, lr=0.5)
 
 
 def batches(steps: int, batch: int, seed: int = 1):
