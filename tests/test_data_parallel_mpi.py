@@ -12,8 +12,10 @@ import torch
 from mpi4py import MPI
 
 import pipeflow as pf
+from pipeflow import comm as pf_comm
 
 from toy import adamw, assert_same_parameters, batches, loss_fn, toy_layers, train_reference
+from toy import sgd as plain_sgd
 
 WORLD = MPI.COMM_WORLD
 GRIDS = {2: [(1, 2), (2, 1)], 4: [(1, 4), (2, 2), (4, 1)]}.get(WORLD.size, [])
@@ -31,6 +33,10 @@ def sgd(params):
 @pytest.mark.parametrize("clip", [0.0, 0.3], ids=["noclip", "clip"])
 @pytest.mark.parametrize("optimizer", [adamw, sgd], ids=["adamw", "sgd"])
 def test_grid_trains_like_one_process(pipeline, data, schedule, tied, clip, optimizer):
+    _check_grid(pipeline, data, schedule, tied, clip, optimizer)
+
+
+def _check_grid(pipeline, data, schedule, tied, clip, optimizer):
     layers = toy_layers(tied=tied)
     config = pf.Config(pipeline=pipeline, data=data, microbatches=3, schedule=schedule,
                        clip=clip, bucket_mb=0.001)   # tiny buckets: several per stage
@@ -56,6 +62,31 @@ def test_grid_trains_like_one_process(pipeline, data, schedule, tied, clip, opti
         copies = [d[k] for d in everyone for k in d if k in ("0.emb.weight", "6.out.weight")]
         assert all(torch.equal(c, copies[0]) for c in copies)
     engine.close()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("view", ["transposed", "strided"])
+def test_non_contiguous_all_reduce_sums_into_the_tensor_itself(view):
+    # MPI reduces a contiguous buffer: a view that is not one goes through a host copy,
+    # and the sum must come back into the view, leaving the rest of its storage alone.
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6) + 100 * WORLD.rank
+    t = base.t() if view == "transposed" else base[:, ::2]
+    assert not t.is_contiguous()
+    expected = sum(t - 100 * WORLD.rank + 100 * r for r in range(WORLD.size))
+    untouched = base[:, 1::2].clone()
+    pf_comm.mpi_iallreduce_(WORLD, t).wait()
+    assert torch.equal(t, expected), f"rank {WORLD.rank}: {t} != {expected}"
+    if view == "strided":
+        assert torch.equal(base[:, 1::2], untouched)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("pipeline,data", GRIDS)
+def test_host_staged_reductions_train_like_one_process(monkeypatch, pipeline, data):
+    # Every all-reduce through a host copy, as on a GPU with the MPI backend: the replicas'
+    # buckets and the tied weight's sum over stages must land back in the gradients.
+    monkeypatch.setattr(pf_comm, "FORCE_HOST_STAGING", True)
+    _check_grid(pipeline, data, "1f1b", tied=True, clip=0.0, optimizer=plain_sgd)
 
 
 @pytest.mark.mpi(min_size=2)
