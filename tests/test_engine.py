@@ -8,18 +8,21 @@ import torch
 import pipeflow as pf
 from pipeflow.checkpoint import CheckpointError
 
-from toy import adamw, assert_same_parameters, batches, loss_fn, toy_layers, train_reference
+from toy import (adamw, assert_same_parameters, batches, loss_fn, sgd, toy_layers,
+                 train_reference)
 
 
+@pytest.mark.parametrize("optimizer", [adamw, sgd], ids=["adamw", "sgd"])
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 @pytest.mark.parametrize("microbatches", [1, 4])
-def test_one_stage_trains_like_build_sequential(microbatches, schedule):
+def test_one_stage_trains_like_build_sequential(microbatches, schedule, optimizer):
+    # Plain SGD's update is the gradient: a micro-batch loss scaled wrong shows there.
     layers = toy_layers()
-    engine = pf.Engine(layers, loss_fn, adamw,
+    engine = pf.Engine(layers, loss_fn, optimizer,
                        pf.Config(microbatches=microbatches, schedule=schedule))
     data = batches(3, 8)
     losses = [engine.train_step(x, y) for x, y in data]
-    reference, ref_losses = train_reference(layers, data)
+    reference, ref_losses = train_reference(layers, data, optimizer=optimizer)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert_same_parameters(engine.gather_state_dict(), reference.state_dict())
     # One stage: 1F1B runs each backward right after its forward; GPipe holds them all.
@@ -69,20 +72,22 @@ def test_bad_config_values_are_clear_errors(kwargs, message):
         pf.Config.from_dict({"stages": 2})
 
 
-def test_save_and_load_resume_training_exactly(tmp_path):
+@pytest.mark.parametrize("optimizer", [adamw, sgd], ids=["adamw", "sgd"])
+def test_save_and_load_resume_training_exactly(tmp_path, optimizer):
     layers = toy_layers()
     data = batches(4, 8)
-    engine = pf.Engine(layers, loss_fn, adamw, pf.Config(microbatches=2))
+    engine = pf.Engine(layers, loss_fn, optimizer, pf.Config(microbatches=2))
     for x, y in data[:2]:
         engine.train_step(x, y)
     folder = engine.save(tmp_path)
     assert os.path.basename(folder) == "step-00000002"
     assert (tmp_path / "latest").read_text() == "step-00000002"
-    resumed = pf.Engine(layers, loss_fn, adamw, pf.Config(microbatches=4))
+    # Resumed with another micro-batch count: the gradient's scale changes with it.
+    resumed = pf.Engine(layers, loss_fn, optimizer, pf.Config(microbatches=4))
     resumed.load(tmp_path)
     for x, y in data[2:]:
         resumed.train_step(x, y)
-    reference, _ = train_reference(layers, data)
+    reference, _ = train_reference(layers, data, optimizer=optimizer)
     assert_same_parameters(resumed.gather_state_dict(), reference.state_dict())
     engine.close()
     resumed.close()
