@@ -19,6 +19,10 @@ __all__ = ["TensorMeta", "Communicator", "MpiCommunicator", "TorchDistCommunicat
 # distinct batch shape and cached by the engine, never sent with every message.
 TensorMeta = tuple[tuple[int, ...], torch.dtype]
 
+# Stage every all-reduce through a host copy, as GPU tensors are: lets a CPU test run the
+# staging path (a copy out, the sum, the copy back) that only GPUs would take otherwise.
+FORCE_HOST_STAGING = False
+
 
 def meta_of(tensors: Sequence[torch.Tensor]) -> tuple[TensorMeta, ...]:
     return tuple((tuple(t.shape), t.dtype) for t in tensors)
@@ -160,11 +164,12 @@ def mpi_iallreduce_(comm: MPI.Comm, tensor: torch.Tensor) -> Request:
     """Start summing `tensor` over `comm` in place.
 
     GPU tensors are staged through host memory: this runs without CUDA-aware MPI. A
-    contiguous CPU tensor is reduced where it lies.
+    contiguous CPU tensor is reduced where it lies; a non-contiguous one (or any, with
+    `FORCE_HOST_STAGING`) through a contiguous copy, summed back into `tensor` by `wait()`.
     """
     host = tensor.detach()
-    if host.device.type != "cpu" or not host.is_contiguous():
-        host = host.to("cpu").contiguous()
+    if FORCE_HOST_STAGING or host.device.type != "cpu" or not host.is_contiguous():
+        host = host.to("cpu", memory_format=torch.contiguous_format, copy=True)
     req = comm.Iallreduce(MPI.IN_PLACE, _typed(host), op=MPI.SUM)
     return _MpiAllreduce(req, host, tensor.detach())
 

@@ -12,8 +12,10 @@ import torch
 from mpi4py import MPI
 
 import pipeflow as pf
+from pipeflow import comm as pf_comm
 
 from toy import adamw, assert_same_parameters, batches, loss_fn, toy_layers, train_reference
+from toy import sgd as plain_sgd
 
 WORLD = MPI.COMM_WORLD
 GRIDS = {2: [(1, 2), (2, 1)], 4: [(1, 4), (2, 2), (4, 1)]}.get(WORLD.size, [])
@@ -31,6 +33,10 @@ def sgd(params):
 @pytest.mark.parametrize("clip", [0.0, 0.3], ids=["noclip", "clip"])
 @pytest.mark.parametrize("optimizer", [adamw, sgd], ids=["adamw", "sgd"])
 def test_grid_trains_like_one_process(pipeline, data, schedule, tied, clip, optimizer):
+    _check_grid(pipeline, data, schedule, tied, clip, optimizer)
+
+
+def _check_grid(pipeline, data, schedule, tied, clip, optimizer):
     layers = toy_layers(tied=tied)
     config = pf.Config(pipeline=pipeline, data=data, microbatches=3, schedule=schedule,
                        clip=clip, bucket_mb=0.001)   # tiny buckets: several per stage
@@ -59,6 +65,15 @@ def test_grid_trains_like_one_process(pipeline, data, schedule, tied, clip, opti
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("pipeline,data", GRIDS)
+def test_host_staged_reductions_train_like_one_process(monkeypatch, pipeline, data):
+    # Every all-reduce through a host copy, as on a GPU with the MPI backend: the replicas'
+    # buckets and the tied weight's sum over stages must land back in the gradients.
+    monkeypatch.setattr(pf_comm, "FORCE_HOST_STAGING", True)
+    _check_grid(pipeline, data, "1f1b", tied=True, clip=0.0, optimizer=plain_sgd)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_gradient_reduction_overlaps_the_last_backward():
     layers = toy_layers()
     engine = pf.Engine(layers, loss_fn, adamw,
@@ -79,17 +94,20 @@ def test_gradient_reduction_overlaps_the_last_backward():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_torch_distributed_path_gloo_matches_mpi():
+@pytest.mark.parametrize("optimizer,clip", [(adamw, 0.3), (plain_sgd, 0.0)],
+                         ids=["adamw-clip", "sgd"])
+def test_torch_distributed_path_gloo_matches_mpi(optimizer, clip):
     # The NCCL backend's code path (torch.distributed bootstrapped from MPI), run with gloo
-    # on CPUs: the same update as one process.
+    # on CPUs: the same update as one process. Plain SGD unclipped: the update is the
+    # gradient itself, so a gradient of the wrong size shows (a clip that bites hides it).
     pipeline, data = (2, WORLD.size // 2)
     layers = toy_layers(tied=True)
-    config = pf.Config(pipeline=pipeline, data=data, microbatches=2, backend="gloo", clip=0.3)
-    engine = pf.Engine(layers, loss_fn, adamw, config)
+    config = pf.Config(pipeline=pipeline, data=data, microbatches=2, backend="gloo", clip=clip)
+    engine = pf.Engine(layers, loss_fn, optimizer, config)
     steps = batches(2, BATCH)
     for x, y in steps:
         engine.train_step(x, y)
-    reference, _ = train_reference(layers, steps, clip=0.3)
+    reference, _ = train_reference(layers, steps, clip=clip, optimizer=optimizer)
     full = engine.gather_state_dict()
     if WORLD.rank == 0:
         assert_same_parameters(full, reference.state_dict())

@@ -8,18 +8,21 @@ import torch
 import pipeflow as pf
 from pipeflow.checkpoint import CheckpointError
 
-from toy import adamw, assert_same_parameters, batches, loss_fn, toy_layers, train_reference
+from toy import (adamw, assert_same_parameters, batches, loss_fn, sgd, toy_layers,
+                 train_reference)
 
 
+@pytest.mark.parametrize("optimizer", [adamw, sgd], ids=["adamw", "sgd"])
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 @pytest.mark.parametrize("microbatches", [1, 4])
-def test_one_stage_trains_like_build_sequential(microbatches, schedule):
+def test_one_stage_trains_like_build_sequential(microbatches, schedule, optimizer):
+    # Plain SGD's update is the gradient: a micro-batch loss scaled wrong shows there.
     layers = toy_layers()
-    engine = pf.Engine(layers, loss_fn, adamw,
+    engine = pf.Engine(layers, loss_fn, optimizer,
                        pf.Config(microbatches=microbatches, schedule=schedule))
     data = batches(3, 8)
     losses = [engine.train_step(x, y) for x, y in data]
-    reference, ref_losses = train_reference(layers, data)
+    reference, ref_losses = train_reference(layers, data, optimizer=optimizer)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert_same_parameters(engine.gather_state_dict(), reference.state_dict())
     # One stage: 1F1B runs each backward right after its forward; GPipe holds them all.
@@ -69,21 +72,73 @@ def test_bad_config_values_are_clear_errors(kwargs, message):
         pf.Config.from_dict({"stages": 2})
 
 
-def test_save_and_load_resume_training_exactly(tmp_path):
+@pytest.mark.parametrize("optimizer", [adamw, sgd], ids=["adamw", "sgd"])
+def test_save_and_load_resume_training_exactly(tmp_path, optimizer):
     layers = toy_layers()
     data = batches(4, 8)
-    engine = pf.Engine(layers, loss_fn, adamw, pf.Config(microbatches=2))
+    engine = pf.Engine(layers, loss_fn, optimizer, pf.Config(microbatches=2))
     for x, y in data[:2]:
         engine.train_step(x, y)
     folder = engine.save(tmp_path)
     assert os.path.basename(folder) == "step-00000002"
     assert (tmp_path / "latest").read_text() == "step-00000002"
-    resumed = pf.Engine(layers, loss_fn, adamw, pf.Config(microbatches=4))
+    # Resumed with another micro-batch count: the gradient's scale changes with it.
+    resumed = pf.Engine(layers, loss_fn, optimizer, pf.Config(microbatches=4))
     resumed.load(tmp_path)
     for x, y in data[2:]:
         resumed.train_step(x, y)
-    reference, _ = train_reference(layers, data)
+    reference, _ = train_reference(layers, data, optimizer=optimizer)
     assert_same_parameters(resumed.gather_state_dict(), reference.state_dict())
+    engine.close()
+    resumed.close()
+
+
+def _adamw_groups(params):
+    # Two groups, as users build them: no weight decay on biases and norms.
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1]},
+                              {"params": [p for p in params if p.dim() <= 1],
+                               "weight_decay": 0.0}], lr=1e-2, weight_decay=0.1)
+
+
+def _sgd_groups(params):
+    return torch.optim.SGD([{"params": [p for p in params if p.dim() > 1]},
+                            {"params": [p for p in params if p.dim() <= 1], "lr": 0.1}],
+                           lr=0.3, momentum=0.9)
+
+
+# Settings changed after the optimizer was built (by a scheduler, or by hand), per group.
+_CHANGED = {
+    "adamw": (_adamw_groups, [dict(lr=3e-3, weight_decay=0.05, betas=(0.8, 0.95), eps=1e-6),
+                              dict(lr=2e-2, betas=(0.5, 0.9), weight_decay=0.01)]),
+    "sgd": (_sgd_groups, [dict(lr=0.05, momentum=0.5, weight_decay=1e-3),
+                          dict(lr=0.2, momentum=0.7, dampening=0.1)]),
+}
+
+
+@pytest.mark.parametrize("name", list(_CHANGED))
+def test_resume_keeps_changed_param_group_settings(tmp_path, name):
+    factory, changes = _CHANGED[name]
+    layers = toy_layers()
+    data = batches(4, 8)
+    engine = pf.Engine(layers, loss_fn, factory, pf.Config(microbatches=2))
+    engine.train_step(*data[0])
+    for group, change in zip(engine.optimizer.param_groups, changes):
+        group.update(change)
+    engine.train_step(*data[1])
+    engine.save(tmp_path)
+    resumed = pf.Engine(layers, loss_fn, factory, pf.Config(microbatches=2))
+    resumed.load(tmp_path)
+    for i, (a, b) in enumerate(zip(engine.optimizer.param_groups,
+                                   resumed.optimizer.param_groups)):
+        saved = {k: v for k, v in a.items() if k != "params"}
+        loaded = {k: v for k, v in b.items() if k != "params"}
+        assert loaded == saved, f"param group {i}: saved {saved}, loaded {loaded}"
+    # And the steps after the resume are those of the run that never stopped.
+    for x, y in data[2:]:
+        assert resumed.train_step(x, y) == engine.train_step(x, y)
+    for (n, a), (_, b) in zip(engine.named_master_parameters(),
+                              resumed.named_master_parameters()):
+        assert torch.equal(a, b), n
     engine.close()
     resumed.close()
 

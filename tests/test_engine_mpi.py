@@ -6,14 +6,19 @@ as two independent pipelines side by side (the world split in halves).
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import pytest
 import torch
 from mpi4py import MPI
+from torch import nn
 
 import pipeflow as pf
 from pipeflow.schedule import build_schedule, simulate
 
-from toy import adamw, assert_same_parameters, batches, loss_fn, toy_layers, train_reference
+from toy import (Drop, adamw, assert_same_parameters, batches, loss_fn, sgd, toy_layers,
+                 train_reference)
 
 WORLD = MPI.COMM_WORLD
 BATCH = 24
@@ -124,6 +129,113 @@ def test_eval_step_is_forward_only_and_agrees_everywhere():
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_eval_step_turns_dropout_off_and_repeats_exactly(schedule):
+    comm = _sub_world(2)
+    layers = toy_layers(blocks=7)
+    layers.insert(2, pf.LayerSpec(Drop, 0.5))       # on the first stage
+    layers.insert(-1, pf.LayerSpec(Drop, 0.5))      # on the last stage
+    interleaved = schedule == "interleaved"
+    engine = pf.Engine(layers, loss_fn, sgd,
+                       pf.Config(pipeline=2, microbatches=4, schedule=schedule,
+                                 virtual_stages=2 if interleaved else 1), comm=comm)
+    x, y = batches(1, 12)[0]
+    reference = pf.build_sequential(layers, 0).eval()
+    for when in ("fresh", "after a train_step"):   # train_step turns dropout on
+        if when != "fresh":
+            engine.train_step(x, y)
+            reference.load_state_dict(comm.bcast(engine.gather_state_dict(), root=0))
+        with torch.no_grad():
+            expected = loss_fn(reference(x), y).item()
+        losses = [engine.eval_step(x, y) for _ in range(2)]
+        assert losses[0] == losses[1], f"{when}: eval is not repeatable: {losses}"
+        assert losses[0] == pytest.approx(expected, rel=1e-6), \
+            f"{when}: eval loss {losses[0]} != build_sequential(...).eval() loss {expected}"
+    engine.close()
+    comm.Free()
+
+
+class Slow(nn.Module):
+    """Identity, slowly: the stage after it receives each message well after it was sent."""
+
+    def forward(self, x):
+        time.sleep(0.05)
+        return x
+
+
+class _Watched:
+    """A send request that remembers whether it was seen complete (`wait`, or a true `test`)."""
+
+    def __init__(self, request: Any) -> None:
+        self.request, self.done = request, False
+
+    def test(self) -> bool:
+        self.done = self.done or self.request.test()
+        return self.done
+
+    def wait(self) -> Any:
+        out = self.request.wait()
+        self.done = True
+        return out
+
+
+class SendWatch:
+    """Wraps a communicator's `isend` to list the sends never seen complete."""
+
+    def __init__(self, comm: Any) -> None:
+        self._isend = comm.isend
+        self.requests: list[_Watched] = []
+        comm.isend = self.isend
+
+    def isend(self, tensors, dest, tag) -> _Watched:
+        self.requests.append(_Watched(self._isend(tensors, dest, tag)))
+        return self.requests[-1]
+
+    def open(self) -> list[int]:
+        return [i for i, r in enumerate(self.requests) if not r.done]
+
+
+def _assert_sends_completed(comm: MPI.Comm, watch: SendWatch) -> None:
+    # Every rank checks every rank's sends, so all fail together rather than some hang.
+    left = comm.allgather(watch.open())
+    assert left == [[]] * comm.size, f"sends (by rank) never seen complete: {left}"
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_messages_of_megabytes_arrive_whole_and_every_send_completes(backend):
+    # Several MB a message: MPI sends them by rendezvous, not eagerly, so a send still in
+    # flight when the step returns would read a buffer already freed. The slow last stage
+    # takes each activation long after the first stage sent it and returned from eval_step.
+    comm = WORLD.Split(color=WORLD.rank // 2, key=WORLD.rank)
+    if backend == "gloo" and comm.size != WORLD.size:
+        comm.Free()
+        comm = WORLD                      # torch.distributed spans the whole world
+    layers = toy_layers()
+    layers.insert(-1, pf.LayerSpec(Slow))
+    engine = pf.Engine(layers, loss_fn, sgd,
+                       pf.Config(pipeline=comm.size, microbatches=4, backend=backend),
+                       comm=comm)
+    watch = SendWatch(engine.pipe)
+    x, y = batches(1, 4 * 2**12)[0]       # 4096 samples a micro-batch: 1.3 MB of activations
+    loss = engine.train_step(x, y)
+    _assert_sends_completed(comm, watch)
+    reference, ref_losses = train_reference(layers, [(x, y)], optimizer=sgd)
+    assert loss == pytest.approx(ref_losses[0], rel=1e-5)
+    local = engine.module.state_dict()
+    # Sums over 80000 tokens in another order: 1e-4, where a lost message is off by far more.
+    assert_same_parameters(local, {k: v for k, v in reference.state_dict().items()
+                                   if k in local}, rtol=1e-4)
+    with torch.no_grad():
+        expected = loss_fn(reference(x), y).item()
+    assert engine.eval_step(x, y) == pytest.approx(expected, rel=1e-5)
+    _assert_sends_completed(comm, watch)
+    engine.close()
+    if comm is not WORLD:
+        comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_bad_batches_raise_the_same_clear_error_on_every_rank():
     comm = _sub_world(2)
     engine = pf.Engine(toy_layers(), loss_fn, adamw, pf.Config(pipeline=2, microbatches=4),
@@ -151,26 +263,27 @@ def test_grid_that_does_not_fit_the_world_is_an_error_on_every_rank():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_checkpoint_resumes_onto_a_different_grid(tmp_path_factory):
+@pytest.mark.parametrize("optimizer", [adamw, sgd], ids=["adamw", "sgd"])
+def test_checkpoint_resumes_onto_a_different_grid(tmp_path_factory, optimizer):
     comm = _sub_world(2)
     # Every pipeline in the world writes its own folder; rank 0 of the pipeline names it.
     folder = comm.bcast(str(tmp_path_factory.mktemp("ckpt")) if comm.rank == 0 else None)
     layers = toy_layers()
     data = batches(4, BATCH)
-    engine = pf.Engine(layers, loss_fn, adamw, pf.Config(pipeline=2, microbatches=4),
+    engine = pf.Engine(layers, loss_fn, optimizer, pf.Config(pipeline=2, microbatches=4),
                        comm=comm)
     for x, y in data[:2]:
         engine.train_step(x, y)
     engine.save(folder)
     # Resume on the same ranks with another partition and schedule: two model chunks a rank.
-    resumed = pf.Engine(layers, loss_fn, adamw,
+    resumed = pf.Engine(layers, loss_fn, optimizer,
                         pf.Config(pipeline=2, microbatches=2, schedule="interleaved",
                                   virtual_stages=2, partition=[0, 1, 4, 5, 7]), comm=comm)
     resumed.load(folder)
     assert resumed.step_count == 2
     for x, y in data[2:]:
         resumed.train_step(x, y)
-    reference, _ = train_reference(layers, data)
+    reference, _ = train_reference(layers, data, optimizer=optimizer)
     full = resumed.gather_state_dict()
     if comm.rank == 0:
         assert_same_parameters(full, reference.state_dict())
@@ -179,30 +292,34 @@ def test_checkpoint_resumes_onto_a_different_grid(tmp_path_factory):
     comm.Free()
 
 
+def _sgd_cases():
+    for momentum in (0.0, 0.9):
+        for schedule in ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv"):
+            for m in (1, 3, 8):
+                if schedule != "interleaved" or m % 2 == 0:
+                    yield momentum, schedule, m
+
+
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1", "zbv"])
-@pytest.mark.parametrize("microbatches", [1, 3, 8])
-def test_plain_sgd_update_equals_one_process(schedule, microbatches):
+@pytest.mark.parametrize("momentum,schedule,microbatches", list(_sgd_cases()))
+def test_plain_sgd_update_equals_one_process(momentum, schedule, microbatches):
     # AdamW's first steps are nearly lr * sign(g), blind to a wrong gradient scale; SGD's
     # update is the gradient itself, so a mis-scaled micro-batch loss shows here.
     comm = _sub_world(2)
-    layers = toy_layers()
+    interleaved = schedule in ("interleaved", "zbv")
+    layers = toy_layers(blocks=7 if interleaved else 5)
 
-    def sgd(params):
-        return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    def optimizer(params):
+        return torch.optim.SGD(params, lr=0.5, momentum=momentum)
 
-    engine = pf.Engine(layers, loss_fn, sgd,
-                       pf.Config(pipeline=2, microbatches=microbatches, schedule=schedule),
+    engine = pf.Engine(layers, loss_fn, optimizer,
+                       pf.Config(pipeline=2, microbatches=microbatches, schedule=schedule,
+                                 virtual_stages=2 if interleaved else 1),
                        comm=comm)
     data = batches(STEPS, BATCH)
     for x, y in data:
         engine.train_step(x, y)
-    reference = pf.build_sequential(layers, 0)
-    opt = sgd(reference.parameters())
-    for x, y in data:
-        opt.zero_grad()
-        loss_fn(reference(x), y).backward()
-        opt.step()
+    reference, _ = train_reference(layers, data, optimizer=optimizer)
     full = engine.gather_state_dict()
     if comm.rank == 0:
         assert_same_parameters(full, reference.state_dict())

@@ -6,7 +6,7 @@ import torch
 import pipeflow as pf
 from pipeflow.precision import LossScaler
 
-from toy import adamw, batches, loss_fn, toy_layers
+from toy import adamw, assert_same_update, batches, loss_fn, sgd, toy_layers, update_of
 
 
 def test_loss_scaler_backs_off_on_overflow_and_grows_after_the_interval():
@@ -101,3 +101,18 @@ def test_fp32_modules_match_by_class_name_suffix_and_keep_their_buffers():
     reference = pf.build_sequential(layers, 0)
     assert torch.equal(block.rotary.inv_freq, reference[0].rotary.inv_freq)
     engine.close()
+
+
+def test_fp16_sgd_update_at_a_large_loss_scale_is_the_fp32_update():
+    # Plain SGD's update is the gradient: a loss scale not applied (or not undone) changes
+    # its size 1024-fold. fp16 rounding of weights and activations (2^-11) moves it far less.
+    x, y = batches(1, 16)[0]
+    updates = {}
+    for precision in ("fp32", "fp16"):
+        engine = pf.Engine(toy_layers(), loss_fn, sgd,
+                           pf.Config(microbatches=2, precision=precision, loss_scale=1024.0))
+        updates[precision] = update_of(engine, x, y)
+        assert engine.skipped_steps == 0
+        assert engine.loss_scale == (1024.0 if precision == "fp16" else 1.0)
+        engine.close()
+    assert_same_update(updates["fp16"], updates["fp32"], rtol=0.02)

@@ -11,7 +11,8 @@ import pipeflow as pf
 from pipeflow.data import Batches, load_corpus
 from pipeflow.models import GPTConfig, gpt_layers, gpt_loss
 
-from toy import adamw, batches, loss_fn, toy_layers
+from toy import (adamw, assert_same_update, batches, loss_fn, sgd, toy_layers, train_reference,
+                 update_of)
 
 WORLD = MPI.COMM_WORLD
 ARMED = {"on": False}
@@ -61,6 +62,24 @@ def test_overflow_on_one_stage_of_one_replica_skips_the_step_everywhere():
     assert engine.loss_scale == 512.0
     engine.train_step(*steps[3])
     assert WORLD.allgather(engine.loss_scale) == [1024.0] * WORLD.size
+    engine.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_fp16_sgd_update_on_the_grid_at_a_large_loss_scale_is_the_fp32_update():
+    # Plain SGD's update is the gradient itself: a loss scale not applied, or not undone,
+    # before the tied-weight sum or the replicas' all-reduce changes its size 1024-fold.
+    data = 2 if WORLD.size == 4 else 1
+    layers = toy_layers(tied=True)
+    engine = pf.Engine(layers, loss_fn, sgd,
+                       pf.Config(pipeline=WORLD.size // data, data=data, microbatches=2,
+                                 precision="fp16", loss_scale=1024.0))
+    x, y = batches(1, 16)[0]
+    update = update_of(engine, x, y)
+    assert engine.skipped_steps == 0
+    before = pf.build_sequential(layers, 0).state_dict()
+    after = train_reference(layers, [(x, y)], optimizer=sgd)[0].state_dict()
+    assert_same_update(update, {k: after[k] - before[k] for k in before}, rtol=0.02)
     engine.close()
 
 

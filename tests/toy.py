@@ -81,6 +81,12 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
+def sgd(params):
+    # Plain SGD: the update is the gradient itself, so a gradient of the wrong size shows
+    # (AdamW's first steps are nearly lr * sign(g), blind to it).
+    return torch.optim.SGD(params, lr=0.5)
+
+
 def batches(steps: int, batch: int, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, VOCAB, (batch, SEQ), generator=g),
@@ -109,3 +115,20 @@ def assert_same_parameters(state, reference_state, rtol: float = 1e-5):
         diff = (state[name] - ref).abs().max().item()
         scale = ref.abs().max().item()
         assert diff <= rtol * scale, f"{name}: max |diff| {diff:.3g} > {rtol} x {scale:.3g}"
+
+
+def update_of(engine, x, y) -> dict[str, torch.Tensor]:
+    """What one `train_step` adds to each of this stage's fp32 masters, by parameter name."""
+    before = {n: p.detach().clone() for n, p in engine.named_master_parameters()}
+    engine.train_step(x, y)
+    return {n: p.detach() - before[n] for n, p in engine.named_master_parameters()}
+
+
+def assert_same_update(update, reference, rtol: float):
+    """Each parameter's update within `rtol` of the reference's, relative to its size."""
+    for name, delta in update.items():
+        ref = reference[name]
+        err = ((delta - ref).norm() / ref.norm()).item()
+        assert err <= rtol, (f"{name}: update off by {err:.2%} of its size (tolerance "
+                             f"{rtol:.0%}); |update| {delta.norm():.3g}, expected "
+                             f"{ref.norm():.3g}")

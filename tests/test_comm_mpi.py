@@ -1,0 +1,55 @@
+"""The communicator on its own: messages of megabytes, all-reduces of views.
+
+Run under `mpirun -n 2` and `-n 4` with `--with-mpi`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from pipeflow.comm import MpiCommunicator, mpi_iallreduce_
+
+WORLD = MPI.COMM_WORLD
+N = 2**20                 # 4 MB of fp32 a message: sent by rendezvous, not eagerly
+
+
+@pytest.mark.mpi(min_size=2)
+def test_isend_keeps_megabyte_buffers_alive_until_the_receiver_takes_them():
+    # The sender drops its tensors at once and fills fresh memory before the receiver posts
+    # a single receive: what arrives must still be what was sent.
+    comm = WORLD.Split(color=WORLD.rank // 2, key=WORLD.rank)
+    pipe = MpiCommunicator(comm)
+    meta = [((N,), torch.float32)]
+    if comm.rank == 0:
+        requests = [pipe.isend([torch.full((N,), float(i + 1))], 1, i) for i in range(4)]
+        junk = [torch.full((N,), -7.0) for _ in range(8)]
+        comm.Barrier()
+        for r in requests:
+            r.wait()
+        del junk
+    else:
+        comm.Barrier()
+        for i in range(4):
+            (got,) = pipe.irecv(meta, 0, i, torch.device("cpu")).wait()
+            wrong = int((got != i + 1).sum())
+            assert wrong == 0, f"message {i}: {wrong} of {N} values are not {i + 1}"
+    pipe.free()
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("view", ["transposed", "strided"])
+def test_non_contiguous_all_reduce_sums_into_the_tensor_itself(view):
+    # MPI reduces a contiguous buffer: a view that is not one goes through a host copy,
+    # and the sum must come back into the view, leaving the rest of its storage alone.
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6) + 100 * WORLD.rank
+    t = base.t() if view == "transposed" else base[:, ::2]
+    assert not t.is_contiguous()
+    expected = sum(t - 100 * WORLD.rank + 100 * r for r in range(WORLD.size))
+    untouched = base[:, 1::2].clone()
+    mpi_iallreduce_(WORLD, t).wait()
+    assert torch.equal(t, expected), f"rank {WORLD.rank}: {t} != {expected}"
+    if view == "strided":
+        assert torch.equal(base[:, 1::2], untouched)
