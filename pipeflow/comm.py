@@ -9,8 +9,8 @@ import torch
 from mpi4py import MPI
 
 __all__ = ["TensorMeta", "Communicator", "MpiCommunicator", "TorchDistCommunicator",
-           "init_torch_distributed", "torch_grid_communicators", "meta_of",
-           "mpi_iallreduce_"]
+           "CommDeviceError", "check_on_device", "init_torch_distributed",
+           "torch_grid_communicators", "meta_of", "mpi_iallreduce_"]
 
 # What a receiver must know to allocate a buffer: shape and dtype. Exchanged once per
 # distinct batch shape and cached by the engine, never sent with every message.
@@ -19,6 +19,27 @@ TensorMeta = tuple[tuple[int, ...], torch.dtype]
 
 def meta_of(tensors: Sequence[torch.Tensor]) -> tuple[TensorMeta, ...]:
     return tuple((tuple(t.shape), t.dtype) for t in tensors)
+
+
+class CommDeviceError(RuntimeError):
+    """A tensor handed to a group's operation lives on another device than the group's."""
+
+
+def check_on_device(op: str, tensors: Sequence[torch.Tensor], device: torch.device,
+                    where: str = "") -> None:
+    """Refuse tensors not on `device`, the group's device.
+
+    NCCL groups take CUDA tensors only ("No backend type associated with device type cpu"),
+    and a gloo group CPU tensors only: say so here, naming the operation, instead of failing
+    deep inside torch.distributed (or, on CPU tests, not failing at all).
+    """
+    for t in tensors:
+        if t.device.type != device.type or (
+                device.index is not None and t.device.index not in (None, device.index)):
+            raise CommDeviceError(
+                f"{where + ': ' if where else ''}{op} got a tensor of shape {tuple(t.shape)} "
+                f"on {t.device}, but this group communicates on {device}; move it there "
+                f"first (`tensor.to({str(device)!r})`)")
 
 
 class Request(abc.ABC):
@@ -36,6 +57,7 @@ class Communicator(abc.ABC):
 
     rank: int
     size: int
+    device: torch.device     # where this group's tensors live for its collectives and p2p
 
     @abc.abstractmethod
     def isend(self, tensors: Sequence[torch.Tensor], dest: int, tag: int) -> Request:
@@ -155,6 +177,7 @@ class MpiCommunicator(Communicator):
         self.control = comm.Dup()
         self.rank = comm.rank
         self.size = comm.size
+        self.device = torch.device("cpu")   # host buffers; GPU tensors are staged through it
         self.bytes_sent = 0       # point-to-point payload, for measurements
 
     def isend(self, tensors: Sequence[torch.Tensor], dest: int, tag: int) -> Request:
@@ -250,15 +273,18 @@ class TorchDistCommunicator(Communicator):
     """Tensors over torch.distributed (NCCL or gloo); objects over MPI."""
 
     def __init__(self, comm: MPI.Comm, group: Any,
-                 links: dict[tuple[int, int], Any] | None = None) -> None:
+                 links: dict[tuple[int, int], Any] | None = None,
+                 device: torch.device | str = "cpu") -> None:
         """`comm`: this group's MPI communicator (objects travel over it); `group`: the same
         ranks as a torch.distributed group; `links`: (source, destination) ranks of `comm` ->
-        a two-rank group per direction (see `torch_grid_communicators`)."""
+        a two-rank group per direction (see `torch_grid_communicators`); `device`: where
+        the group's tensors must be (the rank's GPU for NCCL, the CPU for gloo)."""
         import torch.distributed as dist
 
         self._dist = dist
         self.objects = MpiCommunicator(comm)
         self.rank, self.size = comm.rank, comm.size
+        self.device = torch.device(device)
         self.bytes_sent = 0
         # This communicator's ranks as torch.distributed (= MPI.COMM_WORLD) ranks.
         self.global_ranks = MPI.Group.Translate_ranks(
@@ -269,6 +295,7 @@ class TorchDistCommunicator(Communicator):
 
     def isend(self, tensors: Sequence[torch.Tensor], dest: int, tag: int) -> Request:
         group = self.links[(self.rank, dest)]
+        self._check("isend", tensors)
         ts = [t.detach().contiguous() for t in tensors]
         self.bytes_sent += sum(t.numel() * t.element_size() for t in ts)
         # One batch for the message's tensors: NCCL runs them as one grouped operation.
@@ -280,6 +307,7 @@ class TorchDistCommunicator(Communicator):
               device: torch.device) -> Request:
         group = self.links[(source, self.rank)]
         ts = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in metas]
+        self._check("irecv", ts)
         ops = [self._dist.P2POp(self._dist.irecv, t, self.global_ranks[source], group, tag)
                for t in ts]
         return _DistWork(self._dist.batch_isend_irecv(ops), ts)
@@ -301,7 +329,12 @@ class TorchDistCommunicator(Communicator):
         return tensor
 
     def iallreduce_(self, tensor: torch.Tensor) -> Request:
+        self._check("all_reduce", [tensor])
         return _DistWork([self._dist.all_reduce(tensor, group=self.group, async_op=True)])
+
+    def _check(self, op: str, tensors: Sequence[torch.Tensor]) -> None:
+        check_on_device(op, tensors, self.device,
+                        f"rank {self.rank} of a {self.size}-rank torch.distributed group")
 
     def barrier(self) -> None:
         self.objects.barrier()
@@ -348,6 +381,6 @@ def torch_grid_communicators(topo: Any, backend: str, device: torch.device, ring
             group = dist.new_group([topo.rank_of(s, r) for r in range(d)])
             if s == topo.stage:
                 data_group = group
-    pipe = TorchDistCommunicator(topo.pipe, pipe_group, links)
-    data = TorchDistCommunicator(topo.data_group, data_group) if d > 1 else None
+    pipe = TorchDistCommunicator(topo.pipe, pipe_group, links, device)
+    data = TorchDistCommunicator(topo.data_group, data_group, device=device) if d > 1 else None
     return pipe, data

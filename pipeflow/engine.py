@@ -554,7 +554,7 @@ class Engine:
         # Per-tensor norms (no fp64 copy of every gradient), squared and summed in fp64.
         sq = (torch.stack([torch.linalg.vector_norm(g) for g in grads]).double().square().sum()
               if grads else torch.zeros((), dtype=torch.float64))
-        sq = sq.reshape(1).cpu()
+        sq = sq.reshape(1).to(self.pipe.device)   # NCCL groups take CUDA tensors only
         if self.stages > 1:
             self.pipe.allreduce_(sq)
         return math.sqrt(sq.item())

@@ -1,0 +1,33 @@
+"""Communicator checks that need no second rank: the device rule of torch.distributed groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from pipeflow.comm import CommDeviceError, MpiCommunicator, check_on_device
+
+
+def test_tensors_on_the_groups_device_pass():
+    check_on_device("all_reduce", [torch.zeros(3), torch.ones(2, 2)], torch.device("cpu"))
+    check_on_device("isend", [torch.zeros(1, device="meta")], torch.device("meta"))
+
+
+@pytest.mark.parametrize("tensor_device,group_device", [("cpu", "meta"), ("meta", "cpu"),
+                                                        ("cpu", "cuda:0"), ("cpu", "cuda")])
+def test_a_tensor_on_another_device_is_refused_naming_op_and_devices(tensor_device,
+                                                                     group_device):
+    t = torch.empty(4, 2, device=tensor_device)
+    with pytest.raises(CommDeviceError) as info:
+        check_on_device("all_reduce", [t], torch.device(group_device),
+                        "rank 3 of a 4-rank group")
+    text = str(info.value)
+    assert "all_reduce" in text and "rank 3" in text and "(4, 2)" in text
+    assert f"on {tensor_device}" in text and f"communicates on {group_device}" in text
+
+
+def test_mpi_communicator_stages_through_the_host():
+    comm = MpiCommunicator(MPI.COMM_SELF)
+    assert comm.device == torch.device("cpu")
+    comm.free()
