@@ -18,7 +18,7 @@ __all__ = ["Config", "ConfigError", "SCHEDULES", "PARTITIONS"]
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 PARTITIONS = ("uniform", "parameters", "time")
 PRECISIONS = ("fp32", "bf16", "fp16")
-BACKENDS = ("mpi", "nccl", "gloo", "auto")
+BACKENDS = ("mpi", "nccl", "gloo", "auto", "strict")
 
 
 class ConfigError(ValueError):
@@ -52,7 +52,7 @@ class Config:
     recompute: str | list[str] = "none"
     activation_budget_mb: float = 0.0    # per rank, for recompute = "auto"
     backend: str = "mpi"       # "mpi", "nccl", "auto"; "gloo" runs the torch.distributed
-                               # path on CPUs (tests)
+                               # path on CPUs (tests); "strict": MPI under NCCL's rules
     bucket_mb: float = 25.0    # gradient all-reduce bucket size, MiB
     clip: float = 0.0          # clip gradients to this global norm; 0 turns clipping off
     seed: int = 0              # layer i is built under a seed derived from (seed, i)

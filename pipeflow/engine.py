@@ -16,8 +16,7 @@ from torch import nn
 
 from pipeflow import schedule as sched
 from pipeflow.checkpoint import load_checkpoint, save_checkpoint
-from pipeflow.comm import (Communicator, MpiCommunicator, Request, TensorMeta, meta_of,
-                           mpi_iallreduce_, torch_grid_communicators)
+from pipeflow.comm import Communicator, Request, TensorMeta, meta_of, mpi_iallreduce_
 from pipeflow.config import Config, ConfigError
 from pipeflow.data_parallel import GradReducer
 from pipeflow.layers import (LayerSpec, _check_layers, build_layer, get_parameter,
@@ -25,7 +24,7 @@ from pipeflow.layers import (LayerSpec, _check_layers, build_layer, get_paramete
 from pipeflow.partition import measure_layer_times, partition_layers
 from pipeflow.precision import LossScaler, Precision, cast_floating
 from pipeflow.recompute import SavedTensorMeter, auto_policy, parse_policy, stage_forward
-from pipeflow.topology import Topology
+from pipeflow.topology import Topology, choose_backend, grid_communicators
 
 __all__ = ["Engine", "StageModule", "BatchError"]
 
@@ -129,7 +128,7 @@ class Engine:
         self.activation_meter = SavedTensorMeter()
         self.peak_activation_bytes = 0   # bytes saved for backward, most held in last step
         self.peak_memory_bytes: int | None = None   # allocator peak of the last step (GPU)
-        self.backend = _choose_backend(config.backend, topo, self.device)
+        self.backend = choose_backend(config.backend, topo, self.device)
         self.pipe, self.data = self._communicators()
         self.reducer: GradReducer | None = None
         if self.data is not None:
@@ -286,17 +285,7 @@ class Engine:
 
     def _communicators(self) -> tuple[Communicator, Communicator | None]:
         """The pipeline's communicator and, with replicas, the stage's data group's."""
-        topo = self.topo
-        if self.backend == "mpi":
-            data = MpiCommunicator(topo.data_group) if topo.data > 1 else None
-            return MpiCommunicator(topo.pipe), data
-        if topo.world.size != MPI.COMM_WORLD.size:
-            raise ConfigError(
-                f"{topo.describe()}: backend {self.backend!r} (torch.distributed) spans "
-                f"MPI.COMM_WORLD, but this engine runs on a communicator of {topo.world.size} "
-                f"of its {MPI.COMM_WORLD.size} ranks; use backend 'mpi', or one engine over "
-                f"the whole job")
-        return torch_grid_communicators(topo, self.backend, self.device, ring=self.chunks > 1)
+        return grid_communicators(self.topo, self.backend, self.device, ring=self.chunks > 1)
 
     # -- the step -------------------------------------------------------------------------
     def _prepare(self, inputs: Batch | None, targets: Batch | None):
@@ -631,23 +620,3 @@ def _key_order(key: str) -> int:
     # By layer only: the sort is stable, so names keep their order within a layer.
     head = key.partition(".")[0]
     return int(head) if head.isdigit() else sys.maxsize
-
-
-def _choose_backend(name: str, topo: Topology, device: torch.device) -> str:
-    """`auto`: NCCL where CUDA and NCCL are present and every rank has a GPU of its own
-    (NCCL refuses two ranks on one GPU: "Duplicate GPU detected"); MPI otherwise."""
-    if name != "auto":
-        if name == "nccl" and not (device.type == "cuda" and _nccl_available()):
-            raise ConfigError(
-                f"{topo.describe()}: backend 'nccl' needs CUDA tensors and torch built with "
-                f"NCCL; this rank runs on {device}. Use backend = 'mpi' or 'auto'")
-        return name
-    if device.type == "cuda" and _nccl_available() and \
-            topo.local_size <= torch.cuda.device_count():
-        return "nccl"
-    return "mpi"
-
-
-def _nccl_available() -> bool:
-    import torch.distributed as dist
-    return dist.is_available() and dist.is_nccl_available()

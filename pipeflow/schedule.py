@@ -205,6 +205,7 @@ def simulate(programs: Sequence[Sequence[Action]], forward_time: float = 1.0,
     chunks = 1 + max((a.chunk for prog in programs for a in prog), default=0)
     last = stages * chunks - 1
     _check_programs(programs, chunks)
+    _check_link_order(programs)
     clock = [0.0] * stages
     busy = [0.0] * stages
     pc = [0] * stages
@@ -291,6 +292,35 @@ def _check_programs(programs: Sequence[Sequence[Action]], chunks: int = 1) -> No
                     raise ScheduleError(f"stage {s} runs {act} before its forward")
                 if virtual < last and (RECV_GRAD, act.mb, act.chunk) not in have:
                     raise ScheduleError(f"stage {s} runs {act} before receiving its gradient")
+
+
+def _check_link_order(programs: Sequence[Sequence[Action]]) -> None:
+    """On every link (sending rank -> receiving rank) the receives come in the order of the
+    sends. NCCL matches messages by order alone, not by tag: a schedule that receives out of
+    order would hand a tensor to the wrong micro-batch (or hang on a size mismatch)."""
+    stages = len(programs)
+    sent: dict[tuple[int, int], list] = {}
+    taken: dict[tuple[int, int], list] = {}
+    for s, prog in enumerate(programs):
+        for act in prog:
+            virtual = act.chunk * stages + s
+            if act.op in SENDS:
+                step, kind = SENDS[act.op]
+                sent.setdefault((s, (virtual + step) % stages), []).append(
+                    (kind, act.mb, virtual + step))
+            elif act.op in RECVS:
+                step, kind = RECVS[act.op]
+                taken.setdefault(((virtual + step) % stages, s), []).append(
+                    (kind, act.mb, virtual))
+    for (src, dst), order in sorted(sent.items()):
+        got = taken.get((src, dst), [])
+        for k, (want, have) in enumerate(zip(order, got)):
+            if want != have:
+                raise ScheduleError(
+                    f"link stage {src} -> stage {dst}: message {k} is sent as {want[0]} of "
+                    f"micro-batch {want[1]} (virtual stage {want[2]}) but received as "
+                    f"{have[0]} of micro-batch {have[1]} (virtual stage {have[2]}); NCCL "
+                    f"matches by order, not tag: receive in the order of the sends")
 
 
 def format_table(programs: Sequence[Sequence[Action]], **sim_kwargs: float) -> str:

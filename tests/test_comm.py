@@ -31,3 +31,21 @@ def test_mpi_communicator_stages_through_the_host():
     comm = MpiCommunicator(MPI.COMM_SELF)
     assert comm.device == torch.device("cpu")
     comm.free()
+
+
+def test_backend_choice_on_cpus_and_the_strict_switch(monkeypatch):
+    from pipeflow.topology import STRICT_ENV, Topology, choose_backend
+    from pipeflow.config import ConfigError
+
+    topo = Topology(MPI.COMM_SELF, 1, 1)
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(STRICT_ENV, raising=False)
+    assert choose_backend("auto", topo, cpu) == "mpi"      # no GPU of its own: MPI
+    assert choose_backend("strict", topo, cpu) == "strict"
+    monkeypatch.setenv(STRICT_ENV, "1")
+    assert choose_backend("auto", topo, cpu) == "strict"
+    assert choose_backend("mpi", topo, cpu) == "strict"
+    assert choose_backend("gloo", topo, cpu) == "gloo"     # torch.distributed stays itself
+    with pytest.raises(ConfigError, match="backend 'nccl' needs CUDA tensors"):
+        choose_backend("nccl", topo, cpu)
+    topo.free()
