@@ -9,7 +9,7 @@ import torch
 from mpi4py import MPI
 
 __all__ = ["TensorMeta", "Communicator", "MpiCommunicator", "TorchDistCommunicator",
-           "CommDeviceError", "check_on_device", "init_torch_distributed",
+           "CommDeviceError", "check_on_device", "init_torch_distributed", "rendezvous_address",
            "torch_grid_communicators", "meta_of", "mpi_iallreduce_"]
 
 # What a receiver must know to allocate a buffer: shape and dtype. Exchanged once per
@@ -226,33 +226,82 @@ class MpiCommunicator(Communicator):
 def init_torch_distributed(backend: str, device: torch.device) -> None:
     """Start torch.distributed over all MPI ranks with nothing set by hand.
 
-    Rank and world size come from MPI.COMM_WORLD; rank 0 picks the rendezvous address and a
-    free port and broadcasts them, so no MASTER_ADDR/MASTER_PORT is needed.
+    Rank and world size come from MPI.COMM_WORLD; rank 0 opens the rendezvous store (on the
+    address other nodes reach it by, on a port the system picks) and broadcasts where it
+    is. MASTER_ADDR / MASTER_PORT, when set, override the address and the port.
     """
-    import socket
-
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
     world = MPI.COMM_WORLD
-    address = None
-    if world.rank == 0:
-        host = socket.gethostname()
-        try:
-            ip = socket.gethostbyname(host)
-        except OSError:
-            ip = "127.0.0.1"
-        with socket.socket() as s:
-            s.bind(("", 0))
-            address = (ip if world.size > 1 else "127.0.0.1", s.getsockname()[1])
-    ip, port = world.bcast(address, root=0)
+    store = _rendezvous_store(world)
     kwargs = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if backend == "nccl":
-        torch.cuda.set_device(device)      # NCCL binds each rank's communicators to its GPU
-        kwargs["device_id"] = device
-    dist.init_process_group(backend, init_method=f"tcp://{ip}:{port}", rank=world.rank,
-                            world_size=world.size, **kwargs)
+        kwargs["device_id"] = device       # NCCL binds each rank's communicators to its GPU
+    dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size,
+                            **kwargs)
+
+
+def rendezvous_address(hosts: Sequence[str]) -> str:
+    """The address rank 0 (on `hosts[0]`) is reached by from every rank's host.
+
+    Not `gethostbyname(gethostname())`: on Debian and Ubuntu that is 127.0.1.1, which no other
+    node reaches. With other hosts in the job, the address of the interface that routes to
+    one of them (a UDP `connect` sends nothing; the kernel just picks the route).
+    """
+    import os
+    import socket
+
+    if os.environ.get("MASTER_ADDR"):
+        return os.environ["MASTER_ADDR"]
+    others = [h for h in hosts if h != hosts[0]]
+    if not others:
+        return "127.0.0.1"
+    try:
+        peer = socket.gethostbyname(others[0])
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((peer, 9))
+            return s.getsockname()[0]
+    except OSError as exc:
+        raise RuntimeError(
+            f"rank 0 on {hosts[0]} cannot find its address as seen from {others[0]} ({exc}); "
+            f"set MASTER_ADDR to an address of {hosts[0]} that every node reaches") from exc
+
+
+def _rendezvous_store(world: MPI.Comm) -> Any:
+    """A TCPStore on rank 0 at a port bound once (no probe-then-close race); every rank
+    connects to it. An error on rank 0 is raised on every rank."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    hosts = world.allgather(_hostname())
+    where, store = None, None
+    if world.rank == 0:
+        try:
+            ip = rendezvous_address(hosts)
+            port = int(os.environ.get("MASTER_PORT", 0))
+            store = dist.TCPStore(ip, port, world.size, is_master=True,
+                                  wait_for_workers=False, timeout=datetime.timedelta(minutes=5))
+            where = (ip, store.port, None)
+        except (OSError, RuntimeError, ValueError) as exc:
+            where = (None, None, f"rank 0 could not open the rendezvous store: {exc}")
+    ip, port, error = world.bcast(where, root=0)
+    if error:
+        raise RuntimeError(error)
+    if world.rank != 0:
+        store = dist.TCPStore(ip, port, world.size, is_master=False,
+                              timeout=datetime.timedelta(minutes=5))
+    return store
+
+
+def _hostname() -> str:
+    import socket
+    return socket.gethostname()
 
 
 class _DistWork(Request):

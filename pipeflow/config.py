@@ -51,8 +51,9 @@ class Config:
     # "none", "full", "every:k", "selective", "auto", or a list with one policy per stage
     recompute: str | list[str] = "none"
     activation_budget_mb: float = 0.0    # per rank, for recompute = "auto"
-    backend: str = "mpi"       # "mpi", "nccl", "auto"; "gloo" runs the torch.distributed
-                               # path on CPUs (tests); "strict": MPI under NCCL's rules
+    # "auto" (NCCL when every rank has a GPU of its own, MPI otherwise), "mpi", "nccl";
+    # "gloo" runs the torch.distributed path on CPUs (tests); "strict": MPI under NCCL's rules
+    backend: str = "auto"
     bucket_mb: float = 25.0    # gradient all-reduce bucket size, MiB
     clip: float = 0.0          # clip gradients to this global norm; 0 turns clipping off
     seed: int = 0              # layer i is built under a seed derived from (seed, i)

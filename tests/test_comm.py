@@ -49,3 +49,23 @@ def test_backend_choice_on_cpus_and_the_strict_switch(monkeypatch):
     with pytest.raises(ConfigError, match="backend 'nccl' needs CUDA tensors"):
         choose_backend("nccl", topo, cpu)
     topo.free()
+
+
+def test_rendezvous_address_is_reachable_not_the_loopback_alias(monkeypatch):
+    from pipeflow.comm import rendezvous_address
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert rendezvous_address(["node-a", "node-a"]) == "127.0.0.1"   # one host: loopback
+    # Another host: the address of the interface that routes to it (here: the loopback
+    # route to "localhost"), never 127.0.1.1 from /etc/hosts.
+    assert rendezvous_address(["this-node", "localhost"]) == "127.0.0.1"
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    assert rendezvous_address(["node-a", "node-b"]) == "10.1.2.3"
+    monkeypatch.delenv("MASTER_ADDR")
+    with pytest.raises(RuntimeError, match="set MASTER_ADDR"):
+        rendezvous_address(["this-node", "no-such-host.invalid"])
+
+
+def test_config_defaults_to_auto_backend():
+    from pipeflow import Config
+    assert Config().backend == "auto"
