@@ -41,3 +41,37 @@ def test_collective_and_p2p_refuse_a_tensor_on_another_device():
     assert t.item() == WORLD.size * (WORLD.size + 1) / 2
     comm.objects.free()
     ok.objects.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("ring", [False, True])
+def test_grid_groups_are_made_a_family_at_a_time_and_carry_both_directions(ring, monkeypatch):
+    import pipeflow.comm as comm_mod
+    from pipeflow.topology import Topology
+
+    calls = []
+    real = comm_mod._split_family
+    monkeypatch.setattr(comm_mod, "_split_family",
+                        lambda lists, backend: calls.append(lists) or real(lists, backend))
+    p = WORLD.size
+    topo = Topology(WORLD, p, 1)
+    pipe, data = comm_mod.torch_grid_communicators(topo, "gloo", torch.device("cpu"), ring)
+    assert data is None
+    # One pipeline family, then (direction x parity) link families, plus the ring's: never
+    # one call per group.
+    families = 1 + 2 * min(2, p - 1) + (2 if ring and p > 2 else 0)
+    assert len(calls) == families, calls
+    s = topo.stage
+    neighbours = {(s - 1) % p, (s + 1) % p} - {s} if ring and p > 2 else \
+        {n for n in (s - 1, s + 1) if 0 <= n < p}
+    assert set(pipe.links) == {(s, n) for n in neighbours} | {(n, s) for n in neighbours}
+    # Every link moves a message, in both directions at once.
+    sends = [pipe.isend([torch.full((2,), float(s))], n, tag=0) for n in sorted(neighbours)]
+    recvs = {n: pipe.irecv([((2,), torch.float32)], n, 0, torch.device("cpu"))
+             for n in sorted(neighbours)}
+    for n, r in recvs.items():
+        assert r.wait()[0].tolist() == [float(n)] * 2
+    for sreq in sends:
+        sreq.wait()
+    pipe.free()
+    topo.free()
