@@ -24,7 +24,7 @@ from pipeflow.layers import (LayerSpec, _check_layers, build_layer, get_paramete
 from pipeflow.partition import measure_layer_times, partition_layers
 from pipeflow.precision import LossScaler, Precision, cast_floating
 from pipeflow.recompute import SavedTensorMeter, auto_policy, parse_policy, stage_forward
-from pipeflow.topology import Topology, choose_backend, grid_communicators
+from pipeflow.topology import Topology, bind_device, choose_backend, grid_communicators
 
 __all__ = ["Engine", "StageModule", "BatchError"]
 
@@ -92,6 +92,7 @@ class Engine:
         self.stage, self.stages = topo.stage, topo.pipeline
         self.abort_on_error = abort_on_error
         self.device = torch.device(device) if device is not None else _default_device(topo)
+        bind_device(self.device)      # before CUDA's first use: layer building forks its RNG
         self.loss_fn = loss_fn
         self.n_layers = len(layers)
         times = None

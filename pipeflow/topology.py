@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 from pipeflow.config import ConfigError
 
-__all__ = ["Topology", "TopologyError", "choose_backend", "grid_communicators"]
+__all__ = ["Topology", "TopologyError", "bind_device", "choose_backend", "grid_communicators"]
 
 STRICT_ENV = "PIPEFLOW_STRICT_COMM"   # =1: the MPI backend runs under NCCL's rules (tests)
 
@@ -71,6 +71,14 @@ class Topology:
                 comm.Free()
 
 
+def bind_device(device: torch.device) -> None:
+    """Make `device` this process's current GPU, whatever the backend: CUDA's first use
+    (layer building forks every GPU's random state), pinned buffers, synchronize() and user
+    `device="cuda"` code must land on this rank's GPU, not GPU 0."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def choose_backend(name: str, topo: Topology, device: torch.device) -> str:
     """The backend this grid runs on, alike on every rank; binds the rank to its GPU.
 
@@ -79,10 +87,7 @@ def choose_backend(name: str, topo: Topology, device: torch.device) -> str:
     through CUDA_VISIBLE_DEVICES counts as its own), MPI otherwise. With
     PIPEFLOW_STRICT_COMM=1, MPI becomes `strict` (NCCL's rules checked on CPUs).
     """
-    if device.type == "cuda":
-        # Every backend: pinned buffers, synchronize() and user `device="cuda"` code must land
-        # on this rank's GPU, not GPU 0.
-        torch.cuda.set_device(device)
+    bind_device(device)
     if name == "nccl" and not (device.type == "cuda" and _nccl_available()):
         raise ConfigError(
             f"{topo.describe()}: backend 'nccl' needs CUDA tensors and torch built with "
