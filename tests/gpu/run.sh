@@ -34,3 +34,8 @@ for n in $RANKS; do
   timeout -k 15 180 "$MPIRUN" $OVERSUB -n "$n" \
     python -m pytest -q -p no:cacheprovider --with-mpi -m "gpu and mpi" tests/gpu
 done
+if [[ "$DEVICE" != cuda* ]]; then
+  echo "== benchmarks/bench_gpu.py, dry run"
+  timeout -k 15 120 python benchmarks/bench_gpu.py all --device "$DEVICE" --tiny --output '' \
+    > /dev/null
+fi
