@@ -1,4 +1,4 @@
-"""pipeflow on one GPU against a plain PyTorch loop: step time, MFU, memory, precision, recompute."""
+"""pipeflow on one GPU vs a plain PyTorch loop: step time, MFU, memory, precision, recompute."""
 
 # Run from the repository root on a machine with a GPU (each writes its BENCHMARKS.md section,
 # naming the GPU; `--output ''` to skip writing):
