@@ -238,6 +238,8 @@ def init_torch_distributed(backend: str, device: torch.device) -> None:
     store = _rendezvous_store(world)
     kwargs = {}
     if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     if backend == "nccl":
         kwargs["device_id"] = device       # NCCL binds each rank's communicators to its GPU

@@ -74,8 +74,9 @@ class Topology:
 def bind_device(device: torch.device) -> None:
     """Make `device` this process's current GPU, whatever the backend: CUDA's first use
     (layer building forks every GPU's random state), pinned buffers, synchronize() and user
-    `device="cuda"` code must land on this rank's GPU, not GPU 0."""
-    if device.type == "cuda":
+    `device="cuda"` code must land on this rank's GPU, not GPU 0. A bare "cuda" (no index)
+    means the current GPU: nothing to bind."""
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
 
 

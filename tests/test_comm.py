@@ -69,3 +69,14 @@ def test_rendezvous_address_is_reachable_not_the_loopback_alias(monkeypatch):
 def test_config_defaults_to_auto_backend():
     from pipeflow import Config
     assert Config().backend == "auto"
+
+
+def test_a_rank_binds_its_gpu_whatever_the_backend(monkeypatch):
+    from pipeflow.topology import bind_device
+
+    bound = []
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+    bind_device(torch.device("cuda", 3))
+    bind_device(torch.device("cuda"))       # the current GPU: nothing to bind
+    bind_device(torch.device("cpu"))
+    assert bound == [torch.device("cuda", 3)]
