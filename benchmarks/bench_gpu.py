@@ -133,7 +133,11 @@ def plain_step(cfg: GPTConfig, device: torch.device, precision: str) -> tuple[Ca
         opt.step()
         opt.zero_grad(set_to_none=True)
         with torch.no_grad():
-            torch._foreach_copy_(working, masters)
+            if hasattr(torch, "_foreach_copy_"):       # one launch for all (torch >= 2.2)
+                torch._foreach_copy_(working, masters)
+            else:
+                for w, m in zip(working, masters):
+                    w.copy_(m)
     return step, None
 
 
