@@ -12,8 +12,8 @@ from mpi4py import MPI
 from pipeflow.tree import Header, describe
 
 __all__ = ["TensorMeta", "Communicator", "MpiCommunicator", "TorchDistCommunicator",
-           "init_torch_distributed", "torch_grid_communicators", "meta_of",
-           "mpi_iallreduce_", "ProtocolError"]
+           "CommDeviceError", "check_on_device", "init_torch_distributed", "rendezvous_address",
+           "torch_grid_communicators", "meta_of", "mpi_iallreduce_", "ProtocolError"]
 
 # What a receiver must know to allocate a buffer: shape and dtype. Exchanged once per
 # distinct batch shape and cached by the engine, never sent with every message.
@@ -32,6 +32,27 @@ class ProtocolError(RuntimeError):
     """A message that does not match what its receiver expects: never read as garbage."""
 
 
+class CommDeviceError(RuntimeError):
+    """A tensor handed to a group's operation lives on another device than the group's."""
+
+
+def check_on_device(op: str, tensors: Sequence[torch.Tensor], device: torch.device,
+                    where: str = "") -> None:
+    """Refuse tensors not on `device`, the group's device.
+
+    NCCL groups take CUDA tensors only ("No backend type associated with device type cpu"),
+    and a gloo group CPU tensors only: say so here, naming the operation, instead of failing
+    deep inside torch.distributed (or, on CPU tests, not failing at all).
+    """
+    for t in tensors:
+        if t.device.type != device.type or (
+                device.index is not None and t.device.index not in (None, device.index)):
+            raise CommDeviceError(
+                f"{where + ': ' if where else ''}{op} got a tensor of shape {tuple(t.shape)} "
+                f"on {t.device}, but this group communicates on {device}; move it there "
+                f"first (`tensor.to({str(device)!r})`)")
+
+
 class Request(abc.ABC):
     """An operation in flight; `wait()` completes it."""
 
@@ -47,6 +68,7 @@ class Communicator(abc.ABC):
 
     rank: int
     size: int
+    device: torch.device     # where this group's tensors live for its collectives and p2p
 
     @abc.abstractmethod
     def isend(self, tensors: Sequence[torch.Tensor], dest: int, tag: int) -> Request:
@@ -183,6 +205,7 @@ class MpiCommunicator(Communicator):
         self.control = comm.Dup()
         self.rank = comm.rank
         self.size = comm.size
+        self.device = torch.device("cpu")   # host buffers; GPU tensors are staged through it
         self.bytes_sent = 0       # point-to-point payload, for measurements
 
     def isend(self, tensors: Sequence[torch.Tensor], dest: int, tag: int) -> Request:
@@ -275,33 +298,84 @@ class MpiCommunicator(Communicator):
 def init_torch_distributed(backend: str, device: torch.device) -> None:
     """Start torch.distributed over all MPI ranks with nothing set by hand.
 
-    Rank and world size come from MPI.COMM_WORLD; rank 0 picks the rendezvous address and a
-    free port and broadcasts them, so no MASTER_ADDR/MASTER_PORT is needed.
+    Rank and world size come from MPI.COMM_WORLD; rank 0 opens the rendezvous store (on the
+    address other nodes reach it by, on a port the system picks) and broadcasts where it
+    is. MASTER_ADDR / MASTER_PORT, when set, override the address and the port.
     """
-    import socket
-
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
     world = MPI.COMM_WORLD
-    address = None
-    if world.rank == 0:
-        host = socket.gethostname()
-        try:
-            ip = socket.gethostbyname(host)
-        except OSError:
-            ip = "127.0.0.1"
-        with socket.socket() as s:
-            s.bind(("", 0))
-            address = (ip if world.size > 1 else "127.0.0.1", s.getsockname()[1])
-    ip, port = world.bcast(address, root=0)
+    store = _rendezvous_store(world)
     kwargs = {}
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
     if backend == "nccl":
-        torch.cuda.set_device(device)      # NCCL binds each rank's communicators to its GPU
-        kwargs["device_id"] = device
-    dist.init_process_group(backend, init_method=f"tcp://{ip}:{port}", rank=world.rank,
-                            world_size=world.size, **kwargs)
+        kwargs["device_id"] = device       # NCCL binds each rank's communicators to its GPU
+    dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size,
+                            **kwargs)
+
+
+def rendezvous_address(hosts: Sequence[str]) -> str:
+    """The address rank 0 (on `hosts[0]`) is reached by from every rank's host.
+
+    Not `gethostbyname(gethostname())`: on Debian and Ubuntu that is 127.0.1.1, which no other
+    node reaches. With other hosts in the job, the address of the interface that routes to
+    one of them (a UDP `connect` sends nothing; the kernel just picks the route).
+    """
+    import os
+    import socket
+
+    if os.environ.get("MASTER_ADDR"):
+        return os.environ["MASTER_ADDR"]
+    others = [h for h in hosts if h != hosts[0]]
+    if not others:
+        return "127.0.0.1"
+    try:
+        peer = socket.gethostbyname(others[0])
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((peer, 9))
+            return s.getsockname()[0]
+    except OSError as exc:
+        raise RuntimeError(
+            f"rank 0 on {hosts[0]} cannot find its address as seen from {others[0]} ({exc}); "
+            f"set MASTER_ADDR to an address of {hosts[0]} that every node reaches") from exc
+
+
+def _rendezvous_store(world: MPI.Comm) -> Any:
+    """A TCPStore on rank 0 at a port bound once (no probe-then-close race); every rank
+    connects to it. An error on rank 0 is raised on every rank."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    hosts = world.allgather(_hostname())
+    where, store = None, None
+    if world.rank == 0:
+        try:
+            ip = rendezvous_address(hosts)
+            port = int(os.environ.get("MASTER_PORT", 0))
+            store = dist.TCPStore(ip, port, world.size, is_master=True,
+                                  wait_for_workers=False, timeout=datetime.timedelta(minutes=5))
+            where = (ip, store.port, None)
+        except (OSError, RuntimeError, ValueError) as exc:
+            where = (None, None, f"rank 0 could not open the rendezvous store: {exc}")
+    ip, port, error = world.bcast(where, root=0)
+    if error:
+        raise RuntimeError(error)
+    if world.rank != 0:
+        store = dist.TCPStore(ip, port, world.size, is_master=False,
+                              timeout=datetime.timedelta(minutes=5))
+    return store
+
+
+def _hostname() -> str:
+    import socket
+    return socket.gethostname()
 
 
 class _DistWork(Request):
@@ -336,15 +410,18 @@ class TorchDistCommunicator(Communicator):
     """Tensors over torch.distributed (NCCL or gloo); objects over MPI."""
 
     def __init__(self, comm: MPI.Comm, group: Any,
-                 links: dict[tuple[int, int], Any] | None = None) -> None:
+                 links: dict[tuple[int, int], Any] | None = None,
+                 device: torch.device | str = "cpu") -> None:
         """`comm`: this group's MPI communicator (objects travel over it); `group`: the same
         ranks as a torch.distributed group; `links`: (source, destination) ranks of `comm` ->
-        a two-rank group per direction (see `torch_grid_communicators`)."""
+        a two-rank group per direction (see `torch_grid_communicators`); `device`: where
+        the group's tensors must be (the rank's GPU for NCCL, the CPU for gloo)."""
         import torch.distributed as dist
 
         self._dist = dist
         self.objects = MpiCommunicator(comm)
         self.rank, self.size = comm.rank, comm.size
+        self.device = torch.device(device)
         self.bytes_sent = 0
         # This communicator's ranks as torch.distributed (= MPI.COMM_WORLD) ranks.
         self.global_ranks = MPI.Group.Translate_ranks(
@@ -355,6 +432,7 @@ class TorchDistCommunicator(Communicator):
 
     def isend(self, tensors: Sequence[torch.Tensor], dest: int, tag: int) -> Request:
         group = self.links[(self.rank, dest)]
+        self._check("isend", tensors)
         ts = [t.detach().contiguous() for t in tensors]
         self.bytes_sent += sum(t.numel() * t.element_size() for t in ts)
         # One batch for the message's tensors: NCCL runs them as one grouped operation.
@@ -366,6 +444,7 @@ class TorchDistCommunicator(Communicator):
               device: torch.device) -> Request:
         group = self.links[(source, self.rank)]
         ts = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in metas]
+        self._check("irecv", ts)
         ops = [self._dist.P2POp(self._dist.irecv, t, self.global_ranks[source], group, tag)
                for t in ts]
         return _DistWork(self._dist.batch_isend_irecv(ops), ts)
@@ -409,7 +488,12 @@ class TorchDistCommunicator(Communicator):
         return tensor
 
     def iallreduce_(self, tensor: torch.Tensor) -> Request:
+        self._check("all_reduce", [tensor])
         return _DistWork([self._dist.all_reduce(tensor, group=self.group, async_op=True)])
+
+    def _check(self, op: str, tensors: Sequence[torch.Tensor]) -> None:
+        check_on_device(op, tensors, self.device,
+                        f"rank {self.rank} of a {self.size}-rank torch.distributed group")
 
     def barrier(self) -> None:
         self.objects.barrier()
@@ -425,37 +509,55 @@ def torch_grid_communicators(topo: Any, backend: str, device: torch.device, ring
                              ) -> tuple[TorchDistCommunicator, TorchDistCommunicator | None]:
     """This rank's pipeline and data-group communicators over torch.distributed.
 
-    Every rank creates every group of the grid, in one order (torch.distributed requires all
-    ranks to take part in each group's creation): each replica's pipeline, a group per
-    direction between its neighbouring stages (NCCL runs a group's operations in issue order
-    on one stream, so activations going forward and gradients coming back must not queue
-    behind each other; with `ring`, for model chunks, the last stage also feeds the first),
-    then each stage's data group.
+    Groups are made a family at a time (every pipeline in one call, every data group in
+    another, the links of one direction and parity in a third...), in the same order on
+    every rank: with NCCL by `split_group` (one ncclCommSplit per family instead of one
+    `new_group` per group on every rank: about 1,000 at p=8, d=64), elsewhere by
+    `new_subgroups_by_enumeration`. Point-to-point runs on one two-rank group per direction
+    between neighbouring stages (with `ring`, for model chunks, the last stage also feeds the
+    first): NCCL runs a group's operations in issue order on one stream, and the engine
+    pre-posts receives, so a receive waiting at the head of a stream shared by both
+    directions would hold back the send its peer waits for. One group per pipeline needs the
+    sends and receives batched where both sides meet (Megatron's `_communicate`), which the
+    engine does not do yet.
     """
-    import torch.distributed as dist
-
     init_torch_distributed(backend, device)
     p, d = topo.pipeline, topo.data
-    pipe_group, links, data_group = None, {}, None
-    for r in range(d):
-        ranks = [topo.rank_of(s, r) for s in range(p)]
-        group = dist.new_group(ranks)
-        mine = r == topo.replica
-        if mine:
-            pipe_group = group
-        pairs = [(b, b + 1) for b in range(p - 1)]
-        if ring and p > 2:
-            pairs.append((p - 1, 0))
-        for a, b in pairs:
-            for src, dst in ((a, b), (b, a)):
-                group = dist.new_group([ranks[a], ranks[b]])
-                if mine and topo.stage in (a, b):
-                    links[(src, dst)] = group
+    pipelines = [[topo.rank_of(s, r) for s in range(p)] for r in range(d)]
+    pipe_group = _split_family(pipelines, backend)
+    links: dict[tuple[int, int], Any] = {}
+    pairs = [(b, b + 1) for b in range(p - 1)]
+    families = [[ab for ab in pairs if ab[0] % 2 == parity] for parity in (0, 1)]
+    if ring and p > 2:
+        families.append([(p - 1, 0)])
+    for family in (f for f in families if f):
+        for forward in (True, False):
+            group = _split_family([[pl[a], pl[b]] for pl in pipelines for a, b in family],
+                                  backend)
+            for a, b in family:
+                if topo.stage in (a, b):
+                    links[(a, b) if forward else (b, a)] = group
+    data_group = None
     if d > 1:
-        for s in range(p):
-            group = dist.new_group([topo.rank_of(s, r) for r in range(d)])
-            if s == topo.stage:
-                data_group = group
-    pipe = TorchDistCommunicator(topo.pipe, pipe_group, links)
-    data = TorchDistCommunicator(topo.data_group, data_group) if d > 1 else None
+        data_group = _split_family([[topo.rank_of(s, r) for r in range(d)] for s in range(p)],
+                                   backend)
+    pipe = TorchDistCommunicator(topo.pipe, pipe_group, links, device)
+    data = TorchDistCommunicator(topo.data_group, data_group, device=device) if d > 1 else None
     return pipe, data
+
+
+def _split_family(rank_lists: list[list[int]], backend: str) -> Any:
+    """Create disjoint groups (world ranks) in one call on every rank; this rank's group, or
+    None when it is in none of them."""
+    import torch.distributed as dist
+
+    if backend == "nccl" and hasattr(dist, "split_group"):
+        return dist.split_group(split_ranks=rank_lists)
+    if hasattr(dist, "new_subgroups_by_enumeration"):
+        return dist.new_subgroups_by_enumeration(rank_lists)[0]
+    mine = None
+    for ranks in rank_lists:                # torch < 2.1: one group at a time, all ranks
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine

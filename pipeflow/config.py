@@ -21,7 +21,7 @@ __all__ = ["Config", "ConfigError", "SCHEDULES", "PARTITIONS", "POLICIES", "pars
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv")
 PARTITIONS = ("uniform", "parameters", "time")
 PRECISIONS = ("fp32", "bf16", "fp16")
-BACKENDS = ("mpi", "nccl", "gloo", "auto")
+BACKENDS = ("mpi", "nccl", "gloo", "auto", "strict")
 
 
 class ConfigError(ValueError):
@@ -60,8 +60,9 @@ class Config:
     # What recompute = "selective" checkpoints: module classes by name suffix (e.g.
     # ["LlamaAttention"]), besides modules marked `pipeflow_selective = True`.
     recompute_modules: list[str] = dataclasses.field(default_factory=list)
-    backend: str = "mpi"       # "mpi", "nccl", "auto"; "gloo" runs the torch.distributed
-                               # path on CPUs (tests)
+    # "auto" (NCCL when every rank has a GPU of its own, MPI otherwise), "mpi", "nccl";
+    # "gloo" runs the torch.distributed path on CPUs (tests); "strict": MPI under NCCL's rules
+    backend: str = "auto"
     bucket_mb: float = 25.0    # gradient all-reduce bucket size, MiB
     clip: float = 0.0          # clip gradients to this global norm; 0 turns clipping off
     seed: int = 0              # layer i is built under a seed derived from (seed, i)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 import torch
@@ -29,6 +30,12 @@ class GradReducer:
     final early in the last micro-batch's backward and its reduction runs while backward goes on
     through the earlier layers. Gradients arrive pre-scaled (the loss carries 1 / (m · d)), so
     the sum is the global mean.
+
+    Communication is issued from the engine's thread only (the one that built the reducer):
+    on CUDA, autograd runs gradient hooks on its device thread, where MPI (without
+    MPI_THREAD_MULTIPLE) and NCCL's issue order must not be entered. There a hook only marks
+    its bucket ready, and `poll()` (called by the engine after each instruction) or
+    `finish()` launches it. On the engine's own thread (CPU) the hook launches directly.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], comm: Communicator,
@@ -39,7 +46,11 @@ class GradReducer:
         self.comm = comm
         self.buckets: list[_Bucket] = []
         self.armed = False
-        self.events: list[tuple[str, int]] = []   # ("launch", bucket) in order, for tests
+        # ("launch", bucket) in order, this step's only (for tests).
+        self.events: list[tuple[str, int]] = []
+        self.thread = threading.get_ident()
+        self._ready: list[_Bucket] = []      # final, waiting for the engine's thread
+        self._lock = threading.Lock()
         self._bucket_of: dict[int, _Bucket] = {}
         grad_params = list(params if grad_params is None else grad_params)
         watched = {id(g): p for p, g in zip(params, grad_params)}
@@ -68,6 +79,8 @@ class GradReducer:
     def arm(self) -> None:
         """The next backward is the step's last: launch each bucket as it becomes final."""
         self.armed = True
+        self.events = []
+        self._ready = []
         for b in self.buckets:
             b.pending = len(b.params)
             b.request = None
@@ -76,27 +89,37 @@ class GradReducer:
         if not self.armed:
             return
         bucket = self._bucket_of[id(p)]
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            self._launch(bucket)
-        self.poll()
+        with self._lock:
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                self._ready.append(bucket)
+        if threading.get_ident() == self.thread:
+            self.poll()
 
-    def _launch(self, bucket: _Bucket) -> None:
-        self.events.append(("launch", self.buckets.index(bucket)))
-        bucket.request = self.comm.iallreduce_(bucket.flat)
+    def _launch_ready(self) -> None:
+        with self._lock:
+            ready, self._ready = self._ready, []
+        for bucket in ready:
+            self.events.append(("launch", self.buckets.index(bucket)))
+            bucket.request = self.comm.iallreduce_(bucket.flat)
 
     def poll(self) -> None:
-        """Let reductions in flight progress (MPI moves non-blocking collectives only
-        inside MPI calls)."""
+        """On the engine's thread: launch the buckets made final since the last call, and let
+        reductions in flight progress (MPI moves non-blocking collectives only inside MPI
+        calls)."""
+        if threading.get_ident() != self.thread:
+            return
+        self._launch_ready()
         for b in self.buckets:
             if b.request is not None:
                 b.request.test()
 
     def finish(self) -> None:
         """Wait for every reduction; launch those whose parameters got no gradient this step."""
-        for b in self.buckets:
-            if b.request is None:
-                self._launch(b)
+        self._launch_ready()
+        with self._lock:
+            self._ready = [b for b in self.buckets if b.request is None]
+        self._launch_ready()
         for b in self.buckets:
             b.request.wait()
             b.request = None

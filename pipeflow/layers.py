@@ -74,8 +74,11 @@ def layer_seed(seed: int, index: int) -> int:
 
 @contextlib.contextmanager
 def _seeded(seed: int) -> Iterator[None]:
-    # fork_rng leaves the caller's random state untouched (CPU and, when present, CUDA).
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    # fork_rng leaves the caller's random state untouched: the CPU's and every CUDA
+    # device's. manual_seed also seeds CUDA, and before CUDA is initialised it queues that
+    # seed for later: forking only initialised devices let the last layer's seed replace
+    # the user's CUDA seed (every data replica's dropout then started alike).
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield

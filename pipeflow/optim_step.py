@@ -87,7 +87,7 @@ def grad_norm(stage) -> float:
     # Per-tensor norms (no fp64 copy of every gradient), squared and summed in fp64.
     sq = (torch.stack([torch.linalg.vector_norm(g) for g in grads]).double().square().sum()
           if grads else torch.zeros((), dtype=torch.float64, device=stage.device))
-    sq = sq.reshape(1).to(getattr(stage.pipe_comm, "device", "cpu"))
+    sq = sq.reshape(1).to(stage.pipe_comm.device)    # NCCL groups take CUDA tensors only
     if stage.stages > 1:
         stage.pipe_comm.allreduce_(sq)
     return math.sqrt(sq.item())

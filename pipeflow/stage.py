@@ -13,14 +13,14 @@ from mpi4py import MPI
 from torch import nn
 
 from pipeflow import schedule as sched
-from pipeflow.comm import Communicator, MpiCommunicator, torch_grid_communicators
+from pipeflow.comm import Communicator
 from pipeflow.config import Config, ConfigError
 from pipeflow.data_parallel import GradReducer
 from pipeflow.layers import LayerSpec, build_layer, get_parameter, set_parameter, tie_groups
 from pipeflow.partition import measure_layer_times, partition_layers
 from pipeflow.precision import LossScaler, Precision, class_matches
 from pipeflow.config import parse_policy
-from pipeflow.topology import Topology
+from pipeflow.topology import Topology, bind_device, choose_backend, grid_communicators
 
 __all__ = ["Stage", "StageModule", "Tie"]
 
@@ -64,6 +64,7 @@ class Stage:
         self.index, self.stages = topo.stage, topo.pipeline
         self.num_chunks = config.virtual_stages
         self.device = device if device is not None else default_device(topo)
+        bind_device(self.device)      # before CUDA's first use: layer building forks its RNG
         self.n_layers = len(layers)
         self.layer_times = _measure_times(layers, config, world, sample, self.device)
         self.boundaries = partition_layers(layers, self.stages * self.num_chunks,
@@ -164,19 +165,10 @@ class Stage:
         return ties
 
     def _communicators(self) -> tuple[Communicator, Communicator | None]:
-        """The pipeline's communicator and, with replicas, the stage's data group's."""
-        topo = self.topo
-        if self.backend == "mpi":
-            data = MpiCommunicator(topo.data_group) if topo.data > 1 else None
-            return MpiCommunicator(topo.pipe), data
-        if topo.world.size != MPI.COMM_WORLD.size:
-            raise ConfigError(
-                f"{topo.describe()}: backend {self.backend!r} (torch.distributed) spans "
-                f"MPI.COMM_WORLD, but this engine runs on a communicator of {topo.world.size} "
-                f"of its {MPI.COMM_WORLD.size} ranks; use backend 'mpi', or one engine over "
-                f"the whole job")
-        return torch_grid_communicators(topo, self.backend, self.device,
-                                        ring=self.num_chunks > 1)
+        """The pipeline's communicator and, with replicas, the stage's data group's. Only
+        the interleaved schedule needs the ring's wrap-around link (ZBV turns on one rank)."""
+        return grid_communicators(self.topo, self.backend, self.device,
+                                  ring=self.config.schedule == "interleaved")
 
     def close(self) -> None:
         self.pipe_comm.free()
@@ -237,23 +229,3 @@ def default_device(topo: Topology) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", topo.local_rank % torch.cuda.device_count())
     return torch.device("cpu")
-
-
-def choose_backend(name: str, topo: Topology, device: torch.device) -> str:
-    """`auto`: NCCL where CUDA and NCCL are present and every rank has a GPU of its own
-    (NCCL refuses two ranks on one GPU: "Duplicate GPU detected"); MPI otherwise."""
-    if name != "auto":
-        if name == "nccl" and not (device.type == "cuda" and _nccl_available()):
-            raise ConfigError(
-                f"{topo.describe()}: backend 'nccl' needs CUDA tensors and torch built with "
-                f"NCCL; this rank runs on {device}. Use backend = 'mpi' or 'auto'")
-        return name
-    if device.type == "cuda" and _nccl_available() and \
-            topo.local_size <= torch.cuda.device_count():
-        return "nccl"
-    return "mpi"
-
-
-def _nccl_available() -> bool:
-    import torch.distributed as dist
-    return dist.is_available() and dist.is_nccl_available()

@@ -1,15 +1,21 @@
-"""The rank grid `pipeline × data` and its MPI sub-communicators."""
+"""The rank grid `pipeline × data`, its MPI sub-communicators, and the backend it talks over."""
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from typing import Any
 
+import torch
 from mpi4py import MPI
 
 from pipeflow.config import ConfigError
 
-__all__ = ["Topology", "TopologyError", "rank_of", "sleeping_barrier"]
+__all__ = ["Topology", "TopologyError", "rank_of", "sleeping_barrier", "bind_device",
+           "choose_backend", "grid_communicators"]
+
+STRICT_ENV = "PIPEFLOW_STRICT_COMM"   # =1: the MPI backend runs under NCCL's rules (tests)
 
 
 def rank_of(stage: int, replica: int, data: int) -> int:
@@ -82,3 +88,66 @@ class Topology:
         for comm in (self.pipe, self.data_group):
             if comm != MPI.COMM_NULL:
                 comm.Free()
+
+
+def bind_device(device: torch.device) -> None:
+    """Make `device` this process's current GPU, whatever the backend: CUDA's first use
+    (layer building forks every GPU's random state), pinned buffers, synchronize() and user
+    `device="cuda"` code must land on this rank's GPU, not GPU 0. A bare "cuda" (no index)
+    means the current GPU: nothing to bind."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
+def choose_backend(name: str, topo: Topology, device: torch.device) -> str:
+    """The backend this grid runs on, alike on every rank; binds the rank to its GPU.
+
+    `auto`: NCCL where every rank has a GPU of its own (NCCL refuses two ranks on one GPU,
+    "Duplicate GPU detected"; ranks are told apart by the GPU's UUID, so one GPU per rank
+    through CUDA_VISIBLE_DEVICES counts as its own), MPI otherwise. With
+    PIPEFLOW_STRICT_COMM=1, MPI becomes `strict` (NCCL's rules checked on CPUs).
+    """
+    bind_device(device)
+    if name == "nccl" and not (device.type == "cuda" and _nccl_available()):
+        raise ConfigError(
+            f"{topo.describe()}: backend 'nccl' needs CUDA tensors and torch built with "
+            f"NCCL; this rank runs on {device}. Use backend = 'mpi' or 'auto'")
+    if name == "auto":
+        gpu = _gpu_identity(device) if device.type == "cuda" and _nccl_available() else None
+        gpus = topo.world.allgather(gpu)          # collective: every rank decides alike
+        own = None not in gpus and len(set(gpus)) == len(gpus)
+        name = "nccl" if own else "mpi"
+    if name == "mpi" and os.environ.get(STRICT_ENV, "") not in ("", "0"):
+        name = "strict"
+    return name
+
+
+def _gpu_identity(device: torch.device) -> tuple[str, str]:
+    props = torch.cuda.get_device_properties(device)
+    uuid = getattr(props, "uuid", None)
+    return (socket.gethostname(), str(uuid) if uuid is not None else
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}:{device.index}")
+
+
+def _nccl_available() -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_nccl_available()
+
+
+def grid_communicators(topo: Topology, backend: str, device: torch.device, ring: bool
+                       ) -> tuple[Any, Any]:
+    """This rank's pipeline communicator and, with replicas, its stage's data group's."""
+    from pipeflow.comm import MpiCommunicator, torch_grid_communicators
+    from pipeflow.strict_comm import StrictCommunicator
+
+    if backend in ("mpi", "strict"):
+        make = MpiCommunicator if backend == "mpi" else (
+            lambda c: StrictCommunicator(c, device))
+        return make(topo.pipe), (make(topo.data_group) if topo.data > 1 else None)
+    if topo.world.size != MPI.COMM_WORLD.size:
+        raise ConfigError(
+            f"{topo.describe()}: backend {backend!r} (torch.distributed) spans "
+            f"MPI.COMM_WORLD, but this engine runs on a communicator of {topo.world.size} "
+            f"of its {MPI.COMM_WORLD.size} ranks; use backend 'mpi', or one engine over "
+            f"the whole job")
+    return torch_grid_communicators(topo, backend, device, ring=ring)

@@ -16,5 +16,7 @@ python -m pytest -q -p no:cacheprovider -m "not mpi" "$@"
 for n in 2 4; do
   echo "== mpirun -n $n"
   timeout -k 15 1500 "$MPIRUN" $OVERSUB -n "$n" \
-    python -m pytest -q -p no:cacheprovider --with-mpi -m mpi "$@"
+    python -m pytest -q -p no:cacheprovider --with-mpi -m "mpi and not gpu" "$@"
 done
+echo "== the GPU tests' dry run on the CPU"
+bash tests/gpu/run.sh --device cpu

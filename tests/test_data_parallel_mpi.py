@@ -148,3 +148,47 @@ def test_interleaved_chunks_with_tied_weights_and_clipping(backend, grid, schedu
     x, y = steps[0]
     assert engine.eval_step(x, y) == pytest.approx(loss_fn(reference(x), y).item(), rel=1e-5)
     engine.close()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("where", ["autograd thread", "engine thread"])
+def test_hooks_off_the_engine_thread_only_mark_buckets_ready(where):
+    # On CUDA, autograd calls gradient hooks on its device thread. The strict communicator
+    # refuses any call from a thread other than its creator's, so a launch from the hook
+    # would fail this test.
+    import threading
+
+    from pipeflow.data_parallel import GradReducer
+    from pipeflow.strict_comm import StrictCommunicator
+
+    comm = StrictCommunicator(WORLD)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 5, 2, 4)]
+    reducer = GradReducer(params, comm, bucket_bytes=16)
+    assert len(reducer.buckets) >= 3
+    for step in range(2):
+        reducer.arm()
+        for k, p in enumerate(params):
+            p.grad.copy_(torch.arange(p.numel()) * (WORLD.rank + 1) + k + step)
+
+        def hooks():
+            for p in reversed(params):        # backward's order
+                reducer._on_grad(p)
+
+        if where == "autograd thread":
+            worker = threading.Thread(target=hooks)
+            worker.start()
+            worker.join()
+            assert reducer.events == [], "launched from the hook's thread"
+            assert all(b.request is None for b in reducer.buckets)
+            reducer.poll()                     # the engine's next instruction boundary
+        else:
+            hooks()
+        # Every bucket launched on the engine's thread, in backward's order, this step only.
+        assert reducer.events == [("launch", i) for i in range(len(reducer.buckets))]
+        reducer.finish()
+        ranks = sum(range(1, WORLD.size + 1))
+        for k, p in enumerate(params):
+            want = torch.arange(p.numel()) * ranks + (k + step) * WORLD.size
+            assert torch.equal(p.grad, want.float()), (k, p.grad, want)
+        reducer.zero_grad()
+    comm.free()

@@ -180,15 +180,15 @@ class _Watched:
 
 
 class SendWatch:
-    """Wraps a communicator's `isend` to list the sends never seen complete."""
+    """Wraps a communicator's `send_message` to list the sends never seen complete."""
 
     def __init__(self, comm: Any) -> None:
-        self._isend = comm.isend
+        self._send = comm.send_message
         self.requests: list[_Watched] = []
-        comm.isend = self.isend
+        comm.send_message = self.send_message
 
-    def isend(self, tensors, dest, tag) -> _Watched:
-        self.requests.append(_Watched(self._isend(tensors, dest, tag)))
+    def send_message(self, header, tensors, dest, tag) -> _Watched:
+        self.requests.append(_Watched(self._send(header, tensors, dest, tag)))
         return self.requests[-1]
 
     def open(self) -> list[int]:
@@ -216,7 +216,7 @@ def test_messages_of_megabytes_arrive_whole_and_every_send_completes(backend):
     engine = pf.Engine(layers, loss_fn, sgd,
                        pf.Config(pipeline=comm.size, microbatches=4, backend=backend),
                        comm=comm)
-    watch = SendWatch(engine.pipe)
+    watch = SendWatch(engine.pipe_comm)
     x, y = batches(1, 4 * 2**12)[0]       # 4096 samples a micro-batch: 1.3 MB of activations
     loss = engine.train_step(x, y)
     _assert_sends_completed(comm, watch)

@@ -80,7 +80,7 @@ CONFIG = [
             "Config.precision must be a string, one of ['fp32', 'bf16', 'fp16'], found 16",
             pf.ConfigError),
     Hostile("backend-unknown", config(backend="tcp"),
-            "Config.backend must be one of ['mpi', 'nccl', 'gloo', 'auto'], found 'tcp'",
+            "Config.backend must be one of ['mpi', 'nccl', 'gloo', 'auto', 'strict'], found 'tcp'",
             pf.ConfigError),
     Hostile("partition-empty-stage", config(pipeline=3, partition=[0, 3, 3, 7]),
             ("Config.partition must be one of", "increasing stage boundaries",

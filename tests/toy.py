@@ -93,12 +93,14 @@ def batches(steps: int, batch: int, seed: int = 1):
              torch.randint(0, VOCAB, (batch, SEQ), generator=g)) for _ in range(steps)]
 
 
-def train_reference(layers, data, clip: float = 0.0, seed: int = 0, optimizer=None):
+def train_reference(layers, data, clip: float = 0.0, seed: int = 0, optimizer=None,
+                    device: str | torch.device = "cpu"):
     """`build_sequential` trained in one process on each whole batch: the ground truth."""
-    model = pf.build_sequential(layers, seed)
+    model = pf.build_sequential(layers, seed).to(device)
     opt = (optimizer or adamw)(list(model.parameters()))
     losses = []
     for x, y in data:
+        x, y = x.to(device), y.to(device)
         loss = loss_fn(model(x), y)
         opt.zero_grad()
         loss.backward()

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU path's tests, on one machine: one rank over NCCL, then 2 and 4 ranks sharing the
+# GPU over MPI (over NCCL where each rank has a GPU of its own). Under 8 minutes on one GPU.
+#
+#   bash tests/gpu/run.sh                 # on a CUDA machine
+#   bash tests/gpu/run.sh --device cpu    # the same cases on 1 and 2 CPU ranks: CI's dry run
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+DEVICE=cuda
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --device) DEVICE="$2"; shift 2 ;;
+    *) echo "usage: $0 [--device cuda|cpu]" >&2; exit 2 ;;
+  esac
+done
+export PIPEFLOW_TEST_DEVICE="$DEVICE" OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1   # Open MPI as root
+MPIRUN=${MPIRUN:-mpirun}
+OVERSUB=""
+if "$MPIRUN" --version 2>&1 | grep -q "Open MPI"; then OVERSUB="--oversubscribe"; fi
+if [[ "$DEVICE" == cuda* ]]; then
+  python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else \
+    'tests/gpu/run.sh: no CUDA device; use --device cpu for the dry run')"
+fi
+
+# The CPU dry run checks the script and the tests with 2 ranks only (the main suite already
+# runs every grid on 4 CPU ranks); on a GPU, 2 and 4 ranks share it.
+RANKS="2 4"
+[[ "$DEVICE" == cuda* ]] || RANKS="2"
+echo "== gpu tests, one rank ($DEVICE)"
+timeout -k 15 120 python -m pytest -q -p no:cacheprovider -m "gpu and not mpi" tests/gpu
+for n in $RANKS; do
+  echo "== gpu tests, mpirun -n $n ($DEVICE)"
+  timeout -k 15 180 "$MPIRUN" $OVERSUB -n "$n" \
+    python -m pytest -q -p no:cacheprovider --with-mpi -m "gpu and mpi" tests/gpu
+done
+if [[ "$DEVICE" != cuda* ]]; then
+  echo "== benchmarks/bench_gpu.py, dry run"
+  timeout -k 15 120 python benchmarks/bench_gpu.py all --device "$DEVICE" --tiny --output '' \
+    > /dev/null
+fi

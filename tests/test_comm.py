@@ -1,0 +1,82 @@
+"""Communicator checks that need no second rank: the device rule of torch.distributed groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from pipeflow.comm import CommDeviceError, MpiCommunicator, check_on_device
+
+
+def test_tensors_on_the_groups_device_pass():
+    check_on_device("all_reduce", [torch.zeros(3), torch.ones(2, 2)], torch.device("cpu"))
+    check_on_device("isend", [torch.zeros(1, device="meta")], torch.device("meta"))
+
+
+@pytest.mark.parametrize("tensor_device,group_device", [("cpu", "meta"), ("meta", "cpu"),
+                                                        ("cpu", "cuda:0"), ("cpu", "cuda")])
+def test_a_tensor_on_another_device_is_refused_naming_op_and_devices(tensor_device,
+                                                                     group_device):
+    t = torch.empty(4, 2, device=tensor_device)
+    with pytest.raises(CommDeviceError) as info:
+        check_on_device("all_reduce", [t], torch.device(group_device),
+                        "rank 3 of a 4-rank group")
+    text = str(info.value)
+    assert "all_reduce" in text and "rank 3" in text and "(4, 2)" in text
+    assert f"on {tensor_device}" in text and f"communicates on {group_device}" in text
+
+
+def test_mpi_communicator_stages_through_the_host():
+    comm = MpiCommunicator(MPI.COMM_SELF)
+    assert comm.device == torch.device("cpu")
+    comm.free()
+
+
+def test_backend_choice_on_cpus_and_the_strict_switch(monkeypatch):
+    from pipeflow.topology import STRICT_ENV, Topology, choose_backend
+    from pipeflow.config import ConfigError
+
+    topo = Topology(MPI.COMM_SELF, 1, 1)
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(STRICT_ENV, raising=False)
+    assert choose_backend("auto", topo, cpu) == "mpi"      # no GPU of its own: MPI
+    assert choose_backend("strict", topo, cpu) == "strict"
+    monkeypatch.setenv(STRICT_ENV, "1")
+    assert choose_backend("auto", topo, cpu) == "strict"
+    assert choose_backend("mpi", topo, cpu) == "strict"
+    assert choose_backend("gloo", topo, cpu) == "gloo"     # torch.distributed stays itself
+    with pytest.raises(ConfigError, match="backend 'nccl' needs CUDA tensors"):
+        choose_backend("nccl", topo, cpu)
+    topo.free()
+
+
+def test_rendezvous_address_is_reachable_not_the_loopback_alias(monkeypatch):
+    from pipeflow.comm import rendezvous_address
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert rendezvous_address(["node-a", "node-a"]) == "127.0.0.1"   # one host: loopback
+    # Another host: the address of the interface that routes to it (here: the loopback
+    # route to "localhost"), never 127.0.1.1 from /etc/hosts.
+    assert rendezvous_address(["this-node", "localhost"]) == "127.0.0.1"
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    assert rendezvous_address(["node-a", "node-b"]) == "10.1.2.3"
+    monkeypatch.delenv("MASTER_ADDR")
+    with pytest.raises(RuntimeError, match="set MASTER_ADDR"):
+        rendezvous_address(["this-node", "no-such-host.invalid"])
+
+
+def test_config_defaults_to_auto_backend():
+    from pipeflow import Config
+    assert Config().backend == "auto"
+
+
+def test_a_rank_binds_its_gpu_whatever_the_backend(monkeypatch):
+    from pipeflow.topology import bind_device
+
+    bound = []
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+    bind_device(torch.device("cuda", 3))
+    bind_device(torch.device("cuda"))       # the current GPU: nothing to bind
+    bind_device(torch.device("cpu"))
+    assert bound == [torch.device("cuda", 3)]

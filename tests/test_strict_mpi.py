@@ -1,0 +1,132 @@
+"""The strict communicator refuses what NCCL would refuse, and the engine trains through it.
+
+Run under `mpirun -n 2` and `-n 4` with `--with-mpi`.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from mpi4py import MPI
+
+import pipeflow as pf
+from pipeflow.comm import CommDeviceError
+from pipeflow.strict_comm import StrictCommError, StrictCommunicator
+
+from toy import adamw, assert_same_parameters, batches, loss_fn, toy_layers, train_reference
+
+WORLD = MPI.COMM_WORLD
+# Representative grids: (pipeline, data, schedule, tied, clip); only those the world holds.
+CASES = [(p, d, schedule, tied, clip)
+         for p, d, schedule, tied, clip in [
+             (2, 1, "1f1b", False, 0.0), (2, 1, "gpipe", True, 0.3),
+             (2, 1, "interleaved", True, 0.3), (1, 2, "1f1b", False, 0.3),
+             (4, 1, "1f1b", True, 0.3), (4, 1, "interleaved", False, 0.0),
+             (2, 2, "1f1b", True, 0.3), (2, 2, "interleaved", True, 0.0)]
+         if p * d == WORLD.size]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pipeline,data,schedule,tied,clip", CASES)
+def test_training_through_the_strict_communicator_equals_one_process(pipeline, data, schedule,
+                                                                     tied, clip):
+    interleaved = schedule == "interleaved"
+    layers = toy_layers(blocks=2 * pipeline * 2 - 2 if interleaved else 5, tied=tied)
+    m = 2 * pipeline if interleaved else 3
+    config = pf.Config(pipeline=pipeline, data=data, microbatches=m, schedule=schedule,
+                       virtual_stages=2 if interleaved else 1, clip=clip, backend="strict",
+                       bucket_mb=0.001)
+    engine = pf.Engine(layers, loss_fn, adamw, config)
+    assert engine.backend == "strict"
+    assert isinstance(engine.pipe_comm, StrictCommunicator)
+    steps = batches(3, 4 * m * data)
+    losses = [engine.train_step(x, y) for x, y in steps]
+    reference, ref_losses = train_reference(layers, steps, clip=clip)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    full = engine.gather_state_dict()
+    if WORLD.rank == 0:
+        assert_same_parameters(full, reference.state_dict())
+    assert engine.pipe_comm.collectives > 0      # the checks ran
+    engine.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_receives_out_of_send_order_are_refused_although_tags_would_match():
+    pair = WORLD.Split(0 if WORLD.rank < 2 else MPI.UNDEFINED, WORLD.rank)
+    if WORLD.rank >= 2:
+        WORLD.Barrier()
+        return
+    comm = StrictCommunicator(pair)
+    a, b = torch.ones(3), torch.full((3,), 2.0)
+    if comm.rank == 0:
+        sends = [comm.isend([a], 1, tag=10), comm.isend([b], 1, tag=11)]
+        for s in sends:
+            s.wait()
+    else:
+        meta = [((3,), torch.float32)]
+        # MPI would match these by tag; NCCL hands over the first message sent.
+        second = comm.irecv(meta, 0, tag=11, device=torch.device("cpu"))
+        first = comm.irecv(meta, 0, tag=10, device=torch.device("cpu"))
+        with pytest.raises(StrictCommError, match=r"rank 1, link from rank 0: receive 0 on "
+                                                  r"this link expected tag 11 .* has tag 10"):
+            second.wait()
+        with pytest.raises(StrictCommError, match="receive 1 on this link expected tag 10"):
+            first.wait()
+    comm.free()
+    pair.Free()
+    WORLD.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_in_order_messages_arrive_intact():
+    comm = StrictCommunicator(WORLD)
+    peer = (WORLD.rank + 1) % WORLD.size
+    src = (WORLD.rank - 1) % WORLD.size
+    sends = [comm.isend([torch.full((2,), float(WORLD.rank * 10 + k))], peer, tag=k)
+             for k in range(3)]
+    recvs = [comm.irecv([((2,), torch.float32)], src, tag=k, device=torch.device("cpu"))
+             for k in range(3)]
+    got = [r.wait()[0] for r in recvs]
+    for s in sends:
+        s.wait()
+    assert [g.tolist() for g in got] == [[src * 10.0 + k] * 2 for k in range(3)]
+    comm.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_issuing_different_collectives_are_refused_on_every_rank():
+    comm = StrictCommunicator(WORLD)
+    t = torch.ones(4) if WORLD.rank == 0 else torch.ones(5)
+    with pytest.raises(StrictCommError, match=r"collective 0 of this group differs between "
+                                              r"ranks \(rank 0: all_reduce\(\(4,\)"):
+        comm.allreduce_(t)
+    # The same collective everywhere passes, and sums.
+    t = torch.ones(4)
+    comm.allreduce_(t)
+    assert t.tolist() == [float(WORLD.size)] * 4
+    comm.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_calls_off_the_owning_thread_and_tensors_off_the_device_are_refused():
+    comm = StrictCommunicator(WORLD)
+    errors = []
+
+    def hook():
+        try:
+            comm.iallreduce_(torch.ones(2))
+        except StrictCommError as exc:
+            errors.append(str(exc))
+
+    worker = threading.Thread(target=hook)
+    worker.start()
+    worker.join()
+    assert len(errors) == 1 and "not from the thread that owns this communicator" in errors[0]
+    meta = StrictCommunicator(WORLD, device="meta")
+    with pytest.raises(CommDeviceError, match="all_reduce got a tensor .* on cpu"):
+        meta.allreduce_(torch.ones(2))
+    comm.free()
+    meta.free()
