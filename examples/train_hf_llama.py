@@ -1,4 +1,4 @@
-"""Train a tiny Hugging Face Llama pipelined on 2 ranks: `mpirun -n 2 python examples/train_hf_llama.py`.
+"""A tiny Hugging Face Llama pipelined on 2 ranks: `mpirun -n 2 python examples/train_hf_llama.py`.
 
 The model is `transformers`' own LlamaForCausalLM, built from a config (random weights, no
 download) and cut into pipeflow layers by `pipeflow.models.hf`. Rows of the batch have

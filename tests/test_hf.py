@@ -26,7 +26,8 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attent
 def make_config(kind: str, **overrides):
     if kind == "gpt2":
         args = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64,
-                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                    eos_token_id=0)
         return transformers.GPT2Config(**{**args, **overrides})
     classes = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                "mistral": transformers.MistralConfig}
