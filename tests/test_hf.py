@@ -30,8 +30,8 @@ def make_config(kind: str, **overrides):
                     eos_token_id=0)
         return transformers.GPT2Config(**{**args, **overrides})
     classes = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-               "mistral": transformers.MistralConfig}
-    return classes[kind](**{**SMALL, "num_hidden_layers": 2, **overrides})
+               "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config}
+    return classes[kind](**{**SMALL, "num_hidden_layers": 2, "head_dim": 16, **overrides})
 
 
 def hf_model(cfg, seed=0):
@@ -77,7 +77,7 @@ def labels_for(ids, mask):
     return ids if mask is None else ids.masked_fill(mask == 0, hf.IGNORE_INDEX)
 
 
-MODELS = ["gpt2", "llama", "qwen2", "mistral"]
+MODELS = ["gpt2", "llama", "qwen2", "mistral", "qwen3"]   # hf._VERIFIED
 
 
 @pytest.mark.parametrize("where", ["none", "left", "right"])
@@ -260,10 +260,10 @@ def test_rotary_frequencies_stay_fp32_under_bf16():
 
 
 def test_unverified_model_type_warns():
-    cfg = transformers.Qwen3Config(**{**SMALL, "num_hidden_layers": 1, "head_dim": 16})
+    assert sorted(hf._VERIFIED) == sorted(MODELS)     # each checked above, no warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        hf.causal_lm_layers(cfg)            # checked: no warning
+        hf.causal_lm_layers(make_config("qwen3"))
     cfg = transformers.GemmaConfig(**{**SMALL, "num_hidden_layers": 1, "head_dim": 16})
     with pytest.warns(UserWarning, match="gemma"):
         hf.causal_lm_layers(cfg)
