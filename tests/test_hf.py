@@ -29,9 +29,8 @@ def make_config(kind: str, **overrides):
                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                     eos_token_id=0)
         return transformers.GPT2Config(**{**args, **overrides})
-    classes = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-               "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config}
-    return classes[kind](**{**SMALL, "num_hidden_layers": 2, "head_dim": 16, **overrides})
+    config_class = transformers.CONFIG_MAPPING[kind]
+    return config_class(**{**SMALL, "num_hidden_layers": 2, "head_dim": 16, **overrides})
 
 
 def hf_model(cfg, seed=0):
@@ -77,7 +76,9 @@ def labels_for(ids, mask):
     return ids if mask is None else ids.masked_fill(mask == 0, hf.IGNORE_INDEX)
 
 
-MODELS = ["gpt2", "llama", "qwen2", "mistral", "qwen3"]   # hf._VERIFIED
+# hf._VERIFIED: Gemma scales its embedding, OLMo2 normalises after attention and MLP,
+# GPT-NeoX runs attention and MLP in parallel with partial rotary, Mixtral routes experts.
+MODELS = ["gpt2", "llama", "qwen2", "mistral", "qwen3", "gemma", "olmo2", "gpt_neox", "mixtral"]
 
 
 @pytest.mark.parametrize("where", ["none", "left", "right"])
@@ -264,6 +265,6 @@ def test_unverified_model_type_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         hf.causal_lm_layers(make_config("qwen3"))
-    cfg = transformers.GemmaConfig(**{**SMALL, "num_hidden_layers": 1, "head_dim": 16})
-    with pytest.warns(UserWarning, match="gemma"):
+    cfg = transformers.CohereConfig(**{**SMALL, "num_hidden_layers": 1})   # scales its logits
+    with pytest.warns(UserWarning, match="cohere"):
         hf.causal_lm_layers(cfg)

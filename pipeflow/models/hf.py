@@ -37,8 +37,9 @@ TIE_KEY = "wte"         # the tie key of the input embedding and the output head
 
 # Model types whose pipeflow layers were checked against the transformers model (logits and
 # training, tests/test_hf.py). Others that follow the same pipeline plan build too, with a
-# warning: their forward may hold a step the plan does not name (e.g. Gemma's embedding scale).
-_VERIFIED = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
+# warning: their forward may hold a step the plan does not name (e.g. Cohere's logit scale).
+_VERIFIED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "olmo2", "gpt_neox",
+             "mixtral")
 
 # GPT-2's config carries no pipeline plan; this is the one transformers would write for it.
 _GPT2_PLAN = {"wte": None, "wpe": None, "drop": None, "h": None, "ln_f": None}
