@@ -97,6 +97,23 @@ def test_logits_match_transformers(kind, where):
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_micro_batches_alone_give_the_batch_logits(kind):
+    # The engine splits the batch and its side inputs by rows: a micro-batch without padding
+    # takes SDPA's causal path, one with padding an explicit mask; both must agree.
+    cfg = make_config(kind)
+    model = hf_model(cfg).eval()
+    seq = pipeflow_copy(cfg, model)
+    ids, mask = batch(), padding_mask("left")
+    with torch.no_grad():
+        whole = run_layers(seq, ids, attention_mask=mask)
+        parts = [run_layers(seq, ids[i:i + 1], attention_mask=mask[i:i + 1])
+                 for i in range(BATCH)]
+        theirs = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(torch.cat(parts), whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(parts), theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_position_ids_side_input_matches_transformers(kind):
     # Positions restarting mid-row, as for packed documents (a uniform shift would not
     # show: rotary attention sees only relative positions).
