@@ -123,8 +123,8 @@ def causal_lm_layers(config: Any) -> list[LayerSpec]:
     `position_ids` (B, T; default 0..T-1) by keyword; the last layer returns logits (B, T, V).
     With `config.tie_word_embeddings` the head's weight is the embedding's (tie key "wte").
     """
-    config = _sdpa(config)
     parts = arch(config)
+    config = _sdpa(config)
     if parts.model_type not in _VERIFIED:
         warnings.warn(f"pipeflow.models.hf: model_type {parts.model_type!r} follows a "
                       f"pipeline plan but was not checked against transformers (checked: "
