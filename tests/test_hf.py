@@ -197,6 +197,11 @@ def test_loss_matches_transformers(where):
     expected = BATCH * (SEQ - 1) if mask is None else int(mask[:, 1:].sum())
     assert count == expected
     torch.testing.assert_close(total / count, out.loss, atol=1e-6, rtol=1e-6)
+    # Per micro-batch sums over the global count: the whole batch's token mean, however the
+    # padding falls (the engine's global normalisation).
+    sums = [hf.causal_lm_loss_sum(out.logits[i:i + 1], labels[i:i + 1]) for i in range(BATCH)]
+    assert sum(hf.num_valid_tokens(labels[i:i + 1]) for i in range(BATCH)) == count
+    torch.testing.assert_close(sum(sums) / count, out.loss, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
