@@ -1,4 +1,8 @@
-"""Ready-made models, each a list of `LayerSpec`s that any pipeline grid can split."""
+"""Ready-made models, each a list of `LayerSpec`s that any pipeline grid can split.
+
+`pipeflow.models.hf` (import it by name; needs the `hf` extra) does the same for Hugging Face
+`transformers` causal LMs.
+"""
 
 from pipeflow.models.gpt import (Block, Embedding, GPTConfig, Head, flops_per_token,
                                  gpt_layers, gpt_loss, layer_parameters, num_parameters)

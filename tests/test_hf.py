@@ -1,0 +1,292 @@
+"""pipeflow.models.hf against transformers itself: logits, state dicts, training, initialisation.
+
+One process, tiny configs, random weights (no download). The pipeflow model is
+`build_sequential(causal_lm_layers(cfg))` run layer by layer, each layer given the side inputs
+its forward names, as the engine gives them.
+"""
+
+import inspect
+import math
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="pipeflow.models.hf needs transformers: pip install -e '.[hf]'")
+
+import pipeflow as pf                      # noqa: E402
+from pipeflow.models import hf             # noqa: E402
+
+VOCAB, SEQ, BATCH = 128, 16, 3
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+
+
+def make_config(kind: str, **overrides):
+    if kind == "gpt2":
+        args = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64,
+                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                    eos_token_id=0)
+        return transformers.GPT2Config(**{**args, **overrides})
+    config_class = transformers.CONFIG_MAPPING[kind]
+    return config_class(**{**SMALL, "num_hidden_layers": 2, "head_dim": 16, **overrides})
+
+
+def hf_model(cfg, seed=0):
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+
+
+def pipeflow_copy(cfg, model):
+    """build_sequential of the layers, holding `model`'s weights."""
+    seq = pf.build_sequential(hf.causal_lm_layers(cfg), seed=1)
+    seq.load_state_dict(hf.from_hf_state_dict(model.state_dict(), cfg), strict=True)
+    return seq
+
+
+def run_layers(seq, ids, **side):
+    """What each stage does: every layer gets the side inputs its forward names."""
+    x = ids
+    for layer in seq:
+        accepted = inspect.signature(layer.forward).parameters
+        x = layer(x, **{k: v for k, v in side.items() if k in accepted})
+    return x
+
+
+def padding_mask(where: str) -> torch.Tensor | None:
+    if where == "none":
+        return None
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    lengths = [SEQ, SEQ - 5, SEQ - 9]
+    for row, n in enumerate(lengths):
+        if where == "left":
+            mask[row, :SEQ - n] = 0
+        else:
+            mask[row, n:] = 0
+    return mask
+
+
+def batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+def labels_for(ids, mask):
+    return ids if mask is None else ids.masked_fill(mask == 0, hf.IGNORE_INDEX)
+
+
+# hf._VERIFIED: Gemma scales its embedding, OLMo2 normalises after attention and MLP,
+# GPT-NeoX runs attention and MLP in parallel with partial rotary, Mixtral routes experts.
+MODELS = ["gpt2", "llama", "qwen2", "mistral", "qwen3", "gemma", "olmo2", "gpt_neox", "mixtral"]
+
+
+@pytest.mark.parametrize("where", ["none", "left", "right"])
+@pytest.mark.parametrize("kind", MODELS)
+def test_logits_match_transformers(kind, where):
+    cfg = make_config(kind)
+    model = hf_model(cfg).eval()
+    seq = pipeflow_copy(cfg, model)
+    ids, mask = batch(), padding_mask(where)
+    with torch.no_grad():
+        ours = run_layers(seq, ids, attention_mask=mask)
+        theirs = model(ids, attention_mask=mask).logits
+    assert ours.shape == (BATCH, SEQ, VOCAB)
+    assert torch.isfinite(ours).all()
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_micro_batches_alone_give_the_batch_logits(kind):
+    # The engine splits the batch and its side inputs by rows: a micro-batch without padding
+    # takes SDPA's causal path, one with padding an explicit mask; both must agree.
+    cfg = make_config(kind)
+    model = hf_model(cfg).eval()
+    seq = pipeflow_copy(cfg, model)
+    ids, mask = batch(), padding_mask("left")
+    with torch.no_grad():
+        whole = run_layers(seq, ids, attention_mask=mask)
+        parts = [run_layers(seq, ids[i:i + 1], attention_mask=mask[i:i + 1])
+                 for i in range(BATCH)]
+        theirs = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(torch.cat(parts), whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(parts), theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_position_ids_side_input_matches_transformers(kind):
+    # Positions restarting mid-row, as for packed documents (a uniform shift would not
+    # show: rotary attention sees only relative positions).
+    cfg = make_config(kind)
+    model = hf_model(cfg).eval()
+    seq = pipeflow_copy(cfg, model)
+    ids, mask = batch(), padding_mask("left")
+    positions = (torch.arange(SEQ) % 7).expand(BATCH, SEQ)
+    with torch.no_grad():
+        ours = run_layers(seq, ids, attention_mask=mask, position_ids=positions)
+        theirs = model(ids, attention_mask=mask, position_ids=positions).logits
+        default = run_layers(seq, ids, attention_mask=mask)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(ours, default, atol=1e-3)   # the positions reached the model
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_sliding_window_layers_match_transformers(kind):
+    # A window shorter than the sequence: the mask each block builds must be the sliding one.
+    extra = {"sliding_window": 4}
+    if kind == "qwen2":
+        extra.update(use_sliding_window=True, max_window_layers=1)
+    cfg = make_config(kind, **extra)
+    model = hf_model(cfg).eval()
+    seq = pipeflow_copy(cfg, model)
+    ids, mask = batch(), padding_mask("right")
+    with torch.no_grad():
+        ours = run_layers(seq, ids, attention_mask=mask)
+        theirs = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    kinds = [layer.kind for layer in seq if isinstance(layer, hf.DecoderLayer)]
+    assert "sliding_attention" in kinds, kinds
+
+
+@pytest.mark.parametrize("kind,tied", [("gpt2", True), ("llama", False), ("llama", True)])
+def test_state_dict_round_trip_and_ties(kind, tied):
+    cfg = make_config(kind, tie_word_embeddings=tied)
+    model = hf_model(cfg)
+    theirs = model.state_dict()
+    ours = hf.from_hf_state_dict(theirs, cfg)
+    assert set(ours) == set(pf.build_sequential(hf.causal_lm_layers(cfg)).state_dict())
+    back = hf.to_hf_state_dict(ours, cfg)
+    assert list(back) == list(theirs)
+    for key, value in theirs.items():
+        assert torch.equal(back[key], value), key
+    seq = pipeflow_copy(cfg, model)
+    head = seq[len(seq) - 1].lm_head.weight
+    embed = seq[0].get_parameter(("wte" if kind == "gpt2" else "embed_tokens") + ".weight")
+    assert (head is embed) == tied
+    assert sum(1 for _ in seq.parameters()) == sum(1 for _ in model.parameters())
+
+
+def test_tied_head_missing_from_checkpoint_is_filled():
+    cfg = make_config("gpt2")
+    state = hf_model(cfg).state_dict()
+    del state["lm_head.weight"]
+    ours = hf.from_hf_state_dict(state, cfg)
+    head_key = f"{cfg.n_layer + 1}.lm_head.weight"
+    assert torch.equal(ours[head_key], state["transformer.wte.weight"])
+
+
+def test_unknown_key_is_named():
+    cfg = make_config("llama")
+    state = dict(hf_model(cfg).state_dict())
+    state["model.extra.weight"] = torch.zeros(1)
+    with pytest.raises(KeyError, match="model.extra.weight"):
+        hf.from_hf_state_dict(state, cfg)
+
+
+@pytest.mark.parametrize("where", ["none", "right"])
+def test_loss_matches_transformers(where):
+    cfg = make_config("llama")
+    model = hf_model(cfg).eval()
+    ids, mask = batch(), padding_mask(where)
+    labels = labels_for(ids, mask)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(hf.causal_lm_loss(out.logits, labels), out.loss,
+                               atol=1e-6, rtol=1e-6)
+    total, count = hf.causal_lm_loss_sum(out.logits, labels), hf.num_valid_tokens(labels)
+    expected = BATCH * (SEQ - 1) if mask is None else int(mask[:, 1:].sum())
+    assert count == expected
+    torch.testing.assert_close(total / count, out.loss, atol=1e-6, rtol=1e-6)
+    # Per micro-batch sums over the global count: the whole batch's token mean, however the
+    # padding falls (the engine's global normalisation).
+    sums = [hf.causal_lm_loss_sum(out.logits[i:i + 1], labels[i:i + 1]) for i in range(BATCH)]
+    assert sum(hf.num_valid_tokens(labels[i:i + 1]) for i in range(BATCH)) == count
+    torch.testing.assert_close(sum(sums) / count, out.loss, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_three_sgd_steps_match_transformers(kind):
+    cfg = make_config(kind, tie_word_embeddings=True)
+    model = hf_model(cfg).train()
+    seq = pipeflow_copy(cfg, model).train()
+    opt_hf = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt_pf = torch.optim.SGD(seq.parameters(), lr=0.5)
+    for step in range(3):
+        ids, mask = batch(seed=step), padding_mask(["right", "left", "none"][step])
+        labels = labels_for(ids, mask)
+        opt_hf.zero_grad(), opt_pf.zero_grad()
+        model(ids, attention_mask=mask, labels=labels).loss.backward()
+        hf.causal_lm_loss(run_layers(seq, ids, attention_mask=mask), labels).backward()
+        opt_hf.step(), opt_pf.step()
+    start = hf_model(cfg).state_dict()
+    trained = hf.to_hf_state_dict(seq.state_dict(), cfg)
+    moved = 0
+    for key, value in model.state_dict().items():
+        diff = (trained[key] - value).norm() / value.norm().clamp(min=1e-12)
+        assert diff < 1e-5, (key, float(diff))
+        moved += not torch.equal(value, start[key])
+    assert moved == len(start)          # every parameter trained, on both sides
+
+
+def _spread(t: torch.Tensor) -> tuple[float, float]:
+    return float(t.float().std()), float(t.float().mean())
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_initialisation_matches_transformers_statistics(kind):
+    cfg = make_config(kind, **({"n_layer": 4} if kind == "gpt2" else {"pad_token_id": 0}))
+    ours = hf.to_hf_state_dict(pf.build_sequential(hf.causal_lm_layers(cfg)).state_dict(), cfg)
+    theirs = hf_model(cfg).state_dict()
+    assert set(ours) == set(theirs)
+    for key, value in theirs.items():
+        std, mean = _spread(value)
+        if std == 0:                                  # norms' ones, biases' zeros
+            assert torch.equal(ours[key], value), key
+            continue
+        our_std, our_mean = _spread(ours[key])
+        assert abs(our_std / std - 1) < 0.1, (key, our_std, std)
+        assert abs(our_mean) < 0.2 * std, (key, our_mean)
+    r = cfg.initializer_range
+    if kind == "gpt2":        # residual projections scaled by 1/sqrt(2 n_layer), the rest r
+        assert abs(_spread(ours["transformer.h.1.attn.c_proj.weight"])[0]
+                   / (r / math.sqrt(2 * cfg.n_layer)) - 1) < 0.1
+        assert abs(_spread(ours["transformer.h.1.attn.c_attn.weight"])[0] / r - 1) < 0.1
+    else:                     # the padding token's embedding row is zero
+        assert abs(_spread(ours["model.layers.0.mlp.up_proj.weight"])[0] / r - 1) < 0.1
+        assert not ours["model.embed_tokens.weight"][cfg.pad_token_id].any()
+
+
+def test_layers_build_alike_alone_and_in_sequence():
+    # Any partition builds layer i alone; it must hold build_sequential's weights.
+    cfg = make_config("llama")
+    layers = hf.causal_lm_layers(cfg)
+    seq = pf.build_sequential(layers, seed=3)
+    alone = pf.layers.build_layer(layers[2], 3, 2)
+    for (name, a), b in zip(seq[2].state_dict().items(), alone.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert layers[1].num_parameters() == sum(p.numel() for p in seq[1].parameters())
+
+
+def test_rotary_frequencies_stay_fp32_under_bf16():
+    cfg = make_config("llama")
+    model = hf_model(cfg).eval()
+    seq = pipeflow_copy(cfg, model)
+    ids = batch()
+    with torch.no_grad():
+        full = run_layers(seq, ids)
+        seq.to(torch.bfloat16)
+        half = run_layers(seq, ids)
+    block = seq[1]
+    assert block._rotary[0].inv_freq.dtype == torch.float32
+    assert half.dtype == torch.bfloat16
+    assert (half.float() - full).abs().max() < 0.05 * full.abs().max()
+
+
+def test_unverified_model_type_warns():
+    assert sorted(hf._VERIFIED) == sorted(MODELS)     # each checked above, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hf.causal_lm_layers(make_config("qwen3"))
+    cfg = transformers.CohereConfig(**{**SMALL, "num_hidden_layers": 1})   # scales its logits
+    with pytest.warns(UserWarning, match="cohere"):
+        hf.causal_lm_layers(cfg)
