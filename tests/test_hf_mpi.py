@@ -33,21 +33,41 @@ def make_config(kind: str):
 
 def _cases():
     for stages in (s for s in (2, 4) if s <= WORLD.size):
-        for schedule in ("1f1b", "interleaved") if stages == 2 else ("1f1b",):
+        for schedule in ("1f1b", "interleaved", "zbv") if stages == 2 else ("1f1b",):
             for kind in ("gpt2", "llama"):
-                yield kind, stages, schedule
+                for padded in (False, True):
+                    yield kind, stages, schedule, padded
 
 
-def _train_transformers(cfg, start: dict[str, torch.Tensor], data) -> tuple[dict, list]:
+def _data(padded: bool):
+    """(ids, labels, mask) per step; padded rows end early (right padding), their padding
+    ignored by the loss (-100) and masked in attention."""
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+        lengths = torch.randint(2, SEQ + 1, (BATCH,), generator=gen) if padded else \
+            torch.full((BATCH,), SEQ)
+        mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
+        out.append((ids, ids.masked_fill(mask == 0, -100), mask))
+    return out
+
+
+def _hf_model(cfg, start: dict[str, torch.Tensor]):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     model.load_state_dict(hf.to_hf_state_dict(start, cfg))
+    return model
+
+
+def _train_transformers(cfg, start: dict[str, torch.Tensor], data) -> tuple[dict, list]:
+    model = _hf_model(cfg, start)
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
-    for ids in data:
+    for ids, labels, mask in data:
         opt.zero_grad()
-        loss = model(ids, labels=ids).loss
+        loss = model(ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -56,23 +76,32 @@ def _train_transformers(cfg, start: dict[str, torch.Tensor], data) -> tuple[dict
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind,stages,schedule", list(_cases()))
-def test_pipelined_transformers_model_trains_like_it(kind, stages, schedule):
-    # TODO(side inputs, issue 10 item 3): add a padding mask, engine.train_step(ids, ids,
-    # attention_mask=mask), once the engine takes side inputs.
+@pytest.mark.parametrize("kind,stages,schedule,padded", list(_cases()))
+def test_pipelined_transformers_model_trains_like_it(kind, stages, schedule, padded):
+    # The padding mask is a side input (every stage builds its attention mask from it); the
+    # loss is summed per micro-batch and divided by the valid tokens of the whole batch, so
+    # it is transformers' token mean even where micro-batches hold different token counts.
     comm = WORLD.Split(color=WORLD.rank // stages, key=WORLD.rank)
     cfg = make_config(kind)
     layers = hf.causal_lm_layers(cfg)
     config = pf.Config(pipeline=stages, microbatches=4, schedule=schedule,
                        virtual_stages=2 if schedule == "interleaved" else 1)
-    engine = pf.Engine(layers, hf.causal_lm_loss,
-                       lambda ps: torch.optim.SGD(ps, lr=LR), config, comm=comm)
-    gen = torch.Generator().manual_seed(7)
-    data = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(STEPS)]
-    losses = [engine.train_step(ids, ids) for ids in data]
+    engine = pf.Engine(layers, hf.causal_lm_loss_sum,
+                       lambda ps: torch.optim.SGD(ps, lr=LR), config, comm=comm,
+                       count_items=hf.num_valid_tokens)
+    data = _data(padded)
+    start = pf.build_sequential(layers, seed=config.seed).state_dict()
+    # Before training: the same logits as transformers holding the same weights.
+    ids, _, mask = data[0]
+    logits = engine.eval_step(ids, attention_mask=mask)
+    if comm.rank == 0:
+        with torch.no_grad():
+            expected = _hf_model(cfg, start)(ids, attention_mask=mask).logits
+        valid = mask.bool()
+        assert torch.allclose(logits[valid], expected[valid], atol=1e-5)
+    losses = [engine.train_step(ids, labels, attention_mask=mask) for ids, labels, mask in data]
     full = engine.gather_state_dict()
     if comm.rank == 0:
-        start = pf.build_sequential(layers, seed=config.seed).state_dict()
         expected, ref_losses = _train_transformers(cfg, start, data)
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         trained, initial = hf.to_hf_state_dict(full, cfg), hf.to_hf_state_dict(start, cfg)
