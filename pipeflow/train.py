@@ -338,21 +338,27 @@ def train(run: RunConfig, comm: MPI.Comm | None = None, log: Callable = print,
     """
     comm = comm if comm is not None else MPI.COMM_WORLD
     torch.set_num_threads(run.train.threads)
-    loop = _start(run, comm, log)
+    # Handlers first: a signal while the engine is built still stops at the first step.
+    with Preemption() as preemption:
+        loop = _start(run, comm, log)
+        try:
+            return _loop(loop, comm, preemption, trace, on_step)
+        finally:
+            if loop.out is not None:
+                loop.out.close()
+            loop.engine.close()
+
+
+def _loop(loop: _Loop, comm: MPI.Comm, preemption: Preemption, trace: str | None,
+          on_step: Callable[[int], None] | None) -> list[float]:
     start = time.perf_counter()
-    try:
-        with Preemption() as preemption:
-            for step in range(loop.engine.step_count, run.train.steps):
-                _step(loop, step)
-                if on_step is not None:
-                    on_step(step)
-                signum = preemption.agreed(comm)
-                if signum:
-                    _stop_early(loop, signum)
-                    return loop.losses
-        _finish(loop, time.perf_counter() - start, trace)
-    finally:
-        if loop.out is not None:
-            loop.out.close()
-        loop.engine.close()
+    for step in range(loop.engine.step_count, loop.run.train.steps):
+        _step(loop, step)
+        if on_step is not None:
+            on_step(step)
+        signum = preemption.agreed(comm)
+        if signum:
+            _stop_early(loop, signum)
+            return loop.losses
+    _finish(loop, time.perf_counter() - start, trace)
     return loop.losses

@@ -45,3 +45,25 @@ def token_mlp(vocab_size: int = 256, d_model: int = 16, n_layers: int = 2,
 
 def not_a_list(**kwargs):
     return "three layers"
+
+
+# A run of `token_mlp` as `pipeflow train` reads it; tests format in the grid and the sizes.
+RUN_TOML = """
+[engine]
+pipeline = {pipeline}
+data = {data}
+microbatches = 2
+[model]
+factory = "factory_models:token_mlp"
+d_model = 16
+n_layers = 2
+seq_len = 16
+[train]
+steps = {steps}
+batch_size = {batch_size}
+lr = 1e-2
+warmup = 2
+weight_decay = 0.1
+log_every = {log_every}
+eval_batches = 1
+"""

@@ -20,23 +20,9 @@ from pipeflow.prepare import prepare
 from pipeflow.run_config import load_run_config
 from pipeflow.train import lr_at, train, weight_decay_groups
 
-FACTORY = """
-[engine]
-microbatches = 2
-[model]
-factory = "factory_models:token_mlp"
-d_model = 16
-n_layers = 2
-seq_len = 16
-[train]
-steps = 4
-batch_size = 4
-lr = 1e-2
-warmup = 2
-weight_decay = 0.1
-log_every = 1
-eval_batches = 1
-"""
+from factory_models import RUN_TOML
+
+FACTORY = RUN_TOML.format(pipeline=1, data=1, steps=4, batch_size=4, log_every=1)
 
 
 def _run(tmp_path, text, *overrides):
