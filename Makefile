@@ -11,7 +11,7 @@ NP ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.pipeflow-installed
 
-.PHONY: train test install clean-venv
+.PHONY: train test install pictures clean-venv
 
 train: $(STAMP)
 	OMP_NUM_THREADS=1 PATH="$(CURDIR)/$(BIN):$$PATH" mpirun -n $(NP) pipeflow train $(CONFIG)
@@ -20,6 +20,17 @@ test: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash tests/run_all.sh
 
 install: $(STAMP)
+
+# The README's pictures: a schedule, a measured step, a run's loss (matplotlib, in [test]).
+IMG := docs/img
+pictures: $(STAMP)
+	mkdir -p $(IMG) runs/pictures
+	$(BIN)/pipeflow schedule -p 4 -m 8 --png $(IMG)/schedule.png > /dev/null
+	OMP_NUM_THREADS=1 PATH="$(CURDIR)/$(BIN):$$PATH" mpirun -n $(NP) pipeflow train $(CONFIG) \
+	  --set 'train.metrics="runs/pictures/metrics.jsonl"' --set train.log_every=5 \
+	  --trace runs/pictures/trace.json
+	$(BIN)/pipeflow trace runs/pictures/trace.json --png $(IMG)/trace.png
+	$(BIN)/pipeflow plot runs/pictures/metrics.jsonl --png $(IMG)/loss.png
 
 # Reinstalled when pyproject.toml changes (new dependencies or extras).
 $(STAMP): pyproject.toml

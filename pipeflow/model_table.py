@@ -17,7 +17,8 @@ import dataclasses
 import importlib
 import json
 import os
-from typing import Any, Callable, Mapping
+import sys
+from typing import Any, Callable, Mapping, Sequence
 
 from pipeflow.config import ConfigError
 from pipeflow.layers import LayerSpec
@@ -38,12 +39,19 @@ class Model:
     flops_per_token: int | None     # None: 6 x the counted parameters
 
 
-def import_object(spec: str, what: str) -> Any:
-    """`package.module:name` → the object, or a ConfigError that says what to change."""
+def import_object(spec: str, what: str, search: Sequence[str] = ()) -> Any:
+    """`package.module:name` → the object, or a ConfigError that says what to change.
+
+    Modules are looked up on `sys.path`, then in the `search` folders (the config file's
+    folder and the working directory), so a model file beside the config just works.
+    """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"[model] {what} must look like \"package.module:function\", found "
                           f"{spec!r}")
+    for folder in search:
+        if folder not in sys.path:
+            sys.path.append(folder)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -69,9 +77,9 @@ def _gpt(table: dict[str, Any]) -> Model:
                  cfg.vocab_size, flops_per_token(cfg))
 
 
-def _factory(table: dict[str, Any]) -> Model:
-    fn = import_object(table.pop("factory"), "factory")
-    loss = import_object(table.pop("loss"), "loss") if "loss" in table else gpt_loss
+def _factory(table: dict[str, Any], search: Sequence[str]) -> Model:
+    fn = import_object(table.pop("factory"), "factory", search)
+    loss = import_object(table.pop("loss"), "loss", search) if "loss" in table else gpt_loss
     try:
         layers = fn(**table)
     except TypeError as exc:
@@ -110,12 +118,17 @@ def _hf(table: dict[str, Any]) -> Model:
                  getattr(hf_config, "vocab_size", None), None)
 
 
-def build_model(table: Mapping[str, Any]) -> Model:
-    """The `[model]` table as a `Model`; errors name the key and what to change."""
+def build_model(table: Mapping[str, Any], config_path: str = "") -> Model:
+    """The `[model]` table as a `Model`; errors name the key and what to change.
+
+    `config_path`: the run's TOML file; its folder is searched for a factory's module.
+    """
+    search = [os.path.dirname(os.path.abspath(config_path))] if config_path else []
+    search.append(os.getcwd())
     table = dict(table)
     kind = table.pop("kind", None)
     if "factory" in table and kind in (None, "factory"):
-        return _factory(table)
+        return _factory(table, search)
     if kind in (None, "gpt"):
         return _gpt(table)
     if kind == "hf":

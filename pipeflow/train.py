@@ -205,7 +205,7 @@ def _build_engine(run: RunConfig, model: Model, batches: Batches, comm: MPI.Comm
 def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
     t = run.train
     _check_paths(t)
-    model = build_model(run.model)
+    model = build_model(run.model, run.source)
     batches, val, source = _datasets(run, model)
     engine = _build_engine(run, model, batches, comm)
     position = engine.step_count
