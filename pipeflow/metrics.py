@@ -101,12 +101,13 @@ class MetricsLog:
     """Rank 0's outputs: JSONL records, optional TensorBoard, progress bar or plain lines."""
 
     def __init__(self, path: str, tensorboard: str, total: int, first: int, progress: bool,
-                 log: Callable[..., None] = print) -> None:
+                 log: Callable[..., None] = print, append: bool = False) -> None:
         self.log = log
         self.file = None
         if path:
+            # A fresh run starts the file anew; a resumed one continues it.
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self.file = open(path, "a", encoding="utf-8")
+            self.file = open(path, "a" if append else "w", encoding="utf-8")
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter   # needs `tensorboard`
@@ -137,7 +138,7 @@ class MetricsLog:
             self.file.flush()
         if self.writer is not None:
             for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and value is not None:
+                if key != "step" and isinstance(value, (int, float)):
                     self.writer.add_scalar(key, value, record["step"])
 
     def close(self) -> None:

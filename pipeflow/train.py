@@ -55,7 +55,14 @@ def _optimizer(run: TrainConfig) -> Callable:
 # -- run checks that need the file system -------------------------------------------------
 def _check_paths(run: TrainConfig) -> None:
     """Found at start, the same on every rank: a save_dir that is a file, a resume with
-    nothing to resume from."""
+    nothing to resume from, TensorBoard asked for but not installed."""
+    if run.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401  (needs the tensorboard package)
+        except ImportError:
+            raise ConfigError(f"[train] tensorboard = {run.tensorboard!r} needs the "
+                              f"'tensorboard' package: pip install tensorboard (or "
+                              f"\"pipeflow[monitor]\"), or set tensorboard = \"\"") from None
     if run.save_dir and os.path.exists(run.save_dir) and not os.path.isdir(run.save_dir):
         raise ConfigError(f"[train] save_dir = {run.save_dir!r} is a file, expected a folder "
                           f"for checkpoints; choose another path or remove the file")
@@ -217,7 +224,8 @@ def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
     out = None
     if comm.rank == 0:
         metrics = t.metrics or (os.path.join(t.save_dir, "metrics.jsonl") if t.save_dir else "")
-        out = MetricsLog(metrics, t.tensorboard, t.steps, engine.step_count, t.progress, log)
+        out = MetricsLog(metrics, t.tensorboard, t.steps, engine.step_count, t.progress, log,
+                         append=t.resume)
         c = run.engine
         out.line(f"pipeflow: {model.name} on {source}; grid pipeline={c.pipeline} x "
                  f"data={c.data}, {c.microbatches} micro-batches, {c.schedule}, stages "

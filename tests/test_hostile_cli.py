@@ -78,6 +78,7 @@ TRAIN_ROWS = [
      "does not take the table's keys ['width']"),
     ("model kind unknown", "[model]\nkind = 'bert'", [], "[model] kind must be"),
     ("gpt key unknown", "[model]\nn_layer = 2", [], "[model] (kind \"gpt\")"),
+    ("hf without what it needs", "[model]\nkind = 'hf'", [], '[model] kind = "hf" needs'),
 ]
 
 
