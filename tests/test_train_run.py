@@ -74,8 +74,9 @@ def _token_file(tmp_path, n=5000, dtype=np.uint16, vocab=65536):
     return path
 
 
-def test_memmap_replicas_read_disjoint_shards_of_each_batch(tmp_path):
-    tokens = token_file(_token_file(tmp_path), "uint16")
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_memmap_replicas_read_disjoint_shards_of_each_batch(tmp_path, dtype):
+    tokens = token_file(_token_file(tmp_path, dtype=np.dtype(dtype).type), dtype)
     assert isinstance(tokens, np.memmap)
     batches = Batches(tokens, batch_size=8, seq_len=10, seed=3)
     reads = []
@@ -178,6 +179,8 @@ def test_metrics_jsonl_holds_computed_figures(tmp_path):
         (stage,) = r["stages"]
         assert 0.0 <= stage["bubble"] < 1.0 and stage["peak_memory_bytes"] > 2**20
     assert len({r["tokens_per_s"] for r in steps}) > 1        # measured, not a constant
+    train(run, log=lambda *a, **k: None)                       # a new run: a new file
+    assert len(metrics.read_text().splitlines()) == len(records)
 
 
 def _png_size(path):
