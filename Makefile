@@ -35,7 +35,7 @@ pictures: $(STAMP)
 # Reinstalled when pyproject.toml changes (new dependencies or extras).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -e ".[test]" $(CONSTRAINTS)
+	$(BIN)/python -m pip install -e ".[test]" $(CONSTRAINTS)
 	touch $(STAMP)
 
 clean-venv:
