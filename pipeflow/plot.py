@@ -37,7 +37,8 @@ def draw_lanes(ax, lanes: Sequence[Sequence[tuple[str, float, float]]],
     """One lane a rank, top to bottom; one box an instruction, coloured by micro-batch.
 
     Forward boxes take the micro-batch's colour, backward (B) a darker shade of it, weight
-    gradient (W) darker still; communication is drawn thin and grey; white is the bubble.
+    gradient (W) darker still; communication is drawn thin and grey, the optimizer step
+    hatched; white is the bubble.
     """
     plt = _pyplot()
     for row, events in enumerate(lanes):
@@ -50,6 +51,9 @@ def draw_lanes(ax, lanes: Sequence[Sequence[tuple[str, float, float]]],
                 if len(events) <= 200:
                     ax.text((t0 + t1) / 2, y, name, ha="center", va="center", fontsize=7,
                             color="white")
+            elif kind == "optimizer step":
+                ax.broken_barh([(t0, t1 - t0)], (y - 0.4, 0.8), facecolors="0.85",
+                               edgecolors="0.5", hatch="//", linewidth=0.5)
             else:
                 ax.broken_barh([(t0, t1 - t0)], (y - 0.1, 0.2), facecolors="0.75")
     ax.set_yticks(range(len(lanes)))

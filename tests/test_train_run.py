@@ -225,3 +225,26 @@ def test_trace_category_is_the_op_letters():
     from pipeflow.trace import op_kind
     assert [op_kind(n) for n in ("F3", "F3.1", "B12.3", "SA2", "optimizer step")] == [
         "F", "F", "B", "SA", "optimizer step"]
+
+
+def test_plain_lines_without_a_terminal():
+    from pipeflow.metrics import MetricsLog
+    lines = []
+    out = MetricsLog("", "", total=10, first=0, progress=True,
+                     log=lambda text, **k: lines.append(text))
+    assert out.bar is None                       # pytest's stdout is no terminal
+    out.line("step 0")
+    out.advance(1.0)
+    out.close()
+    assert lines == ["step 0"]
+
+
+def test_progress_bar_on_a_terminal(monkeypatch):
+    pytest.importorskip("tqdm")
+    from pipeflow.metrics import MetricsLog
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)
+    out = MetricsLog("", "", total=10, first=3, progress=True)
+    assert out.bar is not None and out.bar.n == 3
+    out.advance(2.0)
+    assert out.bar.n == 4
+    out.close()
