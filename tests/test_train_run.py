@@ -248,3 +248,18 @@ def test_progress_bar_on_a_terminal(monkeypatch):
     out.advance(2.0)
     assert out.bar.n == 4
     out.close()
+
+
+@pytest.mark.timeout(60)
+def test_tensorboard_gets_the_same_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    metrics, board = tmp_path / "m.jsonl", tmp_path / "tb"
+    train(_run(tmp_path, FACTORY, f'train.metrics="{metrics}"', f'train.tensorboard="{board}"'),
+          log=lambda *a, **k: None)
+    events = EventAccumulator(str(board))
+    events.Reload()
+    assert {"loss", "lr", "tokens_per_s", "mfu"} <= set(events.Tags()["scalars"])
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx(losses, rel=1e-6)
