@@ -117,6 +117,38 @@ class RunConfig:
                               "data": dataclasses.asdict(self.data)})
 
 
+_TYPE_WORDS = {"int": ((int,), "an integer"), "float": ((int, float), "a number"),
+               "str": ((str,), "a string"), "bool": ((bool,), "true or false")}
+
+
+def _allowed(annotation: str) -> tuple[tuple[type, ...], str] | None:
+    """`"str | list[int]"` → ((str, list), "a string or a list"); None for other types."""
+    types: list[type] = []
+    words = []
+    for part in (p.strip() for p in annotation.split("|")):
+        kind = ((list,), "a list") if part.startswith("list") else _TYPE_WORDS.get(part)
+        if kind is None:
+            return None
+        types += kind[0]
+        words.append(kind[1])
+    return tuple(types), " or ".join(words)
+
+
+def _check_engine_types(table: Mapping[str, Any]) -> None:
+    """`[engine]` values of the wrong TOML type, named before `Config` sees them."""
+    fields = {f.name: _allowed(str(f.type)) for f in dataclasses.fields(Config)}
+    for key, value in table.items():
+        if fields.get(key) is None:
+            continue          # unknown keys: Config.from_dict names them; odd types: Config
+        types, words = fields[key]
+        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+            default = getattr(Config(), key)
+            raise ConfigError(
+                f"[engine] {key} must be {words}, found {value!r} ({type(value).__name__}); "
+                f"change it in the [engine] table (the default is "
+                f"`{tomli_w.dumps({key: default}).strip()}`) or with --set engine.{key}=...")
+
+
 def _dataclass_from(cls, table: Mapping[str, Any], name: str):
     if not isinstance(table, Mapping):
         raise ConfigError(f"[{name}] must be a table, found {table!r}")
@@ -180,6 +212,7 @@ def load_run_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> R
     engine = doc.get("engine", {})
     if not isinstance(engine, Mapping):
         raise ConfigError(f"[engine] must be a table, found {engine!r}")
+    _check_engine_types(engine)
     try:
         config = Config.from_dict(engine)
     except (TypeError, AttributeError) as exc:

@@ -78,6 +78,14 @@ TRAIN_ROWS = [
      "does not take the table's keys ['width']"),
     ("model kind unknown", "[model]\nkind = 'bert'", [], "[model] kind must be"),
     ("gpt key unknown", "[model]\nn_layer = 2", [], "[model] (kind \"gpt\")"),
+    ("engine schedule is a number", "[engine]\nschedule = 3", [],
+     "[engine] schedule must be a string, found 3 (int)"),
+    ("engine loss_scale is a word", "[engine]\nloss_scale = 'big'", [],
+     "[engine] loss_scale must be a number, found 'big' (str)"),
+    ("engine pipeline is a string", "", ["--set", "engine.pipeline='2'"],
+     "[engine] pipeline must be an integer, found '2' (str)"),
+    ("engine clip is a bool", "[engine]\nclip = true", [],
+     "[engine] clip must be a number, found True (bool)"),
     ("hf without what it needs", "[model]\nkind = 'hf'", [], '[model] kind = "hf" needs'),
 ]
 
