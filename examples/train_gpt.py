@@ -14,6 +14,7 @@ from mpi4py import MPI
 import pipeflow as pf
 from pipeflow.data import Batches, load_corpus
 from pipeflow.models import GPTConfig, gpt_layers, gpt_loss, num_parameters
+from pipeflow.train import weight_decay_groups
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -50,7 +51,9 @@ def main() -> None:
     optimizers: list[torch.optim.Optimizer] = []
 
     def make_optimizer(params):
-        optimizers.append(torch.optim.AdamW(params, lr=train["lr"]))
+        # Weight decay on matrices only, not on biases and LayerNorms (nanoGPT's rule).
+        groups = weight_decay_groups(params, train.get("weight_decay", 0.1))
+        optimizers.append(torch.optim.AdamW(groups, lr=train["lr"]))
         return optimizers[-1]
 
     engine = pf.Engine(gpt_layers(cfg), gpt_loss, make_optimizer, config)

@@ -1,12 +1,30 @@
-"""The command line: `pipeflow train CONFIG`, `pipeflow plan …`, `pipeflow schedule …`."""
+"""The command line: `pipeflow train CONFIG`, `plan`, `schedule`, `trace`, `plot`, `prepare`."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Sequence
 
 __all__ = ["main"]
+
+
+def _error(text: str) -> int:
+    print(f"pipeflow: error: {text}", file=sys.stderr)
+    return 2
+
+
+def _train_overrides(args: argparse.Namespace) -> list[str]:
+    """The shorthand options as `--set` items, after the explicit ones."""
+    sets = list(args.set or [])
+    if args.steps is not None:
+        sets.append(f"train.steps={args.steps}")
+    if args.save_dir is not None:
+        sets.append(f"train.save_dir={json.dumps(args.save_dir)}")
+    if args.resume:
+        sets.append("train.resume=true")
+    return sets
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -15,22 +33,25 @@ def _train(args: argparse.Namespace) -> int:
     from pipeflow.config import ConfigError
     from pipeflow.train import load_run_config, train
 
+    rank0 = MPI.COMM_WORLD.rank == 0
     try:
-        config, model, run = load_run_config(args.config)
-        if args.steps is not None:
-            run.steps = args.steps
-        if args.save_dir is not None:
-            run.save_dir = args.save_dir
-        if args.resume:
-            run.resume = True
-        train(config, model, run, trace=args.trace)
+        run = load_run_config(args.config, _train_overrides(args))
+        if args.print_config:
+            if rank0:
+                print(run.to_toml(), end="")
+            return 0
+        train(run, trace=args.trace)
     except ConfigError as exc:
         # Raised alike on every rank (grid, batch and config checks agree before any
         # message moves): one report from rank 0, a clean exit everywhere.
-        if MPI.COMM_WORLD.rank == 0:
-            print(f"pipeflow: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(str(exc)) if rank0 else 2
     return 0
+
+
+def _positive(name: str, value: int) -> str | None:
+    if value < 1:
+        return f"{name} must be a positive integer, found {value}"
+    return None
 
 
 def _schedule(args: argparse.Namespace) -> int:
@@ -38,36 +59,76 @@ def _schedule(args: argparse.Namespace) -> int:
 
     p, m = args.stages, args.microbatches
     v = args.chunks if args.chunks is not None else (2 if args.schedule == "interleaved" else None)
+    for problem in (_positive("--stages/-p (pipeline stages)", p),
+                    _positive("--microbatches/-m", m),
+                    _positive("--chunks/-v", v) if v is not None else None):
+        if problem:
+            return _error(problem + "; e.g. pipeflow schedule -p 4 -m 8")
     try:
         programs = build_schedule(args.schedule, p, m, v)
+        result = simulate(programs)
     except ScheduleError as exc:
-        print(f"pipeflow: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(str(exc))
     v = len(programs.layout[0])
-    result = simulate(programs)
     print(format_table(programs))
+    chunks = f" (in chunks: 1/{v} of a stage's layers each)" if v > 1 else ""
     if any(a.op == "W" for a in programs[0]):
         # Split backward: F = B = W = 1 unit; 1F1B's whole backward takes B + W = 2.
         print(f"\nbubble {result.bubble:.3f} (F = B = W; 1F1B with the same times: "
               f"{simulate(build_schedule('1f1b', p, m)).bubble:.3f}); peak stash per stage "
               f"{result.peak_stash}, waiting for W {result.peak_pending_w}, held in all "
-              f"{result.peak_held}" + (f" (in chunks: 1/{v} of a stage's layers each)"
-                                       if v > 1 else ""))
-        return 0
-    print(f"\nbubble {result.bubble:.3f} (formula (p-1)/(v·m+p-1) = "
-          f"{(p - 1) / (v * m + p - 1):.3f}); peak stash per stage {result.peak_stash}"
-          + (f" (in chunks: 1/{v} of a stage's layers each)" if v > 1 else ""))
+              f"{result.peak_held}{chunks}")
+    else:
+        print(f"\nbubble {result.bubble:.3f} (formula (p-1)/(v·m+p-1) = "
+              f"{(p - 1) / (v * m + p - 1):.3f}); peak stash per stage {result.peak_stash}"
+              f"{chunks}")
+    if args.png:
+        from pipeflow import plot
+        title = f"{args.schedule}, p={p}, m={m}" + (f", v={v}" if v > 1 else "")
+        return _picture(lambda: plot.schedule_png(programs, args.png, title=title), args.png)
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="pipeflow", description="Pipeline-parallel training across MPI ranks. "
-        "Launch training as `mpirun -n N pipeflow train CONFIG.toml`.")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _picture(draw, path: str) -> int:
+    try:
+        draw()
+    except (ImportError, OSError, ValueError, KeyError) as exc:
+        return _error(f"cannot draw {path}: {exc}")
+    print(f"wrote {path}")
+    return 0
 
-    train = sub.add_parser("train", help="train the GPT described by a TOML file")
-    train.add_argument("config", help="TOML file with [engine], [model] and [train] tables")
+
+def _trace(args: argparse.Namespace) -> int:
+    from pipeflow import plot
+    return _picture(lambda: plot.trace_png(args.trace, args.png), args.png)
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from pipeflow import plot
+    return _picture(lambda: plot.metrics_png(args.metrics, args.png), args.png)
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from pipeflow.prepare import prepare
+    try:
+        meta = prepare(args.texts, args.out, args.tokenizer, args.val_fraction)
+    except (OSError, ValueError) as exc:
+        return _error(str(exc))
+    print(f"wrote {args.out}/train.bin ({meta['train_tokens']} tokens) and val.bin "
+          f"({meta['val_tokens']}), {meta['dtype']}, vocabulary {meta['vocab_size']}; train "
+          f"with [data] train = \"{args.out}/train.bin\", val = \"{args.out}/val.bin\", "
+          f"dtype = \"{meta['dtype']}\"")
+    return 0
+
+
+def _add_train(sub) -> None:
+    train = sub.add_parser("train", help="train the model described by a TOML file")
+    train.add_argument("config", help="TOML file with [engine], [model], [train], [data]")
+    train.add_argument("--set", action="append", metavar="TABLE.KEY=VALUE",
+                       help="override any key, the value parsed as TOML (repeatable): "
+                       "--set engine.microbatches=16 --set train.lr=1e-3")
+    train.add_argument("--print-config", action="store_true",
+                       help="print the merged configuration (file + overrides) and exit")
     train.add_argument("--steps", type=int, help="override [train] steps")
     train.add_argument("--save-dir", help="override [train] save_dir (checkpoint folder)")
     train.add_argument("--resume", action="store_true",
@@ -77,6 +138,8 @@ def _parser() -> argparse.ArgumentParser:
                        "Chrome/Perfetto trace")
     train.set_defaults(func=_train)
 
+
+def _add_pictures(sub) -> None:
     show = sub.add_parser("schedule", help="print a schedule's pipeline order, bubble and stash")
     show.add_argument("--stages", "-p", type=int, default=4)
     show.add_argument("--microbatches", "-m", type=int, default=8)
@@ -84,8 +147,36 @@ def _parser() -> argparse.ArgumentParser:
                       help="1f1b, gpipe, interleaved, zb-h1 or zbv")
     show.add_argument("--chunks", "-v", type=int, default=None,
                       help="model chunks per rank (interleaved; default 2; zbv: 2)")
+    show.add_argument("--png", metavar="OUT.png", help="also draw it (needs matplotlib)")
     show.set_defaults(func=_schedule)
+    trace = sub.add_parser("trace", help="draw a measured timeline (pipeflow train --trace)")
+    trace.add_argument("trace", help="trace JSON written by pipeflow train --trace")
+    trace.add_argument("--png", metavar="OUT.png", required=True)
+    trace.set_defaults(func=_trace)
+    plot = sub.add_parser("plot", help="draw loss and tokens/s from a metrics JSONL file")
+    plot.add_argument("metrics", help="metrics JSONL written by pipeflow train")
+    plot.add_argument("--png", metavar="OUT.png", required=True)
+    plot.set_defaults(func=_plot)
 
+
+def _add_prepare(sub) -> None:
+    prep = sub.add_parser("prepare", help="tokenize text files into train.bin / val.bin")
+    prep.add_argument("texts", nargs="+", metavar="TEXT", help="text files, in order")
+    prep.add_argument("--out", required=True, metavar="DIR")
+    prep.add_argument("--tokenizer", default="byte",
+                      help="byte (default), tiktoken:NAME (e.g. tiktoken:gpt2) or hf:NAME")
+    prep.add_argument("--val-fraction", type=float, default=0.05)
+    prep.set_defaults(func=_prepare)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pipeflow", description="Pipeline-parallel training across MPI ranks. "
+        "Launch training as `mpirun -n N pipeflow train CONFIG.toml`.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_train(sub)
+    _add_pictures(sub)
+    _add_prepare(sub)
     try:
         from pipeflow.planner import cli as planner_cli
     except ImportError:  # pragma: no cover - the planner is optional at import time

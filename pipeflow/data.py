@@ -1,4 +1,5 @@
-"""Byte-level text corpora and a deterministic batch sampler; the default needs no download."""
+"""Byte corpora, flat token files (memmap) and a deterministic batch sampler; the default
+needs no download."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import os
 import sysconfig
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from pipeflow.layers import layer_seed
 
-__all__ = ["Corpus", "Batches", "load_corpus", "stdlib_source",
+__all__ = ["Corpus", "Batches", "load_corpus", "stdlib_source", "token_file", "TOKEN_DTYPES",
            "DEFAULT_MAX_BYTES", "VAL_FRACTION"]
 
 DEFAULT_MAX_BYTES = 8 << 20   # 8 MiB: plenty for examples, read in a few hundredths of a second
@@ -95,22 +97,27 @@ def load_corpus(path: str | os.PathLike | None = None, max_bytes: int | None = N
 
 
 class Batches:
-    """Random byte windows: `(inputs, targets)` int64 [B, T], targets shifted by one byte.
+    """Random windows: `(inputs, targets)` int64 [B, T], targets shifted by one token.
 
-    Batch `k` depends only on `(seed, k)`, so every rank that builds `Batches` with the same
-    seed sees the same global batches (each takes the part it needs), and a resumed run can
-    continue at its step with `batch(step)`. Iterating yields batch 0, 1, 2, ...
+    `data` is a byte corpus (a `Corpus` or a uint8 tensor) or a flat token array such as a
+    `numpy.memmap` of a `.bin` file (`TokenFile`). Batch `k` depends only on `(seed, k)`, so
+    every rank that builds `Batches` with the same seed sees the same global batches, and a
+    resumed run continues at its data position with `batch(position)`. Iterating yields batch
+    0, 1, 2, ...
+
+    `rows(k, lo, hi)` reads only rows `lo:hi` of batch `k` (a memmap reads only those
+    windows from disk); `replica_batch` is what one data-parallel replica needs.
     """
 
-    def __init__(self, corpus: Corpus | torch.Tensor, batch_size: int, seq_len: int,
-                 seed: int = 0, split: str = "train") -> None:
+    def __init__(self, corpus: "Corpus | torch.Tensor | np.ndarray", batch_size: int,
+                 seq_len: int, seed: int = 0, split: str = "train") -> None:
         data = corpus.split(split) if isinstance(corpus, Corpus) else corpus
         if batch_size < 1 or seq_len < 1:
             raise ValueError(f"batch_size and seq_len must be positive, found "
                              f"batch_size={batch_size}, seq_len={seq_len}")
         if len(data) < seq_len + 1:
             raise ValueError(
-                f"the {split} split has {len(data)} bytes, fewer than seq_len + 1 = "
+                f"the {split} split has {len(data)} tokens, fewer than seq_len + 1 = "
                 f"{seq_len + 1}; use a larger corpus or a shorter seq_len")
         self.data = data
         self.batch_size = batch_size
@@ -118,17 +125,62 @@ class Batches:
         self.seed = seed
         self._window = torch.arange(seq_len + 1)
 
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def starts(self, step: int) -> torch.Tensor:
+        """Where each of batch `step`'s `batch_size` windows begins."""
         # The same splitmix mixing that seeds layers turns (seed, step) into a stream seed.
         gen = torch.Generator().manual_seed(layer_seed(self.seed, step))
-        starts = torch.randint(0, len(self.data) - self.seq_len, (self.batch_size,),
-                               generator=gen)
-        windows = self.data[starts[:, None] + self._window].long()
+        return torch.randint(0, len(self.data) - self.seq_len, (self.batch_size,),
+                             generator=gen)
+
+    def rows(self, step: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows `lo:hi` of batch `step`, reading only their windows."""
+        index = self.starts(step)[lo:hi, None] + self._window
+        if isinstance(self.data, np.ndarray):
+            windows = torch.from_numpy(self.data[index.numpy()].astype(np.int64))
+        else:
+            windows = self.data[index].long()
         # Contiguous copies: the engine slices them into micro-batches and sends them as is.
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rows(step, 0, self.batch_size)
+
+    def replica_batch(self, step: int, replica: int,
+                      replicas: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch `step` shaped as the global batch, but only replica `replica`'s rows read.
+
+        The engine takes the global batch and slices rows `r·B/d:(r+1)·B/d` for replica `r`;
+        the other rows here are zeros that no stage reads. So each replica reads only its own
+        shard of every batch from disk.
+        """
+        shard = self.batch_size // replicas
+        lo = replica * shard
+        x, y = self.rows(step, lo, lo + shard)
+        gx = x.new_zeros((self.batch_size, self.seq_len))
+        gy = gx.clone()
+        gx[lo:lo + shard], gy[lo:lo + shard] = x, y
+        return gx, gy
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         step = 0
         while True:
             yield self.batch(step)
             step += 1
+
+
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+def token_file(path: str | os.PathLike, dtype: str = "uint16") -> np.ndarray:
+    """A flat token file (nanoGPT's `.bin`: no header, native-endian) as a read-only memmap."""
+    if dtype not in TOKEN_DTYPES:
+        raise ValueError(f"token dtype must be one of {list(TOKEN_DTYPES)}, found {dtype!r}")
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"token file {path!r} not found; write one with `pipeflow "
+                                f"prepare TEXT... --out DIR`")
+    size = np.dtype(TOKEN_DTYPES[dtype]).itemsize
+    if os.path.getsize(path) % size:
+        raise ValueError(f"token file {path!r} has {os.path.getsize(path)} bytes, not a "
+                         f"multiple of {size} ({dtype}): is [data] dtype right?")
+    return np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r")

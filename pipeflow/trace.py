@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +13,24 @@ from pipeflow._io import atomic_write_bytes
 if TYPE_CHECKING:
     from pipeflow.engine import Engine
 
-__all__ = ["gather_trace", "write_trace"]
+__all__ = ["gather_trace", "write_trace", "op_kind", "parse_instruction", "COMPUTE_KINDS",
+           "load_trace_lanes"]
+
+COMPUTE_KINDS = frozenset({"F", "B", "W"})     # forward, backward (input), weight gradient
+_INSTRUCTION = re.compile(r"^([A-Za-z]+)(\d+)(?:\.(\d+))?$")
+
+
+def parse_instruction(name: str) -> tuple[str, int | None, int]:
+    """`F3.1` → ("F", 3, 1); `SA2` → ("SA", 2, 0); `optimizer step` → (name, None, 0)."""
+    match = _INSTRUCTION.match(name)
+    if match is None:
+        return name, None, 0
+    return match.group(1), int(match.group(2)), int(match.group(3) or 0)
+
+
+def op_kind(name: str) -> str:
+    """The instruction's category: its op letters (`F3.1` → `F`), or the whole name."""
+    return parse_instruction(name)[0]
 
 
 def gather_trace(engine: "Engine") -> dict[str, Any] | None:
@@ -38,8 +56,7 @@ def gather_trace(engine: "Engine") -> dict[str, Any] | None:
                        "args": {"name": f"rank {ln['rank']} (stage {ln['stage']}, "
                                         f"replica {ln['replica']})"}})
         for name, t0, t1 in ln["events"]:
-            kind = name.rstrip("0123456789") or name
-            events.append({"name": name, "cat": kind, "ph": "X", "pid": 0, "tid": ln["rank"],
+            events.append({"name": name, "cat": op_kind(name), "ph": "X", "pid": 0, "tid": ln["rank"],
                            "ts": (t0 - start) * 1e6, "dur": max(0.0, t1 - t0) * 1e6})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
@@ -49,3 +66,17 @@ def write_trace(engine: "Engine", path: str | os.PathLike) -> None:
     trace = gather_trace(engine)
     if trace is not None:
         atomic_write_bytes(path, json.dumps(trace).encode())
+
+
+def load_trace_lanes(path: str | os.PathLike) -> tuple[list[str], list[list[tuple]]]:
+    """A trace file written by `write_trace` → lane names and (name, start s, end s) per lane."""
+    with open(path, encoding="utf-8") as f:
+        events = json.load(f)["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
+    lanes: dict[int, list[tuple]] = {tid: [] for tid in names}
+    for e in events:
+        if e.get("ph") == "X":
+            t0 = e["ts"] / 1e6
+            lanes.setdefault(e["tid"], []).append((e["name"], t0, t0 + e["dur"] / 1e6))
+    order = sorted(lanes)
+    return [names.get(t, f"lane {t}") for t in order], [lanes[t] for t in order]

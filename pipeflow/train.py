@@ -1,51 +1,33 @@
-"""`pipeflow train CONFIG.toml`: the GPT example trained from a TOML file, logged on rank 0."""
+"""`pipeflow train CONFIG.toml`: a model from the `[model]` table trained on the `[data]`,
+with metrics, checkpoints that carry the data position, and a clean stop on SIGTERM."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
-import sys
+import signal
+import threading
 import time
-from typing import Any, Mapping
+from typing import Any, Callable
 
 import torch
 from mpi4py import MPI
 
-from pipeflow.config import Config, ConfigError
-from pipeflow.data import Batches, load_corpus
+from pipeflow._io import atomic_write_bytes
+from pipeflow.config import ConfigError
+from pipeflow.data import Batches, load_corpus, token_file
 from pipeflow.engine import Engine
-from pipeflow.models import GPTConfig, gpt_layers, gpt_loss, num_parameters
+from pipeflow.metrics import MetricsLog, count_parameters, peak_flops, stage_stats
+from pipeflow.model_table import Model, build_model
+from pipeflow.run_config import DataConfig, RunConfig, TrainConfig, load_run_config
 from pipeflow.trace import write_trace
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+__all__ = ["TrainConfig", "DataConfig", "RunConfig", "lr_at", "load_run_config",
+           "weight_decay_groups", "train", "DATA_STATE"]
 
-__all__ = ["TrainConfig", "lr_at", "load_run_config", "train"]
-
-
-@dataclasses.dataclass
-class TrainConfig:
-    """The `[train]` table: the loop around the engine."""
-
-    steps: int = 200
-    batch_size: int = 16          # global batch in sequences, split into micro-batches
-    lr: float = 2e-3              # peak AdamW learning rate
-    min_lr_ratio: float = 0.1     # cosine decay ends at min_lr_ratio x lr
-    warmup: int = 10
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    log_every: int = 10
-    eval_every: int = 0           # 0: evaluate once, at the end
-    eval_batches: int = 4
-    threads: int = 1              # torch threads per rank: one core per rank
-    corpus: str = ""              # a file to train on; empty: the Python stdlib source
-    save_dir: str = ""            # checkpoint folder; empty: no checkpoints
-    save_every: int = 0           # 0: only at the end (when save_dir is set)
-    resume: bool = False          # continue from the latest checkpoint in save_dir
+DATA_STATE = "data.json"     # beside the engine's shards in each checkpoint folder
 
 
 def lr_at(step: int, train: TrainConfig) -> float:
@@ -57,108 +39,334 @@ def lr_at(step: int, train: TrainConfig) -> float:
     return train.lr * (floor + (1 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def _dataclass_from(cls, table: Mapping[str, Any], name: str):
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(table) - known)
-    if unknown:
-        raise ConfigError(f"unknown key(s) {unknown} in [{name}]; known keys: {sorted(known)}")
-    return cls(**table)
+def weight_decay_groups(params, weight_decay: float) -> list[dict[str, Any]]:
+    """nanoGPT's rule: decay matrices (embeddings, linear weights), not biases or norms."""
+    params = list(params)
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
-def load_run_config(path: str | os.PathLike) -> tuple[Config, GPTConfig, TrainConfig]:
-    """The three tables of a run's TOML file: `[engine]`, `[model]`, `[train]`."""
+def _optimizer(run: TrainConfig) -> Callable:
+    return lambda ps: torch.optim.AdamW(weight_decay_groups(ps, run.weight_decay), lr=run.lr,
+                                        betas=(run.beta1, run.beta2))
+
+
+# -- run checks that need the file system -------------------------------------------------
+def _check_paths(run: TrainConfig) -> None:
+    """Found at start, the same on every rank: a save_dir that is a file, a resume with
+    nothing to resume from, TensorBoard asked for but not installed."""
+    if run.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401  (needs the tensorboard package)
+        except ImportError:
+            raise ConfigError(f"[train] tensorboard = {run.tensorboard!r} needs the "
+                              f"'tensorboard' package: pip install tensorboard (or "
+                              f"\"pipeflow[monitor]\"), or set tensorboard = \"\"") from None
+    if run.save_dir and os.path.exists(run.save_dir) and not os.path.isdir(run.save_dir):
+        raise ConfigError(f"[train] save_dir = {run.save_dir!r} is a file, expected a folder "
+                          f"for checkpoints; choose another path or remove the file")
+    if run.resume and not os.path.isfile(os.path.join(run.save_dir, "latest")):
+        what = "does not exist" if not os.path.exists(run.save_dir) else \
+            "holds no checkpoint (no 'latest' file)"
+        raise ConfigError(f"--resume: [train] save_dir = {run.save_dir!r} {what}; expected "
+                          f"a folder written by an earlier run's checkpoints. Check the path, "
+                          f"or drop --resume (resume = false) to start from step 0")
+
+
+# -- data ------------------------------------------------------------------------------------
+def _seq_len(data: DataConfig, model: Model) -> int:
+    if data.seq_len and model.seq_len and data.seq_len > model.seq_len:
+        raise ConfigError(f"[data] seq_len = {data.seq_len} is longer than the model's "
+                          f"{model.seq_len} positions; lower [data] seq_len")
+    seq = data.seq_len or model.seq_len
+    if not seq:
+        raise ConfigError(f"the model {model.name} does not say its sequence length: set "
+                          f"[data] seq_len (or seq_len in the [model] table)")
+    return int(seq)
+
+
+def _check_vocab(path: str, model: Model) -> None:
+    meta = os.path.join(os.path.dirname(os.path.abspath(path)), "meta.json")
+    if model.vocab_size and os.path.isfile(meta):
+        with open(meta) as f:
+            vocab = json.load(f).get("vocab_size", 0)
+        if vocab > model.vocab_size:
+            raise ConfigError(f"[data] train = {path!r} was tokenized with {vocab} token ids "
+                              f"({meta}), more than the model's vocab_size = "
+                              f"{model.vocab_size}; set [model] vocab_size = {vocab}")
+
+
+def _datasets(run: RunConfig, model: Model) -> tuple[Batches, Batches | None, str]:
+    """Training and validation samplers, and a description for the log."""
+    t, d, seed = run.train, run.data, run.engine.seed
+    seq = _seq_len(d, model)
     try:
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {os.fspath(path)!r} not found") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {os.fspath(path)!r} is not valid TOML: {exc}") from None
-    extra = sorted(set(doc) - {"engine", "model", "train"})
-    if extra:
-        raise ConfigError(f"unknown table(s) {extra} in {os.fspath(path)!r}; expected "
-                          f"[engine], [model] and [train]")
-    return (Config.from_dict(doc.get("engine", {})),
-            _dataclass_from(GPTConfig, doc.get("model", {}), "model"),
-            _dataclass_from(TrainConfig, doc.get("train", {}), "train"))
+        if d.train:
+            _check_vocab(d.train, model)
+            tokens = token_file(d.train, d.dtype)
+            val = Batches(token_file(d.val, d.dtype), t.batch_size, seq, seed,
+                          split="val") if d.val else None
+            return (Batches(tokens, t.batch_size, seq, seed), val,
+                    f"{d.train} ({len(tokens) / 1e6:.2f}M tokens, {d.dtype})")
+        corpus = load_corpus(t.corpus or None)
+        return (Batches(corpus, t.batch_size, seq, seed),
+                Batches(corpus, t.batch_size, seq, seed, split="val"),
+                f"{corpus.source} ({len(corpus) / 2**20:.1f} MiB of bytes)")
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"[data]: {exc}") from None
 
 
-def train(config: Config, model: GPTConfig, run: TrainConfig,
-          comm: MPI.Comm | None = None, log=print, trace: str | None = None) -> list[float]:
-    """Train the GPT; rank 0 logs loss, tokens/s and step time. Returns the losses.
+def _batch(batches: Batches, index: int, engine: Engine):
+    """What this rank feeds the engine: its replica's rows on the first and last stages,
+    nothing on the stages in between (they receive activations)."""
+    if not (engine.is_first or engine.is_last):
+        return None, None
+    return batches.replica_batch(index, engine.topo.replica, engine.config.data)
 
-    With `trace`, the last step's instruction timeline of every rank is written there as a
-    Chrome/Perfetto trace.
-    """
-    comm = comm if comm is not None else MPI.COMM_WORLD
-    torch.set_num_threads(run.threads)
-    rank0 = comm.rank == 0
-    corpus = load_corpus(run.corpus or None)
-    batches = Batches(corpus, run.batch_size, model.seq_len, seed=config.seed)
-    val = Batches(corpus, run.batch_size, model.seq_len, seed=config.seed, split="val")
+
+# -- checkpoints with the data position ----------------------------------------------------
+def _saved_position(save_dir: str, default: int) -> int:
+    """The next batch index saved with the latest checkpoint (`default` when absent)."""
+    try:
+        with open(os.path.join(save_dir, "latest")) as f:
+            folder = f.read().strip()
+        with open(os.path.join(save_dir, folder, DATA_STATE)) as f:
+            return int(json.load(f)["next_batch"])
+    except (OSError, KeyError, ValueError):
+        return default
+
+
+def _save(engine: Engine, run: RunConfig, position: int) -> str:
+    folder = engine.save(run.train.save_dir)
+    if engine.topo.rank == 0:
+        state = {"next_batch": position, "seed": run.engine.seed,
+                 "batch_size": run.train.batch_size,
+                 "train": run.data.train or run.train.corpus or "stdlib"}
+        atomic_write_bytes(os.path.join(folder, DATA_STATE), json.dumps(state).encode())
+    engine.topo.world.Barrier()
+    return folder
+
+
+# -- preemption --------------------------------------------------------------------------------
+class Preemption:
+    """SIGTERM or SIGUSR1 (Slurm's warning before a kill) on any rank asks every rank to stop
+    at the next step boundary: the flag is agreed with a one-integer all-reduce a step."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.received: int = 0
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> "Preemption":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def agreed(self, comm: MPI.Comm) -> int:
+        """The signal any rank received (0: none), the same on every rank."""
+        return comm.allreduce(int(self.received), op=MPI.MAX)
+
+
+# -- the loop -----------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Loop:
+    """A run in progress: what the step, log and eval helpers share."""
+
+    run: RunConfig
+    engine: Engine
+    batches: Batches
+    val: Batches | None
+    out: MetricsLog | None           # rank 0 only
+    position: int                    # index of the next training batch
+    tokens: int                      # tokens per global batch
+    flops_per_token: float
+    peak_flops: float                # per rank
+    first_step: int = 0
+    losses: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def rank0(self) -> bool:
+        return self.out is not None
+
+
+def _build_engine(run: RunConfig, model: Model, batches: Batches, comm: MPI.Comm) -> Engine:
+    config = run.engine
     # partition = "time" measures the layers on one micro-batch of the real data.
-    micro = max(1, run.batch_size // (config.data * config.microbatches))
-    engine = Engine(gpt_layers(model), gpt_loss,
-                    lambda ps: torch.optim.AdamW(ps, lr=run.lr, betas=(run.beta1, run.beta2),
-                                                 weight_decay=run.weight_decay),
-                    config, comm=comm, trace=trace is not None,
-                    sample=batches.batch(0)[0][:micro] if config.partition == "time" else None)
-    if run.resume and run.save_dir and os.path.exists(os.path.join(run.save_dir, "latest")):
-        engine.load(run.save_dir)
-    tokens = run.batch_size * model.seq_len
-    if rank0:
-        log(f"pipeflow: GPT of {num_parameters(model) / 1e6:.2f}M parameters on "
-            f"{corpus.source} ({len(corpus) / 2**20:.1f} MiB); grid pipeline={config.pipeline} "
-            f"x data={config.data}, {config.microbatches} micro-batches, {config.schedule}, "
-            f"stages {engine.boundaries}", flush=True)
+    micro = max(1, run.train.batch_size // (config.data * config.microbatches))
+    sample = batches.rows(0, 0, micro)[0] if config.partition == "time" else None
+    # trace=True: each instruction's start and end, for the measured bubble per stage.
+    return Engine(model.layers, model.loss_fn, _optimizer(run.train), config, comm=comm,
+                  trace=True, sample=sample)
 
-    def evaluate() -> float:
-        return sum(engine.eval_step(*val.batch(i)) for i in range(run.eval_batches)) / max(
-            1, run.eval_batches)
 
-    losses: list[float] = []
-    first = engine.step_count
-    start = time.perf_counter()
-    for step in range(first, run.steps):
-        if engine.optimizer is not None:
-            for group in engine.optimizer.param_groups:
-                group["lr"] = lr_at(step, run)
-        # Count saved activations on the first step only: the meter costs time.
-        engine.measure_activations = step == first and config.recompute != "none"
-        loss = engine.train_step(*batches.batch(step))
-        losses.append(loss)
-        if step == first and config.recompute != "none":
-            # "auto" is resolved on each stage's first micro-batch: say what it chose.
-            chosen = comm.gather((engine.stage, engine.recompute,
-                                  engine.peak_activation_bytes), root=0)
-            if rank0:
-                per_stage = {s: (p, b) for s, p, b in chosen}
-                log("pipeflow: recompute per stage: " + ", ".join(
-                    f"{s}: {p} ({b / 2**20:.1f} MiB stashed)"
-                    for s, (p, b) in sorted(per_stage.items())), flush=True)
-        dt = engine.last_step_time
-        if rank0 and (step % run.log_every == 0 or step == run.steps - 1):
-            log(f"step {step:5d}  loss {loss:.4f}  lr {lr_at(step, run):.2e}  "
-                f"{tokens / dt:8.0f} tok/s  {dt * 1e3:7.1f} ms/step", flush=True)
-        if run.eval_every and (step + 1) % run.eval_every == 0:
-            val_loss = evaluate()
-            if rank0:
-                log(f"step {step:5d}  validation loss {val_loss:.4f}", flush=True)
-        if run.save_dir and run.save_every and (step + 1) % run.save_every == 0:
-            engine.save(run.save_dir)
-    elapsed = time.perf_counter() - start
+def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
+    t = run.train
+    _check_paths(t)
+    model = build_model(run.model, run.source)
+    batches, val, source = _datasets(run, model)
+    engine = _build_engine(run, model, batches, comm)
+    position = engine.step_count
+    if t.resume:
+        engine.load(t.save_dir)
+        position = _saved_position(t.save_dir, engine.step_count)
+    flops = model.flops_per_token or 6 * count_parameters(engine)
+    peak = comm.bcast(peak_flops(engine.device, t.peak_tflops) if comm.rank == 0 else None)
+    out = None
+    if comm.rank == 0:
+        metrics = t.metrics or (os.path.join(t.save_dir, "metrics.jsonl") if t.save_dir else "")
+        out = MetricsLog(metrics, t.tensorboard, t.steps, engine.step_count, t.progress, log,
+                         append=t.resume)
+        c = run.engine
+        out.line(f"pipeflow: {model.name} on {source}; grid pipeline={c.pipeline} x "
+                 f"data={c.data}, {c.microbatches} micro-batches, {c.schedule}, stages "
+                 f"{engine.boundaries}; MFU against {peak[0] / 1e12:.3g} TFLOP/s a rank "
+                 f"({peak[1]})" + (f"; metrics in {metrics}" if metrics else ""))
+        if t.resume:
+            out.line(f"pipeflow: resumed at step {engine.step_count}, batch {position}, "
+                     f"from {t.save_dir}")
+    return _Loop(run, engine, batches, val, out, position, t.batch_size * batches.seq_len,
+                 flops, peak[0], first_step=engine.step_count)
+
+
+def _evaluate(loop: _Loop) -> float | None:
+    if loop.val is None:
+        return None
+    n = loop.run.train.eval_batches
+    return sum(loop.engine.eval_step(*_batch(loop.val, i, loop.engine)) for i in range(n)) / n
+
+
+def _record(loop: _Loop, step: int, loss: float) -> None:
+    """The step's metrics: a collective (stage statistics), written on rank 0."""
+    engine, t = loop.engine, loop.run.train
+    stages = stage_stats(engine)
+    if not loop.rank0:
+        return
+    dt = engine.last_step_time
+    tokens_per_s = loop.tokens / dt
+    mfu = loop.flops_per_token * tokens_per_s / (loop.peak_flops * engine.topo.world.size)
+    loop.out.record({
+        "step": step, "loss": loss, "lr": lr_at(step, t), "grad_norm": engine.last_grad_norm,
+        "loss_scale": engine.loss_scale, "skipped_steps": engine.skipped_steps,
+        "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
+        "flops_per_token": loop.flops_per_token, "stages": stages})
+    loop.out.line(f"step {step:5d}  loss {loss:.4f}  lr {lr_at(step, t):.2e}  "
+                  f"{tokens_per_s:8.0f} tok/s  MFU {mfu:6.2%}  {dt * 1e3:7.1f} ms/step  "
+                  f"bubble {[s['bubble'] for s in stages]}")
+
+
+def _report_recompute(loop: _Loop) -> None:
+    """"auto" is resolved on each stage's first micro-batch: say what it chose."""
+    engine = loop.engine
+    chosen = engine.topo.world.gather((engine.stage, engine.recompute,
+                                       engine.peak_activation_bytes), root=0)
+    if loop.rank0:
+        per_stage = {s: (p, b) for s, p, b in chosen}
+        loop.out.line("pipeflow: recompute per stage: " + ", ".join(
+            f"{s}: {p} ({b / 2**20:.1f} MiB stashed)" for s, (p, b) in sorted(per_stage.items())))
+
+
+def _step(loop: _Loop, step: int) -> float:
+    engine, t = loop.engine, loop.run.train
+    if engine.optimizer is not None:
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lr_at(step, t)
+    first = step == loop.first_step and loop.run.engine.recompute != "none"
+    # Count saved activations on the first step only: the meter costs time.
+    engine.measure_activations = first
+    loss = engine.train_step(*_batch(loop.batches, loop.position, engine))
+    loop.position += 1
+    if first:
+        _report_recompute(loop)
+    loop.losses.append(loss)
+    if loop.rank0:
+        loop.out.advance(loss)
+    if step % t.log_every == 0 or step == t.steps - 1:
+        _record(loop, step, loss)
+    if t.eval_every and (step + 1) % t.eval_every == 0:
+        val_loss = _evaluate(loop)
+        if loop.rank0 and val_loss is not None:
+            loop.out.record({"step": step, "eval_loss": val_loss})
+            loop.out.line(f"step {step:5d}  validation loss {val_loss:.4f}")
+    if t.save_dir and t.save_every and (step + 1) % t.save_every == 0:
+        _save(engine, loop.run, loop.position)
+    return loss
+
+
+def _stop_early(loop: _Loop, signum: int) -> None:
+    t, step = loop.run.train, loop.engine.step_count
+    name = signal.Signals(signum).name
+    if t.save_dir:
+        folder = _save(loop.engine, loop.run, loop.position)
+        what = f"checkpoint of step {step} in {folder}; continue with --resume"
+    else:
+        what = "no [train] save_dir, so nothing was saved"
+    if loop.rank0:
+        loop.out.line(f"pipeflow: {name} received: stopped at step {step}; {what}")
+
+
+def _finish(loop: _Loop, elapsed: float, trace: str | None) -> None:
+    engine, t = loop.engine, loop.run.train
     if trace is not None:
         write_trace(engine, trace)
-        if rank0:
-            log(f"pipeflow: wrote the last step's timeline to {trace} (open it in "
-                f"https://ui.perfetto.dev)", flush=True)
-    val_loss = evaluate()
-    if run.save_dir:
-        engine.save(run.save_dir)
-    if rank0 and losses:
-        done = len(losses)
-        log(f"pipeflow: {done} steps in {elapsed:.1f} s ({done * tokens / elapsed:.0f} tok/s); "
-            f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, validation loss {val_loss:.3f}",
-            flush=True)
-    engine.close()
-    return losses
+        if loop.rank0:
+            loop.out.line(f"pipeflow: wrote the last step's timeline to {trace} (open it in "
+                          f"https://ui.perfetto.dev, or `pipeflow trace {trace} --png t.png`)")
+    val_loss = _evaluate(loop)
+    if t.save_dir and engine.step_count and (not t.save_every or engine.step_count % t.save_every):
+        _save(engine, loop.run, loop.position)
+    if loop.rank0 and loop.losses:
+        done = len(loop.losses)
+        if val_loss is not None:
+            loop.out.record({"step": engine.step_count - 1, "eval_loss": val_loss})
+        loop.out.line(f"pipeflow: {done} steps in {elapsed:.1f} s "
+                      f"({done * loop.tokens / elapsed:.0f} tok/s); loss {loop.losses[0]:.3f}"
+                      f" -> {loop.losses[-1]:.3f}" + (f", validation loss {val_loss:.3f}"
+                                                       if val_loss is not None else ""))
+
+
+def train(run: RunConfig, comm: MPI.Comm | None = None, log: Callable = print,
+          trace: str | None = None,
+          on_step: Callable[[int], None] | None = None) -> list[float]:
+    """Train `run`; returns this run's losses (alike on every rank).
+
+    With `trace`, the last step's instruction timeline of every rank is written there as a
+    Chrome/Perfetto trace. `on_step(step)` runs on every rank after each step (tests use it
+    to send a signal mid-run). SIGTERM or SIGUSR1 on any rank saves a checkpoint at the next
+    step boundary on every rank and returns.
+    """
+    comm = comm if comm is not None else MPI.COMM_WORLD
+    torch.set_num_threads(run.train.threads)
+    # Handlers first: a signal while the engine is built still stops at the first step.
+    with Preemption() as preemption:
+        loop = _start(run, comm, log)
+        try:
+            return _loop(loop, comm, preemption, trace, on_step)
+        finally:
+            if loop.out is not None:
+                loop.out.close()
+            loop.engine.close()
+
+
+def _loop(loop: _Loop, comm: MPI.Comm, preemption: Preemption, trace: str | None,
+          on_step: Callable[[int], None] | None) -> list[float]:
+    start = time.perf_counter()
+    for step in range(loop.engine.step_count, loop.run.train.steps):
+        _step(loop, step)
+        if on_step is not None:
+            on_step(step)
+        signum = preemption.agreed(comm)
+        if signum:
+            _stop_early(loop, signum)
+            return loop.losses
+    _finish(loop, time.perf_counter() - start, trace)
+    return loop.losses

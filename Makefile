@@ -1,0 +1,42 @@
+# Two commands from a fresh clone, with only python3 (and make) on the machine:
+#   make train    the main job: a small GPT on 2 ranks, the loss falling
+#   make test     every test: serial, then mpirun -n 2 and -n 4
+# Each creates .venv and installs pipeflow into it on first use. On a GPU machine keep your
+# own torch: `make test CONSTRAINTS=` (drops the CPU pin).
+PYTHON ?= python3
+VENV ?= .venv
+CONSTRAINTS ?= -c constraints/cpu.txt
+CONFIG ?= examples/gpt_small.toml
+NP ?= 2
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.pipeflow-installed
+
+.PHONY: train test install pictures clean-venv
+
+train: $(STAMP)
+	OMP_NUM_THREADS=1 PATH="$(CURDIR)/$(BIN):$$PATH" mpirun -n $(NP) pipeflow train $(CONFIG)
+
+test: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" bash tests/run_all.sh
+
+install: $(STAMP)
+
+# The README's pictures: a schedule, a measured step, a run's loss (matplotlib, in [test]).
+IMG := docs/img
+pictures: $(STAMP)
+	mkdir -p $(IMG) runs/pictures
+	$(BIN)/pipeflow schedule -p 4 -m 8 --png $(IMG)/schedule.png > /dev/null
+	OMP_NUM_THREADS=1 PATH="$(CURDIR)/$(BIN):$$PATH" mpirun -n $(NP) pipeflow train $(CONFIG) \
+	  --set 'train.metrics="runs/pictures/metrics.jsonl"' --set train.log_every=5 \
+	  --trace runs/pictures/trace.json
+	$(BIN)/pipeflow trace runs/pictures/trace.json --png $(IMG)/trace.png
+	$(BIN)/pipeflow plot runs/pictures/metrics.jsonl --png $(IMG)/loss.png
+
+# Reinstalled when pyproject.toml changes (new dependencies or extras).
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -e ".[test]" $(CONSTRAINTS)
+	touch $(STAMP)
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,147 @@
+"""What a training run reports: JSONL records, TensorBoard scalars, a progress bar, and the
+figures behind them (tokens/s, MFU, each stage's peak memory and measured bubble)."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+
+from pipeflow.trace import COMPUTE_KINDS, op_kind
+
+if TYPE_CHECKING:
+    from pipeflow.engine import Engine
+
+__all__ = ["bubble_fraction", "peak_flops", "count_parameters", "stage_stats", "MetricsLog"]
+
+# Dense bf16 peaks (FLOP/s) of common accelerators, from their data sheets (no sparsity).
+GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
+                  "A10": 125e12, "L4": 121e12, "V100": 125e12, "A6000": 155e12}
+
+
+def bubble_fraction(events: Sequence[tuple[str, float, float]]) -> float:
+    """Idle share of one step's pipeline instructions on one rank, from its timeline.
+
+    The span runs from the first instruction's start to the last one's end (the optimizer
+    step left out); busy time is the forward and backward compute (`F`, `B`, `W`) in it.
+    Receives that wait and gaps between instructions count as bubble.
+    """
+    pipeline = [e for e in events if op_kind(e[0]) != "optimizer step"]
+    if not pipeline:
+        return 0.0
+    span = max(e[2] for e in pipeline) - min(e[1] for e in pipeline)
+    busy = sum(e[2] - e[1] for e in pipeline if op_kind(e[0]) in COMPUTE_KINDS)
+    return max(0.0, 1.0 - busy / span) if span > 0 else 0.0
+
+
+def _measured_matmul_flops(trials: int = 8, n: int = 384) -> float:
+    """The best of several timed fp32 matmuls: a peak stands in better than an average on a
+    machine whose cores are shared."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b                                   # warm-up: thread pool, caches
+    best = 0.0
+    for _ in range(trials):
+        start = time.perf_counter()
+        a @ b
+        best = max(best, 2 * n**3 / max(time.perf_counter() - start, 1e-9))
+    return best
+
+
+def peak_flops(device: torch.device, tflops: float = 0.0) -> tuple[float, str]:
+    """Per-rank peak FLOP/s for MFU, and where the figure comes from."""
+    if tflops > 0:
+        return tflops * 1e12, "[train] peak_tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, flops in GPU_PEAK_FLOPS.items():
+            if key in name:
+                return flops, f"{name} bf16 data sheet"
+    # No data sheet: a float32 matmul's measured rate stands in for the peak.
+    return _measured_matmul_flops(), f"measured fp32 matmul on {device.type}"
+
+
+def count_parameters(engine: "Engine") -> int:
+    """Parameters summed over the stages (replica 0 of each): the `N` of `6 N` FLOPs per
+    token for models without a formula. A weight tied across stages counts on each holder."""
+    unique = {id(p): p.numel() for _, p in engine.named_master_parameters()}
+    local = sum(unique.values()) if engine.topo.replica == 0 else 0
+    return engine.topo.world.allreduce(local)
+
+
+def _peak_memory(engine: "Engine") -> tuple[int, str]:
+    if engine.peak_memory_bytes is not None:
+        return engine.peak_memory_bytes, "cuda allocator"
+    # ru_maxrss is in KiB on Linux, bytes on macOS.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss * (1 if sys.platform == "darwin" else 1024), "process rss"
+
+
+def stage_stats(engine: "Engine") -> list[dict[str, Any]] | None:
+    """Each stage's peak memory (largest over its replicas) and measured bubble (mean), on
+    world rank 0; a collective: every rank calls it at the same step."""
+    memory, kind = _peak_memory(engine)
+    mine = (engine.stage, memory, kind, bubble_fraction(engine.timeline))
+    views = engine.topo.world.gather(mine, root=0)
+    if views is None:
+        return None
+    stages: dict[int, list] = {}
+    for stage, mem, kind, bubble in views:
+        stages.setdefault(stage, []).append((mem, kind, bubble))
+    return [{"stage": s, "peak_memory_bytes": max(v[0] for v in rows), "memory": rows[0][1],
+             "bubble": round(sum(v[2] for v in rows) / len(rows), 4)}
+            for s, rows in sorted(stages.items())]
+
+
+class MetricsLog:
+    """Rank 0's outputs: JSONL records, optional TensorBoard, progress bar or plain lines."""
+
+    def __init__(self, path: str, tensorboard: str, total: int, first: int, progress: bool,
+                 log: Callable[..., None] = print, append: bool = False) -> None:
+        self.log = log
+        self.file = None
+        if path:
+            # A fresh run starts the file anew; a resumed one continues it.
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.file = open(path, "a" if append else "w", encoding="utf-8")
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter   # needs `tensorboard`
+            self.writer = SummaryWriter(tensorboard)
+        self.bar = None
+        if progress and sys.stdout.isatty():
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                pass
+            else:
+                self.bar = tqdm(total=total, initial=first, unit="step", dynamic_ncols=True)
+
+    def line(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            self.log(text, flush=True)
+
+    def advance(self, loss: float) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.4f}")
+
+    def record(self, record: dict[str, Any]) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        if self.writer is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.writer.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        for thing in (self.file, self.writer, self.bar):
+            if thing is not None:
+                thing.close()

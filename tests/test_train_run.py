@@ -1,0 +1,265 @@
+"""`pipeflow train` end to end in one process: a user's factory model against a plain loop,
+token files read by memmap, resume continuing the data stream, metrics, pictures, overrides."""
+
+import json
+
+import numpy as np
+import pytest
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+import torch
+
+import pipeflow as pf
+from pipeflow.cli import main
+from pipeflow.data import Batches, token_file
+from pipeflow.models import GPTConfig, flops_per_token, gpt_layers, gpt_loss
+from pipeflow.prepare import prepare
+from pipeflow.run_config import load_run_config
+from pipeflow.train import lr_at, train, weight_decay_groups
+
+from factory_models import RUN_TOML
+
+FACTORY = RUN_TOML.format(pipeline=1, data=1, steps=4, batch_size=4, log_every=1)
+
+
+def _run(tmp_path, text, *overrides):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return load_run_config(path, overrides)
+
+
+@pytest.mark.timeout(60)
+def test_factory_model_trains_as_the_same_model_in_a_plain_loop(tmp_path):
+    run = _run(tmp_path, FACTORY)
+    losses = train(run, log=lambda *a, **k: None)
+    # The reference: build_sequential, AdamW with the same groups, the same batches.
+    from factory_models import token_mlp
+    model = pf.build_sequential(token_mlp(d_model=16, n_layers=2, seq_len=16), seed=0)
+    opt = torch.optim.AdamW(weight_decay_groups(model.parameters(), 0.1), lr=1e-2,
+                            betas=(0.9, 0.95))
+    batches = Batches(pf.data.load_corpus(), 4, 16, seed=0)
+    expected = []
+    for step in range(4):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, run.train)
+        x, y = batches.batch(step)
+        loss = gpt_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        expected.append(loss.item())
+    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert losses[-1] < losses[0]
+
+
+def test_weight_decay_only_on_matrices():
+    model = pf.build_sequential(gpt_layers(GPTConfig(n_layers=1, d_model=16, n_heads=2)))
+    decay, no_decay = weight_decay_groups(model.parameters(), 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"])
+    names = {id(p): n for n, p in model.named_parameters()}
+    skipped = {names[id(p)] for p in no_decay["params"]}
+    assert any("ln" in n or "norm" in n for n in skipped), skipped   # LayerNorm weights
+    assert all(n.endswith("bias") or p.dim() == 1
+               for n, p in model.named_parameters() if id(p) in map(id, no_decay["params"]))
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def _token_file(tmp_path, n=5000, dtype=np.uint16, vocab=65536):
+    path = tmp_path / "tokens.bin"
+    (np.arange(n) % vocab).astype(dtype).tofile(path)
+    return path
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_memmap_replicas_read_disjoint_shards_of_each_batch(tmp_path, dtype):
+    tokens = token_file(_token_file(tmp_path, dtype=np.dtype(dtype).type), dtype)
+    assert isinstance(tokens, np.memmap)
+    batches = Batches(tokens, batch_size=8, seq_len=10, seed=3)
+    reads = []
+    original = batches.rows
+    batches.rows = lambda step, lo, hi: (reads.append((lo, hi)), original(step, lo, hi))[1]
+    for d in (2, 4):
+        reads.clear()
+        gx, gy = batches.batch(5)
+        reads.clear()
+        parts = [batches.replica_batch(5, r, d) for r in range(d)]
+        rows = [set(range(lo, hi)) for lo, hi in reads]
+        assert all(a.isdisjoint(b) for i, a in enumerate(rows) for b in rows[i + 1:])
+        assert set().union(*rows) == set(range(8))
+        shard = 8 // d
+        for r, (x, y) in enumerate(parts):
+            mine = slice(r * shard, (r + 1) * shard)
+            assert torch.equal(x[mine], gx[mine]) and torch.equal(y[mine], gy[mine])
+            others = torch.ones(8, dtype=torch.bool)
+            others[mine] = False
+            assert bool((x[others] == 0).all())      # never read
+    # An arange file: each window is consecutive tokens, targets shifted by one.
+    assert torch.equal(gy, gx + 1) and gx.dtype == torch.int64
+
+
+def test_token_file_of_the_wrong_size_names_the_dtype(tmp_path):
+    path = tmp_path / "odd.bin"
+    path.write_bytes(b"\x00" * 7)
+    with pytest.raises(ValueError, match="not a multiple of 2 .uint16.: is \\[data\\] dtype"):
+        token_file(path, "uint16")
+
+
+def test_prepare_writes_nanogpt_files_that_train(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text("hello pipeline world\n" * 200)
+    meta = prepare([text], tmp_path / "data", "byte", val_fraction=0.1)
+    train_ids = np.fromfile(tmp_path / "data" / "train.bin", dtype=np.uint16)
+    val_ids = np.fromfile(tmp_path / "data" / "val.bin", dtype=np.uint16)
+    raw = list(text.read_bytes())
+    assert train_ids.tolist() + val_ids.tolist() == raw
+    assert len(val_ids) == int(len(raw) * 0.1) and meta["vocab_size"] == 256
+    data = tmp_path / "data"
+    assert main(["prepare", str(text), "--out", str(tmp_path / "d2"),
+                 "--val-fraction", "0.1"]) == 0
+    assert (tmp_path / "d2" / "train.bin").read_bytes() == (data / "train.bin").read_bytes()
+    run = _run(tmp_path, FACTORY, f'data.train="{data}/train.bin"',
+               f'data.val="{data}/val.bin"', "train.steps=3")
+    losses = train(run, log=lambda *a, **k: None)
+    assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+@pytest.mark.timeout(90)
+def test_resume_continues_with_the_next_batch(tmp_path, monkeypatch):
+    import pipeflow.train as train_mod
+    used = []
+    original = train_mod._batch
+    monkeypatch.setattr(train_mod, "_batch",
+                        lambda b, i, e: (used.append((b.batch_size, i)), original(b, i, e))[1])
+    data = _token_file(tmp_path, n=20000, vocab=256)
+    base = [f'data.train="{data}"', "data.seq_len=16", "train.steps=6"]
+    whole = train(_run(tmp_path, FACTORY, *base), log=lambda *a, **k: None)
+    assert [i for _, i in used] == [0, 1, 2, 3, 4, 5]
+    save = f'train.save_dir="{tmp_path / "ck"}"'
+    used.clear()
+    first = train(_run(tmp_path, FACTORY, *base, save, "train.steps=3"), log=lambda *a, **k: None)
+    assert json.loads((tmp_path / "ck" / "step-00000003" / "data.json").read_text())[
+        "next_batch"] == 3
+    used.clear()
+    rest = train(_run(tmp_path, FACTORY, *base, save, "train.resume=true"),
+                 log=lambda *a, **k: None)
+    assert [i for _, i in used] == [3, 4, 5]
+    assert first + rest == whole          # bit-identical: same batches, same state
+    # The position comes from the checkpoint: move it on and the stream follows.
+    state = tmp_path / "ck" / "step-00000006" / "data.json"
+    state.write_text(json.dumps({**json.loads(state.read_text()), "next_batch": 40}))
+    used.clear()
+    train(_run(tmp_path, FACTORY, *base, save, "train.resume=true", "train.steps=7"),
+          log=lambda *a, **k: None)
+    assert [i for _, i in used] == [40]
+
+
+@pytest.mark.timeout(60)
+def test_metrics_jsonl_holds_computed_figures(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    run = _run(tmp_path, FACTORY.replace('factory = "factory_models:token_mlp"\n', "")
+               .replace("d_model = 16\nn_layers = 2\nseq_len = 16",
+                        "d_model = 16\nn_layers = 2\nn_heads = 2\nseq_len = 16"),
+               f'train.metrics="{metrics}"', "train.peak_tflops=0.5", "train.eval_every=2")
+    train(run, log=lambda *a, **k: None)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in steps] == [0, 1, 2, 3]
+    assert [r["step"] for r in evals] == [1, 3, 3]     # eval_every = 2, and at the end
+    fpt = flops_per_token(GPTConfig(n_layers=2, d_model=16, n_heads=2, seq_len=16))
+    for r in steps:
+        assert r["tokens_per_s"] == pytest.approx(4 * 16 / r["step_time_s"])
+        assert r["mfu"] == pytest.approx(fpt * r["tokens_per_s"] / 0.5e12)
+        assert r["flops_per_token"] == fpt and r["lr"] == pytest.approx(lr_at(r["step"], run.train))
+        assert r["loss_scale"] == 1.0 and r["skipped_steps"] == 0
+        (stage,) = r["stages"]
+        assert 0.0 <= stage["bubble"] < 1.0 and stage["peak_memory_bytes"] > 2**20
+    assert len({r["tokens_per_s"] for r in steps}) > 1        # measured, not a constant
+    train(run, log=lambda *a, **k: None)                       # a new run: a new file
+    assert len(metrics.read_text().splitlines()) == len(records)
+
+
+def _png_size(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+@pytest.mark.timeout(60)
+def test_pictures_of_a_schedule_a_trace_and_a_run(tmp_path):
+    pytest.importorskip("matplotlib")
+    assert main(["schedule", "-p", "4", "-m", "8", "--png", str(tmp_path / "s.png")]) == 0
+    assert _png_size(tmp_path / "s.png") == (1200, 400)
+    path = tmp_path / "run.toml"
+    path.write_text(FACTORY)
+    trace, metrics = tmp_path / "t.json", tmp_path / "m.jsonl"
+    assert main(["train", str(path), "--trace", str(trace),
+                 "--set", f'train.metrics="{metrics}"']) == 0
+    categories = {e["cat"] for e in json.loads(trace.read_text())["traceEvents"] if "cat" in e}
+    assert categories == {"F", "B", "optimizer step"}
+    assert main(["trace", str(trace), "--png", str(tmp_path / "t.png")]) == 0
+    assert main(["plot", str(metrics), "--png", str(tmp_path / "l.png")]) == 0
+    for name in ("t.png", "l.png"):
+        assert _png_size(tmp_path / name) == (1200, 400)
+        assert (tmp_path / name).stat().st_size > 10_000     # drawn, not blank
+
+
+def test_overrides_reach_every_table_and_print_config_shows_them(tmp_path, capsys):
+    path = tmp_path / "run.toml"
+    path.write_text(FACTORY)
+    assert main(["train", str(path), "--set", "engine.microbatches=4", "--set", "train.lr=1e-3",
+                 "--set", "data.dtype=uint32", "--set", "model.d_model=8",
+                 "--print-config"]) == 0
+    doc = tomllib.loads(capsys.readouterr().out)
+    assert doc["engine"]["microbatches"] == 4 and doc["train"]["lr"] == 1e-3
+    assert doc["data"]["dtype"] == "uint32" and doc["model"]["d_model"] == 8
+    assert doc["model"]["factory"] == "factory_models:token_mlp"
+    assert doc["train"]["steps"] == 4        # untouched keys keep the file's values
+
+
+def test_trace_category_is_the_op_letters():
+    from pipeflow.trace import op_kind
+    assert [op_kind(n) for n in ("F3", "F3.1", "B12.3", "SA2", "optimizer step")] == [
+        "F", "F", "B", "SA", "optimizer step"]
+
+
+def test_plain_lines_without_a_terminal():
+    from pipeflow.metrics import MetricsLog
+    lines = []
+    out = MetricsLog("", "", total=10, first=0, progress=True,
+                     log=lambda text, **k: lines.append(text))
+    assert out.bar is None                       # pytest's stdout is no terminal
+    out.line("step 0")
+    out.advance(1.0)
+    out.close()
+    assert lines == ["step 0"]
+
+
+def test_progress_bar_on_a_terminal(monkeypatch):
+    pytest.importorskip("tqdm")
+    from pipeflow.metrics import MetricsLog
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)
+    out = MetricsLog("", "", total=10, first=3, progress=True)
+    assert out.bar is not None and out.bar.n == 3
+    out.advance(2.0)
+    assert out.bar.n == 4
+    out.close()
+
+
+@pytest.mark.timeout(60)
+def test_tensorboard_gets_the_same_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    metrics, board = tmp_path / "m.jsonl", tmp_path / "tb"
+    train(_run(tmp_path, FACTORY, f'train.metrics="{metrics}"', f'train.tensorboard="{board}"'),
+          log=lambda *a, **k: None)
+    events = EventAccumulator(str(board))
+    events.Reload()
+    assert {"loss", "lr", "tokens_per_s", "mfu"} <= set(events.Tags()["scalars"])
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx(losses, rel=1e-6)
