@@ -237,7 +237,9 @@ class SavedTensorMeter:
                 self.peak = max(self.peak, self.current)
             else:
                 entry[1] += 1
-        return _Saved(t, self, key)
+        # Detached: a saved output would otherwise hold its own grad_fn, which holds the
+        # saved tensor — a cycle nothing frees while a graph is kept for a later W.
+        return _Saved(t.detach(), self, key)
 
     def _release(self, key: tuple) -> None:
         with self._lock:

@@ -387,3 +387,16 @@ def test_selective_recomputes_the_module_classes_it_is_told():
         losses[tuple(names)] = [engine.train_step(x, y) for x, y in data]
         engine.close()
     assert losses[()] == losses[("Block",)]       # the same training, bit for bit
+
+
+def test_the_meter_frees_a_graph_kept_for_a_later_backward():
+    # Split backward keeps the graph from B to W; the meter must not keep it alive after.
+    layer = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+    x = torch.randn(4, 8, requires_grad=True)
+    meter = SavedTensorMeter()
+    with meter:
+        out = layer(x)
+    torch.autograd.grad(out.sum(), x, retain_graph=True)
+    assert meter.current > 0
+    del out
+    assert meter.current == 0, f"{meter.storages} storages still held"
