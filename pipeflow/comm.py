@@ -13,7 +13,7 @@ from pipeflow.tree import Header, describe
 
 __all__ = ["TensorMeta", "Communicator", "MpiCommunicator", "TorchDistCommunicator",
            "CommDeviceError", "check_on_device", "init_torch_distributed", "rendezvous_address",
-           "torch_grid_communicators", "meta_of", "mpi_iallreduce_", "ProtocolError"]
+           "torch_grid_communicators", "meta_of", "mpi_iallreduce_", "ProtocolError", "HeadersFirst"]
 
 # What a receiver must know to allocate a buffer: shape and dtype. Exchanged once per
 # distinct batch shape and cached by the engine, never sent with every message.
@@ -107,9 +107,10 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def bcast_object(self, obj: Any, root: int) -> Any: ...
 
-    @abc.abstractmethod
     def allreduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the group, in place."""
+        self.iallreduce_(tensor).wait()
+        return tensor
 
     @abc.abstractmethod
     def iallreduce_(self, tensor: torch.Tensor) -> Request:
@@ -279,10 +280,6 @@ class MpiCommunicator(Communicator):
     def bcast_object(self, obj: Any, root: int) -> Any:
         return self.control.bcast(obj, root=root)
 
-    def allreduce_(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.iallreduce_(tensor).wait()
-        return tensor
-
     def iallreduce_(self, tensor: torch.Tensor) -> Request:
         return mpi_iallreduce_(self.comm, tensor)
 
@@ -406,7 +403,39 @@ class _Requests(Request):
             p.wait()
 
 
-class TorchDistCommunicator(Communicator):
+class HeadersFirst:
+    """Messages for backends that cannot probe a message's size (torch.distributed; MPI
+    under NCCL's rules): every message's header travels first over MPI (a pickled tuple of
+    shapes), then the tensors, which NCCL matches by order."""
+
+    always_header = True
+
+    def _header_link(self, tag: int) -> tuple[MPI.Comm, int]:
+        """The MPI communicator and tag a message's header travels on."""
+        raise NotImplementedError
+
+    def send_message(self, header: Header | None, tensors: Sequence[torch.Tensor], dest: int,
+                     tag: int) -> Request:
+        parts: list[Request] = []
+        if header is not None:
+            comm, htag = self._header_link(tag)
+            parts.append(_MpiSend([comm.isend(header, dest=dest, tag=htag)], []))
+        if tensors:
+            parts.append(self.isend(tensors, dest, tag))
+        return _Requests(parts)
+
+    def recv_message(self, source: int, tag: int, header: Header | None,
+                     device: torch.device) -> tuple[Header, list[torch.Tensor]]:
+        if header is None:
+            comm, htag = self._header_link(tag)
+            header = comm.recv(source=source, tag=htag)
+        if not header.metas:
+            return header, []
+        metas = [(m.shape, m.dtype) for m in header.metas]
+        return header, self.irecv(metas, source, tag, device).wait()
+
+
+class TorchDistCommunicator(HeadersFirst, Communicator):
     """Tensors over torch.distributed (NCCL or gloo); objects over MPI."""
 
     def __init__(self, comm: MPI.Comm, group: Any,
@@ -449,27 +478,8 @@ class TorchDistCommunicator(Communicator):
                for t in ts]
         return _DistWork(self._dist.batch_isend_irecv(ops), ts)
 
-    # torch.distributed cannot probe a message's size, so every message's header travels
-    # first over MPI (a pickled tuple of shapes); NCCL matches the tensors by order.
-    always_header = True
-
-    def send_message(self, header: Header | None, tensors: Sequence[torch.Tensor], dest: int,
-                     tag: int) -> Request:
-        parts: list[Request] = []
-        if header is not None:
-            parts.append(_MpiSend([self.objects.comm.isend(header, dest=dest, tag=tag)], []))
-        if tensors:
-            parts.append(self.isend(tensors, dest, tag))
-        return _Requests(parts)
-
-    def recv_message(self, source: int, tag: int, header: Header | None,
-                     device: torch.device) -> tuple[Header, list[torch.Tensor]]:
-        if header is None:
-            header = self.objects.comm.recv(source=source, tag=tag)
-        if not header.metas:
-            return header, []
-        metas = [(m.shape, m.dtype) for m in header.metas]
-        return header, self.irecv(metas, source, tag, device).wait()
+    def _header_link(self, tag: int) -> tuple[MPI.Comm, int]:
+        return self.objects.comm, tag
 
     def send_object(self, obj: Any, dest: int) -> None:
         self.objects.send_object(obj, dest)
@@ -482,10 +492,6 @@ class TorchDistCommunicator(Communicator):
 
     def bcast_object(self, obj: Any, root: int) -> Any:
         return self.objects.bcast_object(obj, root)
-
-    def allreduce_(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.iallreduce_(tensor).wait()
-        return tensor
 
     def iallreduce_(self, tensor: torch.Tensor) -> Request:
         self._check("all_reduce", [tensor])

@@ -23,9 +23,8 @@ from typing import Any, Sequence
 import torch
 from mpi4py import MPI
 
-from pipeflow.comm import (Communicator, MpiCommunicator, Request, TensorMeta, _MpiSend,
-                           _Requests, check_on_device, meta_of)
-from pipeflow.tree import Header
+from pipeflow.comm import (Communicator, HeadersFirst, MpiCommunicator, Request, TensorMeta,
+                           check_on_device, meta_of)
 
 __all__ = ["StrictCommunicator", "StrictCommError"]
 
@@ -80,7 +79,7 @@ class _StrictRecv(Request):
         return self._data.wait()
 
 
-class StrictCommunicator(Communicator):
+class StrictCommunicator(HeadersFirst, Communicator):
     """Host-staged MPI with NCCL's rules checked on every call (see the module's docstring)."""
 
     def __init__(self, comm: MPI.Comm, device: torch.device | str = "cpu") -> None:
@@ -140,28 +139,8 @@ class StrictCommunicator(Communicator):
         return _StrictRecv(header, self.inner.irecv(metas, source, 0, device),
                            (index, tag, tuple(metas)), where)
 
-    # A receiver under NCCL's rules cannot probe: every message's header travels first (tag 1
-    # on the header link), as on torch.distributed.
-    always_header = True
-
-    def send_message(self, header: Header | None, tensors: Sequence[torch.Tensor], dest: int,
-                     tag: int) -> Request:
-        self._guard("send_message", tensors)
-        parts: list[Request] = []
-        if header is not None:
-            parts.append(_MpiSend([self.headers.isend(header, dest=dest, tag=1)], []))
-        if tensors:
-            parts.append(self.isend(tensors, dest, tag))
-        return _Requests(parts)
-
-    def recv_message(self, source: int, tag: int, header: Header | None,
-                     device: torch.device) -> tuple[Header, list[torch.Tensor]]:
-        if header is None:
-            header = self.headers.recv(source=source, tag=1)
-        if not header.metas:
-            return header, []
-        metas = [(m.shape, m.dtype) for m in header.metas]
-        return header, self.irecv(metas, source, tag, device).wait()
+    def _header_link(self, tag: int) -> tuple[MPI.Comm, int]:
+        return self.headers, 1          # tag 0 carries the per-message order checks
 
     # -- objects and collectives ------------------------------------------------------
     def send_object(self, obj: Any, dest: int) -> None:
@@ -181,10 +160,6 @@ class StrictCommunicator(Communicator):
         self._guard("bcast_object")
         self._agree(f"bcast_object(root={root})")
         return self.inner.bcast_object(obj, root)
-
-    def allreduce_(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.iallreduce_(tensor).wait()
-        return tensor
 
     def iallreduce_(self, tensor: torch.Tensor) -> Request:
         self._guard("all_reduce", [tensor])
