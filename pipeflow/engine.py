@@ -206,6 +206,9 @@ class Engine:
         Side inputs (`attention_mask=...`) are split like the inputs and given, on every
         stage, to the layers whose `forward` names them; pass them on every rank.
         """
+        cuda = self.device.type == "cuda"
+        if cuda:     # the step's own peak: its forwards, backwards, reductions and optimizer
+            torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         with self.watchdog:
             self.module.train()
@@ -213,6 +216,9 @@ class Engine:
             self._measure(lambda: self.runner.run(self._stage.program, st))
             loss = self._guarded("loss", lambda: self._global_loss(st.losses, st))
             self._guarded("optimizer step", lambda: close_step(self._stage, loss, self.stats))
+        if cuda:     # device time, not the host's enqueue time
+            torch.cuda.synchronize(self.device)
+            self.stats.peak_memory_bytes = torch.cuda.max_memory_allocated(self.device)
         self.stats.loss = loss
         self.stats.step += 1
         self.stats.peak_stash = st.peak_stash
@@ -258,14 +264,10 @@ class Engine:
                          loss_multiplier=mult * self.precision.loss_scale)
 
     def _measure(self, run: Callable[[], Any]) -> None:
-        meter, cuda = self.runner.activation_meter, self.device.type == "cuda"
+        meter = self.runner.activation_meter
         meter.reset_peak()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
         self._guarded("run", run)
         self.stats.peak_activation_bytes = meter.peak
-        if cuda:
-            self.stats.peak_memory_bytes = torch.cuda.max_memory_allocated(self.device)
 
     def _global_loss(self, losses: list[torch.Tensor], st: StepState) -> float:
         """The global loss on every rank: mean of the micro-batch means (or, with

@@ -84,10 +84,15 @@ class Runner:
     # -- the loop -------------------------------------------------------------------------
     def run(self, program: list[sched.Action], st: StepState) -> StepState:
         self.timeline = []
+        # Traced on a GPU, each instruction's end waits for its kernels: the timeline shows
+        # device time, not the host's enqueue time (a slower run, for looking only).
+        sync = self.trace and self.stage.device.type == "cuda"
         for act in program:
             self.on_instruction(self.describe(act))
             t0 = time.perf_counter() if self.trace else 0.0
             self._handlers[act.op](act, st)
+            if sync:
+                torch.cuda.synchronize(self.stage.device)
             # Let finished sends go and reductions in flight progress, without blocking.
             st.sends = [s for s in st.sends if not s.test()]
             reducer = self.stage.reducer
