@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from pipeflow._io import atomic_write_bytes
 from pipeflow.run_config import load_run_config
 from pipeflow.train import train
 
@@ -35,9 +36,9 @@ def _shared_folder(comm: MPI.Comm) -> str:
 def _run(folder: str, pipeline: int = 2, data: int = 1, *overrides: str):
     path = os.path.join(folder, f"run-{pipeline}x{data}.toml")
     if not os.path.exists(path):
-        with open(path, "w") as f:
-            f.write(RUN_TOML.format(pipeline=pipeline, data=data, steps=6, batch_size=8,
-                                    log_every=2))
+        # Both ranks of a pair may write it: atomically, so neither reads half a file.
+        atomic_write_bytes(path, RUN_TOML.format(pipeline=pipeline, data=data, steps=6,
+                                                 batch_size=8, log_every=2).encode())
     return load_run_config(path, overrides)
 
 
