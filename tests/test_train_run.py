@@ -2,6 +2,7 @@
 token files read by memmap, resume continuing the data stream, metrics, pictures, overrides."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -263,3 +264,30 @@ def test_tensorboard_gets_the_same_scalars(tmp_path):
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
     assert [e.value for e in events.Scalars("loss")] == pytest.approx(losses, rel=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_hf_model_from_the_config_trains_as_the_same_model_in_a_plain_loop(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="kind = 'hf' needs transformers")
+    from pipeflow.models import hf
+    text = open(os.path.join(os.path.dirname(__file__), "..", "examples",
+                             "hf_llama.toml")).read()
+    run = _run(tmp_path, text, "engine.pipeline=1", "train.steps=3", "train.batch_size=4",
+               "model.seq_len=16")
+    losses = train(run, log=lambda *a, **k: None)
+    cfg = transformers.AutoConfig.for_model(**run.model["config"])
+    model = pf.build_sequential(hf.causal_lm_layers(cfg), seed=0)
+    opt = torch.optim.AdamW(weight_decay_groups(model.parameters(), run.train.weight_decay),
+                            lr=run.train.lr, betas=(0.9, 0.95))
+    batches = Batches(pf.data.load_corpus(), 4, 16, seed=0)
+    expected = []
+    for step in range(3):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, run.train)
+        x, y = batches.batch(step)
+        loss = gpt_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        expected.append(loss.item())
+    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
