@@ -63,6 +63,8 @@ class Config:
     # "auto" (NCCL when every rank has a GPU of its own, MPI otherwise), "mpi", "nccl";
     # "gloo" runs the torch.distributed path on CPUs (tests); "strict": MPI under NCCL's rules
     backend: str = "auto"
+    free_sent_outputs: bool = True   # free an activation's storage once it is sent; the
+                                     # stash keeps its graph (Megatron-Core's deallocation)
     bucket_mb: float = 25.0    # gradient all-reduce bucket size, MiB
     clip: float = 0.0          # clip gradients to this global norm; 0 turns clipping off
     seed: int = 0              # layer i is built under a seed derived from (seed, i)
@@ -93,6 +95,9 @@ class Config:
         _number("bucket_mb", self.bucket_mb, 0.0, strict=True)
         _number("clip", self.clip, 0.0, hint="0 turns clipping off", what="a norm")
         _integer("seed", self.seed, None)
+        if not isinstance(self.free_sent_outputs, bool):
+            _fail("free_sent_outputs", "true or false", self.free_sent_outputs,
+                  "set free_sent_outputs = true (the default) or false")
         _number("watchdog_s", self.watchdog_s, 0.0, hint="0 turns the watchdog off")
         _integer("max_nonfinite_steps", self.max_nonfinite_steps, 0)
 

@@ -74,6 +74,9 @@ class Runner:
         self.activation_meter = SavedTensorMeter()
         self.trace = False
         self.timeline: list[tuple[str, float, float]] = []
+        # Megatron-Core's deallocate_output_tensor: once an activation is sent, its storage
+        # goes; the stash keeps only its graph (grad_fn) for the backward.
+        self.free_sent_outputs = stage.config.free_sent_outputs
         self._announced: dict[tuple[int, int], Header] = {}   # (peer, chunk) -> last sent
         self._heard: dict[tuple[int, int], Header] = {}       # (peer, chunk) -> last received
         self._handlers = {sched.RECV_ACT: self.recv_activation, sched.FORWARD: self.forward,
@@ -94,7 +97,7 @@ class Runner:
             if sync:
                 torch.cuda.synchronize(self.stage.device)
             # Let finished sends go and reductions in flight progress, without blocking.
-            st.sends = [s for s in st.sends if not s.test()]
+            st.sends = [s for s in st.sends if not _finished(s)]
             reducer = self.stage.reducer
             if reducer is not None and reducer.armed:
                 reducer.poll()
@@ -102,6 +105,7 @@ class Runner:
                 self.timeline.append((repr(act), t0, time.perf_counter()))
         for s in st.sends:
             s.wait()
+            _finished(s)
         return st
 
     def route(self, act: sched.Action) -> Route:
@@ -186,7 +190,9 @@ class Runner:
             return
         announce = comm.always_header or self._announced.get(link) != header
         self._announced[link] = header
-        st.sends.append(comm.send_message(header if announce else None, ts, r.peer, r.tag))
+        request = comm.send_message(header if announce else None, ts, r.peer, r.tag)
+        st.sends.append(_FreeAfter(request, _freeable(ts)) if self.free_sent_outputs
+                        and st.train and not self.stage.split_backward else request)
 
     def recv_gradient(self, act: sched.Action, st: StepState) -> None:
         # Gradients come back for the leaves that were sent requiring one: no header needed,
@@ -225,7 +231,7 @@ class Runner:
         if stage.reducer is not None and act == stage.last_backward:
             stage.reducer.arm()
         if outs:
-            torch.autograd.backward(outs, grads)
+            _backward(outs, grads)
         st.grads_out[key] = [t.grad if t.grad is not None else torch.zeros_like(t)
                              for t in needs_grad]
 
@@ -255,3 +261,55 @@ class Runner:
                 if target is not None else None)
         stage.recompute = auto_policy(layers, x, stage.expected_peak_stash[stage.index],
                                       budget, where=stage.describe(), tail=tail)
+
+
+class _FreeAfter:
+    """A send whose source tensor is freed once the send is done (see `_freeable`)."""
+
+    def __init__(self, request: Any, tensor: torch.Tensor | None) -> None:
+        self.request, self.tensor = request, tensor
+
+    def test(self) -> bool:
+        return self.request.test()
+
+    def wait(self) -> None:
+        self.request.wait()
+
+
+def _finished(send: Any) -> bool:
+    """Whether a send is done; a done send's freeable source loses its storage."""
+    if not send.test():
+        return False
+    if isinstance(send, _FreeAfter) and send.tensor is not None:
+        t = send.tensor
+        t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        send.tensor = None
+    return True
+
+
+def _freeable(ts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The one sent tensor whose storage nothing but the send needs after the forward.
+
+    Only the simple, provable case: exactly one leaf of the message needs a gradient, and it
+    is the result of an op (not a leaf, not a view of another tensor), so no other tensor
+    of the stage shares its storage and nothing in the stage consumed it. (An op that saved
+    its own result for backward keeps its own reference, so the backward stays exact.)
+    """
+    grads = [t for t in ts if t.requires_grad]
+    if len(grads) != 1:
+        return None
+    t = grads[0]
+    if t.grad_fn is None or t._base is not None or t.untyped_storage().nbytes() != \
+            t.numel() * t.element_size():
+        return None
+    return t
+
+
+def _backward(outs: list[torch.Tensor], grads: list[torch.Tensor] | None) -> None:
+    """`torch.autograd.backward`, also for outputs whose storage was freed after their send
+    (the shape check is against the gradient; autograd needs only their graph)."""
+    if grads is None or all(o.shape == g.shape for o, g in zip(outs, grads)):
+        torch.autograd.backward(outs, grads)
+        return
+    torch.autograd.Variable._execution_engine.run_backward(
+        tuple(outs), tuple(grads), False, False, (), True, True)
