@@ -32,18 +32,14 @@ def _run(tmp_path, text, *overrides):
     return load_run_config(path, overrides)
 
 
-@pytest.mark.timeout(60)
-def test_factory_model_trains_as_the_same_model_in_a_plain_loop(tmp_path):
-    run = _run(tmp_path, FACTORY)
-    losses = train(run, log=lambda *a, **k: None)
-    # The reference: build_sequential, AdamW with the same groups, the same batches.
-    from factory_models import token_mlp
-    model = pf.build_sequential(token_mlp(d_model=16, n_layers=2, seq_len=16), seed=0)
-    opt = torch.optim.AdamW(weight_decay_groups(model.parameters(), 0.1), lr=1e-2,
-                            betas=(0.9, 0.95))
-    batches = Batches(pf.data.load_corpus(), 4, 16, seed=0)
-    expected = []
-    for step in range(4):
+def _plain_loop(model, run, steps: int, batch: int, seq: int) -> list[float]:
+    """The reference: the same model, AdamW with the same groups and schedule, the same
+    batches, in a plain loop."""
+    opt = torch.optim.AdamW(weight_decay_groups(model.parameters(), run.train.weight_decay),
+                            lr=run.train.lr, betas=(run.train.beta1, run.train.beta2))
+    batches = Batches(pf.data.load_corpus(), batch, seq, seed=0)
+    losses = []
+    for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, run.train)
         x, y = batches.batch(step)
@@ -51,7 +47,18 @@ def test_factory_model_trains_as_the_same_model_in_a_plain_loop(tmp_path):
         opt.zero_grad()
         loss.backward()
         opt.step()
-        expected.append(loss.item())
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.timeout(60)
+def test_factory_model_trains_as_the_same_model_in_a_plain_loop(tmp_path):
+    run = _run(tmp_path, FACTORY)
+    losses = train(run, log=lambda *a, **k: None)
+    # The reference: build_sequential, AdamW with the same groups, the same batches.
+    from factory_models import token_mlp
+    model = pf.build_sequential(token_mlp(d_model=16, n_layers=2, seq_len=16), seed=0)
+    expected = _plain_loop(model, run, steps=4, batch=4, seq=16)
     assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
     assert losses[-1] < losses[0]
 
@@ -277,17 +284,5 @@ def test_hf_model_from_the_config_trains_as_the_same_model_in_a_plain_loop(tmp_p
     losses = train(run, log=lambda *a, **k: None)
     cfg = transformers.AutoConfig.for_model(**run.model["config"])
     model = pf.build_sequential(hf.causal_lm_layers(cfg), seed=0)
-    opt = torch.optim.AdamW(weight_decay_groups(model.parameters(), run.train.weight_decay),
-                            lr=run.train.lr, betas=(0.9, 0.95))
-    batches = Batches(pf.data.load_corpus(), 4, 16, seed=0)
-    expected = []
-    for step in range(3):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, run.train)
-        x, y = batches.batch(step)
-        loss = gpt_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        expected.append(loss.item())
+    expected = _plain_loop(model, run, steps=3, batch=4, seq=16)
     assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
