@@ -1,31 +1,36 @@
 """pipeflow against torch.distributed.pipelining, same GPT and grid, in one MPI run."""
 
 # Run: mpirun -n 2 python benchmarks/bench_peer.py   (writes BENCHMARKS.md; --help for sizes)
+# Every system is timed in the same run, alternated in rounds: T1 (one rank, the whole model),
+# the peer's Schedule1F1B, Interleaved1F1B, InterleavedZeroBubble and ZBVZeroBubble, and
+# pipeflow's 1f1b, interleaved, zb-h1 and zbv. Each pipeline's first step is checked against
+# `build_sequential` on the whole batch in one process before anything is timed.
 
 from __future__ import annotations
 
 import argparse
-import datetime
+import dataclasses
 import os
-import platform
 import socket
 import statistics
-import time
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 import pipeflow as pf
 from pipeflow.data import Batches, load_corpus
 from pipeflow.layers import build_layer
 from pipeflow.models import GPTConfig, gpt_layers, gpt_loss, num_parameters
 from pipeflow.partition import partition_uniform
+from pipeflow.schedule import build_schedule, simulate, stage_layout
 
-from _common import add_model_args, cpu_model, sync, write_section  # noqa: E402 (benchmarks/ is the script folder)
+from _common import (add_model_args, busy_note, header, load_average,  # noqa: E402 (benchmarks/
+                     sync, time_block, write_section)                 # is the script folder)
 
 __all__ = ["main"]
 
@@ -33,6 +38,39 @@ COMM = MPI.COMM_WORLD
 # fp32 sums in another order differ by ~1e-6 relative, the SGD probe's p - g rounding by ~1e-5
 # (LayerNorm weights sit near 1); a wrong gradient scale differs by far more.
 GRAD_TOL = 1e-4
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """One pipeline schedule under test: its label, its model chunks a rank, its layout name
+    (`pipeflow.schedule.stage_layout`) and the bound it is judged against."""
+
+    label: str
+    chunks: int
+    layout: str        # "interleaved" (rank r: r, r + p) or "zbv" (rank r: r, 2p - 1 - r)
+    bound: str         # "1f1b", "interleaved" or "zero-bubble"
+
+
+# The peer's schedules: torch.distributed.pipelining class -> how it runs.
+PEER = {
+    "peer 1F1B": (Schedule1F1B, Kind("torch.distributed.pipelining Schedule1F1B", 1,
+                                      "interleaved", "1f1b")),
+    "peer interleaved": (ScheduleInterleaved1F1B, Kind(
+        "same, ScheduleInterleaved1F1B (2 stages a rank)", 2, "interleaved", "interleaved")),
+    "peer interleaved-zb": (ScheduleInterleavedZeroBubble, Kind(
+        "same, ScheduleInterleavedZeroBubble (2 stages a rank)", 2, "interleaved",
+        "zero-bubble")),
+    "peer zbv": (ScheduleZBVZeroBubble, Kind(
+        "same, ScheduleZBVZeroBubble (V: rank r holds r and 2p-1-r)", 2, "zbv", "zero-bubble")),
+}
+# pipeflow's schedules: `Config.schedule` -> how it runs.
+PIPEFLOW = {
+    "1f1b": Kind("pipeflow 1F1B", 1, "interleaved", "1f1b"),
+    "interleaved": Kind("pipeflow interleaved, 2 chunks a rank", 2, "interleaved",
+                        "interleaved"),
+    "zb-h1": Kind("pipeflow ZB-H1", 1, "interleaved", "zero-bubble"),
+    "zbv": Kind("pipeflow ZBV (V, 2 chunks a rank)", 2, "zbv", "zero-bubble"),
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -48,8 +86,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-
-
 def init_gloo() -> None:
     """torch.distributed from MPI: rank and size from COMM_WORLD, a free port from rank 0."""
     port = None
@@ -62,55 +98,83 @@ def init_gloo() -> None:
     dist.init_process_group("gloo", rank=COMM.rank, world_size=COMM.size)
 
 
-# -- the three systems: each is a `step(inputs, targets)` on every rank -------------------
+# -- the systems: each is a `step(inputs, targets)` on every rank -------------------------
 
-def make_peer(layers, bounds, cfg: GPTConfig, args, seed: int):
-    """This rank's stage under torch.distributed.pipelining's Schedule1F1B."""
-    s, p = COMM.rank, COMM.size
+@dataclasses.dataclass
+class PeerRun:
+    """This rank's part of one peer schedule: its stages' modules by first global layer,
+    its optimizer, a first-half step (`backward`, returns the loss where known) and a step."""
+
+    modules: dict[int, nn.Module]
+    opt: torch.optim.Optimizer
+    backward: Callable
+    step: Callable
+    pipeline_order: dict
+    last_rank: int           # the rank holding the last stage, which sees the losses
+
+
+def make_peer_stage(layers, bounds, index: int, cfg: GPTConfig, args, seed: int):
+    """Virtual stage `index` of `len(bounds) - 1` as a PipelineStage on this rank."""
+    num_stages = len(bounds) - 1
     module = nn.Sequential(*[build_layer(layers[i], seed, i)
-                             for i in range(bounds[s], bounds[s + 1])])
+                             for i in range(bounds[index], bounds[index + 1])])
     mb = args.batch // args.microbatches
-    if s == 0:
+    if index == 0:
         example_in = torch.zeros(mb, cfg.seq_len, dtype=torch.long)
     else:
         example_in = torch.zeros(mb, cfg.seq_len, cfg.d_model, requires_grad=True)
-    out_dim = cfg.vocab_size if s == p - 1 else cfg.d_model
+    out_dim = cfg.vocab_size if index == num_stages - 1 else cfg.d_model
     # The example tensors must carry requires_grad=True (torch 2.13): the stage takes its
     # autograd plan from them, and without it no gradient crosses the stage boundary.
     example_out = torch.zeros(mb, cfg.seq_len, out_dim, requires_grad=True)
-    stage = PipelineStage(module, s, p, torch.device("cpu"), input_args=(example_in,),
-                          output_args=(example_out,))
+    stage = PipelineStage(module, index, num_stages, torch.device("cpu"),
+                          input_args=(example_in,), output_args=(example_out,))
+    return module, stage
+
+
+def make_peer(name: str, layers, cfg: GPTConfig, args, seed: int) -> PeerRun:
+    """This rank's stages under the peer's schedule `name` (a key of PEER)."""
+    schedule_cls, kind = PEER[name]
+    p = COMM.size
+    num_stages = p * kind.chunks
+    bounds = partition_uniform(len(layers), num_stages)
+    layout = stage_layout(kind.layout, p, kind.chunks)
+    mine = layout[COMM.rank]
+    built = [make_peer_stage(layers, bounds, i, cfg, args, seed) for i in mine]
+    stages = [stage for _, stage in built]
     # The schedule divides gradients by the micro-batch count, so a per-micro-batch mean
     # loss gives the gradient of the whole batch's mean, as one process would.
-    schedule = Schedule1F1B(stage, args.microbatches, loss_fn=gpt_loss)
-    opt = torch.optim.AdamW(module.parameters(), lr=args.lr)
+    schedule = schedule_cls(stages[0] if kind.chunks == 1 else stages, args.microbatches,
+                            loss_fn=gpt_loss)
+    modules = {bounds[i]: module for i, (module, _) in zip(mine, built)}
+    params = [q for module in modules.values() for q in module.parameters()]
+    opt = torch.optim.AdamW(params, lr=args.lr)
+    first, last = 0 in mine, num_stages - 1 in mine
 
     def backward(x, y) -> float | None:
         opt.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
-        if s == 0:
-            schedule.step(x, return_outputs=False)
-        elif s == p - 1:
-            schedule.step(target=y, losses=losses, return_outputs=False)
-        else:
-            schedule.step(return_outputs=False)
+        inputs = (x,) if first else ()
+        extra = dict(target=y, losses=losses) if last else {}
+        schedule.step(*inputs, **extra, return_outputs=False)
         return torch.stack(losses).mean().item() if losses else None
 
     def step(x, y) -> None:
         backward(x, y)
         opt.step()
 
-    return module, opt, backward, step
+    owner = next(r for r, held in enumerate(layout) if num_stages - 1 in held)
+    return PeerRun(modules, opt, backward, step, schedule.pipeline_order, owner)
 
 
-def make_pipeflow(layers, bounds, args, seed: int, chunks: int = 1):
-    # chunks > 1: the interleaved schedule, `chunks` model chunks a rank, uniform layer counts.
-    config = pf.Config(pipeline=COMM.size, microbatches=args.microbatches,
-                       schedule="interleaved" if chunks > 1 else "1f1b",
-                       virtual_stages=chunks, partition="uniform" if chunks > 1 else bounds,
-                       seed=seed)
-    engine = pf.Engine(layers, gpt_loss, lambda ps: torch.optim.AdamW(ps, lr=args.lr), config)
-    return engine, engine.train_step
+def make_pipeflow(name: str, layers, args, seed: int, optimizer=None) -> pf.Engine:
+    """pipeflow's engine under schedule `name` (a key of PIPEFLOW), uniform layer counts over
+    every virtual stage; AdamW unless `optimizer` is given."""
+    kind = PIPEFLOW[name]
+    config = pf.Config(pipeline=COMM.size, microbatches=args.microbatches, schedule=name,
+                       virtual_stages=kind.chunks, partition="uniform", seed=seed)
+    optimizer = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=args.lr))
+    return pf.Engine(layers, gpt_loss, optimizer, config)
 
 
 def make_single(layers, args, seed: int):
@@ -128,86 +192,214 @@ def make_single(layers, args, seed: int):
 
 
 # -- the first step must match one process on the whole batch -----------------------------
+# AdamW's first update is nearly `lr * sign(grad)`, blind to a wrong gradient scale, so the
+# gradients are compared too: the peer's directly, pipeflow's through a probe engine whose
+# optimizer is SGD with lr 1 (its update is minus the gradient). Each check returns the
+# largest differences, already reduced over ranks.
 
-def check_first_steps(layers, bounds, args, seed, batch, peer, engine) -> dict[str, float]:
-    """Take each pipeline's first step and compare it with `build_sequential`'s.
+@dataclasses.dataclass
+class Reference:
+    """`build_sequential`'s first AdamW step on the whole batch in one process."""
 
-    AdamW's first update is nearly `lr * sign(grad)`, blind to a wrong gradient scale, so
-    the gradients are compared too: the peer's directly, pipeflow's through a probe engine
-    whose optimizer is SGD with lr 1 (its update is minus the gradient). Returns the largest
-    differences, already reduced over ranks.
-    """
+    initial: dict[str, torch.Tensor]
+    loss: float
+    grads: dict[str, torch.Tensor]
+    params: dict[str, torch.Tensor]
+
+
+def reference(layers, args, seed: int, batch) -> Reference:
     x, y = batch
     initial = pf.build_sequential(layers, seed).state_dict()
     ref = pf.build_sequential(layers, seed)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=args.lr)
-    ref_loss = gpt_loss(ref(x), y)
-    ref_loss.backward()
-    ref_grads = {k: p.grad.clone() for k, p in ref.named_parameters()}
-    ref_opt.step()
-    ref_params = {k: v.detach() for k, v in ref.state_dict().items()}
-
-    lo = bounds[COMM.rank]
-
-    def global_key(local: str) -> str:
-        index, rest = local.split(".", 1)
-        return f"{lo + int(index)}.{rest}"
-
-    module, opt, backward, _ = peer
-    peer_loss = backward(x, y)
-    grad_err = max(((p.grad - ref_grads[global_key(k)]).abs().max().item()
-                    / ref_grads[global_key(k)].abs().max().clamp_min(1e-12).item())
-                   for k, p in module.named_parameters())
-    missing = sum(p.grad is None for p in module.parameters())
+    opt = torch.optim.AdamW(ref.parameters(), lr=args.lr)
+    loss = gpt_loss(ref(x), y)
+    loss.backward()
+    grads = {k: q.grad.clone() for k, q in ref.named_parameters()}
     opt.step()
-    peer_param_err = max((v - ref_params[global_key(k)]).abs().max().item()
-                         for k, v in module.state_dict().items())
+    return Reference(initial, loss.item(), grads,
+                     {k: v.detach() for k, v in ref.state_dict().items()})
 
-    probe = pf.Engine(layers, gpt_loss, lambda ps: torch.optim.SGD(ps, lr=1.0), engine.config)
-    probe.train_step(x, y)
+
+def worst(v: float) -> float:
+    return COMM.allreduce(v, op=MPI.MAX)
+
+
+def relative(diff: torch.Tensor, scale: torch.Tensor) -> float:
+    """Largest |diff| relative to the largest |entry| of the tensor it is a difference of."""
+    return (diff.abs().max() / scale.abs().max().clamp_min(1e-12)).item()
+
+
+def check_peer(run: PeerRun, ref: Reference, batch) -> dict[str, float]:
+    """The peer's first step (gradients, then AdamW) against the reference."""
+    loss = run.backward(*batch)
+    # A stage's local key "i.rest" is global layer lo + i of build_sequential.
+    named = {f"{lo + int(k.split('.', 1)[0])}.{k.split('.', 1)[1]}": q
+             for lo, module in run.modules.items() for k, q in module.named_parameters()}
+    grad_err = max(relative(q.grad - ref.grads[k], ref.grads[k])
+                   for k, q in named.items() if q.grad is not None)
+    missing = sum(q.grad is None for q in named.values())
+    run.opt.step()
+    param_err = max((q.detach() - ref.params[k]).abs().max().item() for k, q in named.items())
+    return dict(loss=COMM.bcast(loss, root=run.last_rank), grad_rel=worst(grad_err),
+                param=worst(param_err), missing=COMM.allreduce(missing))
+
+
+def check_pipeflow(name: str, engine: pf.Engine, layers, args, seed: int, ref: Reference,
+                   batch) -> dict[str, float]:
+    """pipeflow's first step under `engine` against the reference; gradients by the probe."""
+    probe = make_pipeflow(name, layers, args, seed, lambda ps: torch.optim.SGD(ps, lr=1.0))
+    probe.train_step(*batch)
     probe_state = probe.gather_state_dict()
     probe.close()
-    pf_loss = engine.train_step(x, y)
+    loss = engine.train_step(*batch)
     state = engine.gather_state_dict()
-    pf_param_err = pf_grad_err = 0.0
+    param_err = grad_err = 0.0
     if state is not None:
-        if state.keys() != ref_params.keys():
-            raise RuntimeError(f"pipeflow state keys differ from build_sequential's: "
-                               f"{sorted(set(state) ^ set(ref_params))[:5]}")
-        pf_param_err = max((state[k] - ref_params[k]).abs().max().item() for k in state)
-        pf_grad_err = max(((initial[k] - probe_state[k] - g).abs().max()
-                           / g.abs().max().clamp_min(1e-12)).item()
-                          for k, g in ref_grads.items())
+        if state.keys() != ref.params.keys():
+            raise RuntimeError(f"pipeflow {name}: state keys differ from build_sequential's: "
+                               f"{sorted(set(state) ^ set(ref.params))[:5]}")
+        param_err = max((state[k] - ref.params[k]).abs().max().item() for k in state)
+        grad_err = max(relative(ref.initial[k] - probe_state[k] - g, g)
+                       for k, g in ref.grads.items())
+    return dict(loss=loss, grad_rel=worst(grad_err), param=worst(param_err), missing=0)
 
-    def worst(v: float) -> float:
-        return COMM.allreduce(v, op=MPI.MAX)
 
-    return dict(
-        ref_loss=ref_loss.item(),
-        peer_loss=COMM.bcast(peer_loss, root=COMM.size - 1),
-        pipeflow_loss=pf_loss,
-        peer_grad_rel=worst(grad_err),
-        peer_missing_grads=COMM.allreduce(missing),
-        peer_param=worst(peer_param_err),
-        pipeflow_grad_rel=worst(pf_grad_err),
-        pipeflow_param=worst(pf_param_err),
-    )
+# -- stash: micro-batches a rank holds, from each schedule's own order ---------------------
+
+def order_stash(order: dict) -> tuple[list[int], list[int]]:
+    """Per rank, the most micro-batch chunks forwarded but not input-backwarded (stash) and
+    forwarded but not fully backwarded (held), from a peer schedule's `pipeline_order`."""
+    stash, held = [], []
+    for rank in sorted(order):
+        now = {"stash": 0, "held": 0}
+        peak = dict(now)
+        for action in order[rank]:
+            kind = getattr(action, "computation_type", None)
+            kind = getattr(kind, "value", kind)
+            step = {"F": (1, 1), "I": (-1, 0), "B": (-1, -1), "W": (0, -1)}.get(kind, (0, 0))
+            now = {"stash": now["stash"] + step[0], "held": now["held"] + step[1]}
+            peak = {k: max(peak[k], now[k]) for k in now}
+        stash.append(peak["stash"])
+        held.append(peak["held"])
+    return stash, held
+
+
+def pipeflow_stash(name: str, p: int, m: int) -> tuple[list[int], list[int], float]:
+    """pipeflow's simulated peaks per rank and bubble (F = B = W) for schedule `name`."""
+    kind = PIPEFLOW[name]
+    sim = simulate(build_schedule(name, p, m, kind.chunks if name == "interleaved" else None))
+    return sim.peak_stash, sim.peak_held, sim.bubble
 
 
 # -- timing ------------------------------------------------------------------------------
 
-def time_block(step: Callable, batches: Batches, first: int, n: int) -> float:
-    """Seconds per step of `n` back-to-back steps, from a common start to a common end."""
-    sync()
-    start = time.perf_counter()
-    for k in range(n):
-        step(*batches.batch(first + k))
-    sync()
-    return COMM.bcast((time.perf_counter() - start) / n, root=0)
+def time_rounds(systems: dict[str, Callable], batches: Batches, args) -> dict[str, list[float]]:
+    """Warm every system up, then time them alternated in `args.rounds` rounds."""
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    next_batch = 1                    # batch 0 was the checked first step
+
+    def block(step: Callable, first: int, n: int) -> float:
+        return time_block(lambda k: step(*batches.batch(k)), first, n, active=True)
+
+    for step in systems.values():
+        block(step, next_batch, args.warmup)
+    next_batch += args.warmup
+    for r in range(args.rounds):
+        for name, step in systems.items():
+            times[name].append(block(step, next_batch, args.steps))
+        next_batch += args.steps
+        if COMM.rank == 0:
+            print(f"round {r}: " + "  ".join(f"{n} {t[-1] * 1e3:.0f} ms"
+                                             for n, t in times.items()), flush=True)
+    return times
 
 
+# -- the report --------------------------------------------------------------------------
+
+def bounds_of(t1: float, p: int, m: int) -> dict[str, float]:
+    """Each kind's bound on a step, from T1: 1F1B's bubble (p-1)/(m+p-1), interleaved's with
+    v = 2 chunks a rank (p-1)/(vm+p-1), and the zero-bubble limit T1/p."""
+    v = 2
+    return {"1f1b": t1 / p * (m + p - 1) / m, "interleaved": t1 / p * (v * m + p - 1) / (v * m),
+            "zero-bubble": t1 / p}
 
 
+def table(times: dict[str, list[float]], stash: dict[str, tuple], p: int, m: int) -> list[str]:
+    med = {name: statistics.median(t) for name, t in times.items()}
+    best = {name: min(t) for name, t in times.items()}
+    bound = bounds_of(med["T1"], p, m)
+    limit, peer = bound["zero-bubble"], med["peer 1F1B"]
+    rows = ["| system | median step (ms) | vs the peer's Schedule1F1B | own bound (ms) "
+            "| efficiency vs own bound | efficiency vs zero-bubble limit | best round (ms) "
+            "| peak stash per rank (F→B) | peak held per rank (F→W) |",
+            "|---|---:|---:|---:|---:|---:|---:|---|---|",
+            f"| one rank, whole model (T1), 1 thread | {med['T1'] * 1e3:.0f} | "
+            f"{med['T1'] / peer:.3f} | | | | {best['T1'] * 1e3:.0f} | | |"]
+    kinds = {**{name: kind for name, (_, kind) in PEER.items()}, **PIPEFLOW}
+    for name, kind in kinds.items():
+        if name not in med:
+            continue
+        own = bound[kind.bound]
+        rows.append(f"| {kind.label} | {med[name] * 1e3:.0f} | {med[name] / peer:.3f} | "
+                    f"{own * 1e3:.0f} ({kind.bound}) | {own / med[name]:.1%} | "
+                    f"{limit / med[name]:.1%} | {best[name] * 1e3:.0f} | "
+                    f"{stash[name][0]} | {stash[name][1]} |")
+    rows.append(f"| zero-bubble limit T1/p | {limit * 1e3:.0f} | {limit / peer:.3f} | | | "
+                f"100% | | | |")
+    return rows
+
+
+def fairness(checks: dict[str, dict[str, float]], ref: Reference, args) -> list[str]:
+    kinds = {**{name: kind for name, (_, kind) in PEER.items()}, **PIPEFLOW}
+    return [
+        f"Fairness check, each pipeline's first step against `build_sequential` on the whole "
+        f"batch in one process (loss {ref.loss:.4f}; gradients compared relative to each "
+        f"tensor's largest entry, the peer's directly, pipeflow's through a probe engine with "
+        f"SGD lr 1; parameters after one AdamW step with lr {args.lr:g}):",
+        "",
+        "| system | loss | max rel. Δgrad | max abs. Δparam | verdict |",
+        "|---|---:|---:|---:|---|",
+        *[f"| {kinds[name].label} | {c['loss']:.4f} | {c['grad_rel']:.2g} | {c['param']:.2g} | "
+          f"{'same update' if c['grad_rel'] < GRAD_TOL and not c['missing'] else '**MISMATCH**'}"
+          f" |" for name, c in checks.items()],
+    ]
+
+
+def report(times, stash, checks, ref: Reference, cfg: GPTConfig, args, load) -> str:
+    p, m = COMM.size, args.microbatches
+    tokens = args.batch * cfg.seq_len
+    med = {name: statistics.median(t) for name, t in times.items()}
+    fastest = min(PIPEFLOW, key=lambda name: med.get(name, float("inf")))
+    limit = med["T1"] / p
+    return "\n".join([
+        "## pipeflow vs torch.distributed.pipelining (CPU, gloo)",
+        "",
+        header(p),
+        "",
+        f"GPT of {cfg.n_layers} blocks, width {cfg.d_model}, {cfg.n_heads} heads "
+        f"(head dim {cfg.head_dim}), sequence {cfg.seq_len}, "
+        f"{num_parameters(cfg) / 1e6:.2f}M parameters; batch {args.batch} "
+        f"({tokens} tokens) in {m} micro-batches; {p} ranks, layers split uniformly over the "
+        f"{p} stages (1 chunk a rank) or {2 * p} virtual stages (2 chunks a rank), the peer "
+        f"and pipeflow alike; AdamW; one torch thread per rank. Step times are medians over "
+        f"{args.rounds} rounds of {args.steps} steps per system, after {args.warmup} warmup "
+        f"steps, every system alternated within each round. " + busy_note(*load, p),
+        "",
+        *table(times, stash, p, m),
+        "",
+        f"Own bounds from T1: 1F1B T1/p·(m+p-1)/m, interleaved (v = 2) T1/p·(vm+p-1)/(vm), "
+        f"zero-bubble schedules the limit T1/p. Stash: the most micro-batches a rank has "
+        f"forwarded and not yet input-backwarded (F→B) or not yet weight-backwarded too "
+        f"(F→W, the autograd graphs alive), per rank, counted in chunks (with 2 chunks a rank "
+        f"each holds about half a stage's activations); pipeflow's from "
+        f"`pipeflow.schedule.simulate`, the peer's from its own `pipeline_order`.",
+        "",
+        f"**pipeflow's fastest here, {PIPEFLOW[fastest].label}: "
+        f"{med[fastest] / med['peer 1F1B']:.3f}× the peer's Schedule1F1B step, {limit / med[fastest]:.1%} of the zero-bubble "
+        f"limit** (issue 13's goal: ≤ 0.85×, ≥ 97%).",
+        "",
+        *fairness(checks, ref, args),
+    ])
 
 
 def main() -> None:
@@ -216,110 +408,54 @@ def main() -> None:
     p, m = COMM.size, args.microbatches
     if args.batch % m:
         raise SystemExit(f"--batch {args.batch} must be divisible by --microbatches {m}")
+    if m % p or args.layers + 2 < 2 * p:
+        raise SystemExit(f"the 2-chunk schedules need --microbatches ({m}) divisible by the "
+                         f"ranks ({p}) and at least {2 * p} layers, found {args.layers + 2}")
     init_gloo()
     seed = 0
     # Untied: the peer has no cross-stage weight tying, and both must train the same model.
     cfg = GPTConfig(n_layers=args.layers, d_model=args.width, n_heads=args.heads,
                     seq_len=args.seq, tie_embeddings=False)
     layers = gpt_layers(cfg)
-    bounds = partition_uniform(len(layers), p)
     batches = Batches(load_corpus(), args.batch, cfg.seq_len, seed=seed)
     rank0 = COMM.rank == 0
     if rank0:
-        print(f"GPT {num_parameters(cfg) / 1e6:.2f}M parameters, {p} stages {bounds}, "
-              f"batch {args.batch} x {cfg.seq_len}, {m} micro-batches", flush=True)
+        print(f"GPT {num_parameters(cfg) / 1e6:.2f}M parameters, {p} ranks, batch "
+              f"{args.batch} x {cfg.seq_len}, {m} micro-batches", flush=True)
 
-    load_before = os.getloadavg()[0]
-    peer = make_peer(layers, bounds, cfg, args, seed)
-    engine, pipeflow_step = make_pipeflow(layers, bounds, args, seed)
-    check = check_first_steps(layers, bounds, args, seed, batches.batch(0), peer, engine)
+    load_before = load_average()
+    ref = reference(layers, args, seed, batches.batch(0))
+    systems: dict[str, Callable] = {"T1": make_single(layers, args, seed)}
+    checks: dict[str, dict[str, float]] = {}
+    stash: dict[str, tuple] = {}
+    for name in PEER:
+        run = make_peer(name, layers, cfg, args, seed)
+        checks[name] = check_peer(run, ref, batches.batch(0))
+        stash[name] = order_stash(run.pipeline_order)
+        systems[name] = run.step
+    for name in PIPEFLOW:
+        engine = make_pipeflow(name, layers, args, seed)
+        checks[name] = check_pipeflow(name, engine, layers, args, seed, ref, batches.batch(0))
+        stash[name] = pipeflow_stash(name, p, m)[:2]
+        systems[name] = engine.train_step
     if rank0:
-        print("first step vs build_sequential:", {k: f"{v:.3g}" for k, v in check.items()},
-              flush=True)
-        if check["pipeflow_grad_rel"] > GRAD_TOL:
-            print("WARNING: pipeflow's first step does not match one process; timing anyway")
-    if check["peer_missing_grads"] or check["peer_grad_rel"] > GRAD_TOL:
-        raise SystemExit(f"the peer's first step does not match one process: {check}")
+        for name, c in checks.items():
+            print(f"first step vs build_sequential, {name}:",
+                  {k: f"{v:.3g}" for k, v in c.items()}, flush=True)
+    bad = [name for name, c in checks.items() if c["missing"] or c["grad_rel"] > GRAD_TOL]
+    if any(name in PEER for name in bad):
+        raise SystemExit(f"the peer's first step does not match one process: "
+                         f"{ {name: checks[name] for name in bad} }")
+    if bad and rank0:
+        print(f"WARNING: pipeflow's first step does not match one process ({bad}); "
+              "timing anyway")
 
-    systems = {"T1": make_single(layers, args, seed), "pipeflow": pipeflow_step,
-               "peer": peer[3]}
-    if m % p == 0 and len(layers) >= 2 * p:
-        systems["interleaved"] = make_pipeflow(layers, bounds, args, seed, chunks=2)[1]
-    times: dict[str, list[float]] = {name: [] for name in systems}
-    next_batch = 1
-    for name, step in systems.items():
-        time_block(step, batches, next_batch, args.warmup)
-    next_batch += args.warmup
-    for r in range(args.rounds):
-        for name, step in systems.items():
-            times[name].append(time_block(step, batches, next_batch, args.steps))
-        next_batch += args.steps
-        if rank0:
-            print(f"round {r}: " + "  ".join(f"{n} {t[-1] * 1e3:.0f} ms"
-                                             for n, t in times.items()), flush=True)
-
-    load_after = os.getloadavg()[0]
-    tokens = args.batch * cfg.seq_len
-    med = {name: statistics.median(t) for name, t in times.items()}
-    best = {name: min(t) for name, t in times.items()}
-    bubble = (m + p - 1) / (m * p)
-    med["ideal"], best["ideal"] = med["T1"] * bubble, best["T1"] * bubble
-    table = ["| system | median step (ms) | tokens/s | efficiency vs ideal | best round (ms) "
-             "| efficiency, best rounds |", "|---|---:|---:|---:|---:|---:|"]
-    for label, key in (("T1: one rank, whole model, 1 thread", "T1"),
-                       ("ideal: T1/p·(m+p-1)/m", "ideal"),
-                       ("pipeflow 1F1B", "pipeflow"),
-                       ("torch.distributed.pipelining Schedule1F1B", "peer"),
-                       ("pipeflow interleaved 1F1B, 2 chunks a rank", "interleaved")):
-        if key not in med:
-            continue
-        eff = (lambda d: "" if key == "T1" else f"{d['ideal'] / d[key]:.1%}")
-        table.append(f"| {label} | {med[key] * 1e3:.0f} | {tokens / med[key]:.0f} | {eff(med)} "
-                     f"| {best[key] * 1e3:.0f} | {eff(best)} |")
-    ratio = med["peer"] / med["pipeflow"]
-    report = "\n".join([
-        "## pipeflow vs torch.distributed.pipelining (CPU, gloo)",
-        "",
-        f"`mpirun -n {p} python benchmarks/bench_peer.py` · {datetime.date.today()} · "
-        f"torch {torch.__version__} · {cpu_model()} ({os.cpu_count()} cores) · "
-        f"Python {platform.python_version()}",
-        "",
-        f"GPT of {cfg.n_layers} layers, width {cfg.d_model}, {cfg.n_heads} heads "
-        f"(head dim {cfg.head_dim}), sequence {cfg.seq_len}, "
-        f"{num_parameters(cfg) / 1e6:.2f}M parameters; batch {args.batch} "
-        f"({tokens} tokens) in {m} micro-batches; {p} stages, layers split {bounds}; "
-        f"AdamW; one torch thread per rank. Step times are medians over {args.rounds} "
-        f"rounds of {args.steps} steps per system, after {args.warmup} warmup steps, the "
-        f"systems interleaved within each round (T1, pipeflow, peer"
-        f"{', pipeflow interleaved' if 'interleaved' in med else ''}). Load average "
-        f"{load_before:.1f} before and {load_after:.1f} after the run on "
-        f"{os.cpu_count()} cores" + (
-            ": other work shared the cores, so the times are noisy and the best rounds "
-            "say more than the medians." if max(load_before, load_after) > p + 0.5 else "."),
-        "",
-        *table,
-        "",
-        f"**pipeflow / peer throughput: {ratio:.3f}** (above 1: pipeflow faster)."
-        + (f" With its interleaved schedule (2 model chunks a rank, uniform layer counts, "
-           f"bubble (p-1)/(2m+p-1) instead of (p-1)/(m+p-1), twice the messages): "
-           f"**{med['peer'] / med['interleaved']:.3f}** x the peer's throughput."
-           if "interleaved" in med else ""),
-        "",
-        f"Fairness check, first step against `build_sequential` on the whole batch in one "
-        f"process (loss {check['ref_loss']:.4f}; gradients compared relative to each "
-        f"tensor's largest entry, parameters after one AdamW step with lr {args.lr:g}):",
-        "",
-        "| system | loss | max rel. Δgrad | max abs. Δparam | verdict |",
-        "|---|---:|---:|---:|---|",
-        *[f"| {name} | {check[key + '_loss']:.4f} | {check[key + '_grad_rel']:.2g} | "
-          f"{check[key + '_param']:.2g} | "
-          f"{'same update' if check[key + '_grad_rel'] < GRAD_TOL else '**MISMATCH**'} |"
-          for name, key in (("pipeflow", "pipeflow"), ("peer", "peer"))],
-    ])
+    times = time_rounds(systems, batches, args)
+    text = report(times, stash, checks, ref, cfg, args, (load_before, load_average()))
     if rank0:
-        print(report, flush=True)
+        print(text, flush=True)
         if args.output:
-            write_section(args.output, report, "peer")
+            write_section(args.output, text, "peer")
             print(f"wrote {args.output}")
     sync()
     dist.destroy_process_group()
