@@ -13,7 +13,8 @@ from pipeflow.tree import Header, describe
 
 __all__ = ["TensorMeta", "Communicator", "MpiCommunicator", "TorchDistCommunicator",
            "CommDeviceError", "check_on_device", "init_torch_distributed", "rendezvous_address",
-           "torch_grid_communicators", "meta_of", "mpi_iallreduce_", "ProtocolError", "HeadersFirst"]
+           "torch_grid_communicators", "torch_family_communicators", "meta_of",
+           "mpi_iallreduce_", "ProtocolError", "HeadersFirst"]
 
 # What a receiver must know to allocate a buffer: shape and dtype. Exchanged once per
 # distinct batch shape and cached by the engine, never sent with every message.
@@ -550,6 +551,18 @@ def torch_grid_communicators(topo: Any, backend: str, device: torch.device, ring
     pipe = TorchDistCommunicator(topo.pipe, pipe_group, links, device)
     data = TorchDistCommunicator(topo.data_group, data_group, device=device) if d > 1 else None
     return pipe, data
+
+
+def torch_family_communicators(comm: MPI.Comm | None, rank_lists: list[list[int]],
+                                backend: str, device: torch.device
+                                ) -> TorchDistCommunicator | None:
+    """One torch.distributed group per list of world ranks (disjoint lists), made in one call
+    on every rank; this rank's as a communicator whose objects travel over `comm` (the same
+    ranks over MPI), or None where this rank is in none of the lists."""
+    group = _split_family(rank_lists, backend)
+    if comm is None:
+        return None
+    return TorchDistCommunicator(comm, group, device=device)
 
 
 def _split_family(rank_lists: list[list[int]], backend: str) -> Any:
