@@ -187,10 +187,14 @@ def _typed(t: torch.Tensor) -> Any:
 def mpi_iallreduce_(comm: MPI.Comm, tensor: torch.Tensor) -> Request:
     """Start summing `tensor` over `comm` in place.
 
-    GPU tensors are staged through host memory: this runs without CUDA-aware MPI. A
-    contiguous CPU tensor is reduced where it lies; a non-contiguous one (or any, with
-    `FORCE_HOST_STAGING`) through a contiguous copy, summed back into `tensor` by `wait()`.
+    CUDA tensors go to `cuda_mpi` (device buffers for a CUDA-aware MPI, else reused pinned
+    staging on a side stream). A contiguous CPU tensor is reduced where it lies; a
+    non-contiguous one (or any, with `FORCE_HOST_STAGING`) through a contiguous copy, summed
+    back into `tensor` by `wait()`.
     """
+    if tensor.device.type == "cuda" and not FORCE_HOST_STAGING:
+        from pipeflow.cuda_mpi import iallreduce_cuda_
+        return iallreduce_cuda_(comm, tensor)
     host = tensor.detach()
     if FORCE_HOST_STAGING or host.device.type != "cpu" or not host.is_contiguous():
         host = host.to("cpu", memory_format=torch.contiguous_format, copy=True)

@@ -1,0 +1,92 @@
+"""GPU tensors over MPI, the parts a CPU can show: whether MPI is CUDA-aware (the env override
+and MPI's own answer) and the reuse of host staging buffers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from pipeflow import cuda_mpi
+from pipeflow.cuda_mpi import CUDA_AWARE_ENV, PinnedBuffers, cuda_aware_mpi
+
+
+def _raise(error):
+    def query(*args):
+        raise error
+    return query
+
+
+@pytest.mark.parametrize("query,expected", [
+    (lambda: True, True), (lambda: False, False), (lambda: 1, True),
+    (_raise(NotImplementedError()), False)], ids=["yes", "no", "int", "unsupported"])
+def test_mpi_is_asked_when_the_env_says_nothing(monkeypatch, query, expected):
+    monkeypatch.delenv(CUDA_AWARE_ENV, raising=False)
+    assert cuda_aware_mpi(query) is expected
+
+
+def test_without_a_query_it_is_off_by_default(monkeypatch):
+    monkeypatch.delenv(CUDA_AWARE_ENV, raising=False)
+    monkeypatch.delattr(MPI, "Query_cuda_support", raising=False)
+    assert cuda_aware_mpi() is False
+    monkeypatch.setattr(MPI, "Query_cuda_support", lambda: True, raising=False)
+    assert cuda_aware_mpi() is True           # mpi4py >= 4's query, found on MPI
+
+
+@pytest.mark.parametrize("value,answer", [("1", False), ("0", True), (" 1 ", False)])
+def test_the_env_override_wins_over_mpis_answer(monkeypatch, value, answer):
+    monkeypatch.setenv(CUDA_AWARE_ENV, value)
+    assert cuda_aware_mpi(lambda: answer) is (value.strip() == "1")
+
+
+def test_a_bad_env_value_names_the_variable_and_the_choices(monkeypatch):
+    monkeypatch.setenv(CUDA_AWARE_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{CUDA_AWARE_ENV}='yes': expected 1 .* or 0"):
+        cuda_aware_mpi(lambda: True)
+
+
+class _Event:
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_staging_buffers_are_reused_per_size_and_dtype():
+    cache = PinnedBuffers(pin_memory=False)
+    a = cache.take(6, torch.float32)
+    cache.give(a)
+    assert cache.take(6, torch.float32) is a                 # the same memory, next step
+    b = cache.take(6, torch.float32)                         # a is taken: a second buffer
+    assert b is not a and cache.allocated == 2
+    assert cache.take(6, torch.float16) is not a and cache.take(7, torch.float32) is not b
+    assert cache.allocated == 4
+    cache.give(a)
+    cache.give(b)
+    assert {id(cache.take(6, torch.float32)) for _ in range(2)} == {id(a), id(b)}
+    assert cache.allocated == 4
+    assert a.numel() == 6 and a.dtype == torch.float32 and not a.is_pinned()
+
+
+def test_a_buffer_is_reused_only_after_its_copy_back_is_done():
+    cache = PinnedBuffers(pin_memory=False)
+    a = cache.take(4, torch.float32)
+    copy_back = _Event(done=False)
+    cache.give(a, copy_back)
+    b = cache.take(4, torch.float32)
+    assert b is not a                       # a's copy to the device may still read it
+    cache.give(b)
+    copy_back.done = True
+    assert {id(cache.take(4, torch.float32)) for _ in range(2)} == {id(a), id(b)}
+    assert cache.allocated == 2
+
+
+def test_cpu_tensors_never_reach_the_gpu_path(monkeypatch):
+    # The CPU all-reduce stays the host path it was: cuda_mpi is for CUDA tensors only.
+    from pipeflow import comm
+
+    monkeypatch.setattr(cuda_mpi, "iallreduce_cuda_", _raise(AssertionError("GPU path")))
+    t = torch.arange(4.0)
+    comm.mpi_iallreduce_(MPI.COMM_SELF, t).wait()
+    assert t.tolist() == [0.0, 1.0, 2.0, 3.0]
