@@ -136,14 +136,19 @@ def test_tied_gradients_are_summed_by_torch_distributed_not_mpi(pipeline, monkey
     ties = stage.ties
     assert len(ties) == (1 if stage.index in (0, pipeline - 1) else 0)
     assert all(t.dist is not None and t.dist.size == 2 for t in ties)
-    steps = batches(2, BATCH)
+    _trains_like_one_process(engine, layers, batches(2, BATCH), clip=0.0, optimizer=plain_sgd)
+    engine.close()
+
+
+def _trains_like_one_process(engine, layers, steps, clip, optimizer):
+    """Same losses and parameters as build_sequential on one process; returns the model."""
     losses = [engine.train_step(x, y) for x, y in steps]
-    reference, ref_losses = train_reference(layers, steps, clip=0.0, optimizer=plain_sgd)
+    reference, ref_losses = train_reference(layers, steps, clip=clip, optimizer=optimizer)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     full = engine.gather_state_dict()
     if WORLD.rank == 0:
         assert_same_parameters(full, reference.state_dict())
-    engine.close()
+    return reference
 
 
 @pytest.mark.mpi(min_size=2)
@@ -170,12 +175,7 @@ def test_interleaved_chunks_with_tied_weights_and_clipping(backend, grid, schedu
                        bucket_mb=0.001)
     engine = pf.Engine(layers, loss_fn, sgd, config)
     steps = batches(3, 8 * pipeline * data)
-    losses = [engine.train_step(x, y) for x, y in steps]
-    reference, ref_losses = train_reference(layers, steps, clip=0.3, optimizer=sgd)
-    assert losses == pytest.approx(ref_losses, rel=1e-5)
-    full = engine.gather_state_dict()
-    if WORLD.rank == 0:
-        assert_same_parameters(full, reference.state_dict())
+    reference = _trains_like_one_process(engine, layers, steps, clip=0.3, optimizer=sgd)
     # Forward only, in the interleaved order.
     x, y = steps[0]
     assert engine.eval_step(x, y) == pytest.approx(loss_fn(reference(x), y).item(), rel=1e-5)
