@@ -500,6 +500,9 @@ class TorchDistCommunicator(HeadersFirst, Communicator):
 
     def iallreduce_(self, tensor: torch.Tensor) -> Request:
         self._check("all_reduce", [tensor])
+        if tensor.device.type == "cuda":
+            from pipeflow.cuda_mpi import all_reduce_on_side_stream
+            return all_reduce_on_side_stream(self._dist, tensor, self.group)
         return _DistWork([self._dist.all_reduce(tensor, group=self.group, async_op=True)])
 
     def _check(self, op: str, tensors: Sequence[torch.Tensor]) -> None:

@@ -1,4 +1,5 @@
-"""GPU tensors over MPI: device buffers handed to a CUDA-aware MPI, else reused pinned staging.
+"""GPU tensors over MPI: device buffers handed to a CUDA-aware MPI, else reused pinned staging;
+and NCCL's data-parallel all-reduce on a stream of its own.
 
 Only CUDA tensors come here; CPU tensors keep `comm.mpi_iallreduce_`'s host path. Nothing in
 this module touches CUDA until a CUDA tensor is reduced, so it imports on any machine.
@@ -15,7 +16,7 @@ from mpi4py import MPI
 from pipeflow.comm import Request, _typed
 
 __all__ = ["CUDA_AWARE_ENV", "cuda_aware_mpi", "PinnedBuffers", "side_stream",
-           "iallreduce_cuda_"]
+           "iallreduce_cuda_", "all_reduce_on_side_stream"]
 
 CUDA_AWARE_ENV = "PIPEFLOW_CUDA_AWARE_MPI"
 
@@ -124,6 +125,34 @@ def iallreduce_cuda_(comm: MPI.Comm, tensor: torch.Tensor) -> Request:
     copied.synchronize()       # this thread waits for the copy; the compute stream does not
     req = comm.Iallreduce(MPI.IN_PLACE, _typed(host), op=MPI.SUM)
     return _DeviceAllreduce(req, host, target, staged=True)
+
+
+class _SideStreamWork(Request):
+    """A torch.distributed all-reduce issued on the side stream; `wait()` orders the current
+    stream after it, so what follows on the compute stream sees the sum."""
+
+    def __init__(self, work: Any, side: Any, device: torch.device) -> None:
+        self._work, self._side, self._device = work, side, device
+
+    def test(self) -> bool:
+        return self._work.is_completed()
+
+    def wait(self) -> None:
+        self._work.wait()
+        torch.cuda.current_stream(self._device).wait_stream(self._side)
+
+
+def all_reduce_on_side_stream(dist: Any, tensor: torch.Tensor, group: Any) -> Request:
+    """Start an NCCL all-reduce of a CUDA tensor on the GPU's communication stream, after
+    what the compute stream has queued so far (the gradients it reduces); the compute stream
+    goes on with the backward meanwhile."""
+    device = tensor.device
+    side = side_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+    tensor.record_stream(side)      # its memory is not reused before the side stream is done
+    return _SideStreamWork(work, side, device)
 
 
 def _typed_check(t: torch.Tensor) -> None:

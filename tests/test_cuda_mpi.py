@@ -90,3 +90,72 @@ def test_cpu_tensors_never_reach_the_gpu_path(monkeypatch):
     t = torch.arange(4.0)
     comm.mpi_iallreduce_(MPI.COMM_SELF, t).wait()
     assert t.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+class _Log:
+    """Stands in for CUDA streams, a CUDA tensor and torch.distributed: records the calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.active = "compute"
+
+    def stream(self, name: str):
+        log = self
+
+        class Stream:
+            def wait_stream(self, other) -> None:
+                log.calls.append(f"{name} waits for {other.name}")
+        s = Stream()
+        s.name = name
+        return s
+
+
+def test_nccl_all_reduce_runs_on_its_own_stream_and_wait_orders_the_compute_stream(
+        monkeypatch):
+    import contextlib
+
+    from pipeflow.comm import TorchDistCommunicator
+
+    log = _Log()
+    compute, side = log.stream("compute"), log.stream("side")
+
+    @contextlib.contextmanager
+    def on(stream):
+        before, log.active = log.active, stream.name
+        yield
+        log.active = before
+
+    class Work:
+        def wait(self):
+            log.calls.append("work waited")
+
+        def is_completed(self):
+            return True
+
+    class Dist:
+        def all_reduce(self, tensor, group, async_op):
+            log.calls.append(f"all_reduce on {log.active}, group {group}, async {async_op}")
+            return Work()
+
+    class Tensor:          # a CUDA tensor, as far as the communicator looks
+        device, shape = torch.device("cuda", 0), (3,)
+
+        def record_stream(self, stream):
+            log.calls.append(f"tensor kept for {stream.name}")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(cuda_mpi, "side_stream", lambda device: side)
+    comm = TorchDistCommunicator.__new__(TorchDistCommunicator)
+    comm._dist, comm.group, comm.device, comm.rank, comm.size = Dist(), "g", \
+        torch.device("cuda", 0), 0, 2
+    request = comm.iallreduce_(Tensor())
+    assert log.calls == ["side waits for compute", "all_reduce on side, group g, async True",
+                         "tensor kept for side"]
+    request.wait()
+    assert log.calls[3:] == ["work waited", "compute waits for side"]
+    # A CPU tensor (gloo) is reduced as before: no stream, the work itself.
+    log.calls.clear()
+    comm.device = torch.device("cpu")
+    comm.iallreduce_(torch.zeros(3)).wait()
+    assert log.calls == ["all_reduce on compute, group g, async True", "work waited"]
