@@ -122,11 +122,40 @@ class Communicator(abc.ABC):
 
 
 def _bytes(t: torch.Tensor) -> Any:
-    """A zero-copy byte view of a contiguous CPU tensor that MPI can read and write.
+    """A zero-copy byte view of a contiguous CPU tensor (or GPU tensor, for a CUDA-aware MPI)
+    that MPI can read and write.
 
     Bytes, not typed elements, so every torch dtype (bf16 included, which MPI lacks) travels.
     """
-    return [t.view(-1).view(torch.uint8).numpy(), MPI.BYTE]
+    raw = t.view(-1).view(torch.uint8)
+    return [raw if t.device.type == "cuda" else raw.numpy(), MPI.BYTE]   # CUDA: CUDA-aware MPI
+
+
+def _device_aware(device: torch.device) -> bool:
+    """Whether MPI takes this device's memory itself (a CUDA-aware MPI and a GPU tensor)."""
+    if device.type != "cuda":
+        return False
+    from pipeflow.cuda_mpi import cuda_aware_mpi
+    return cuda_aware_mpi()
+
+
+def _outgoing(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The buffers a send hands MPI: contiguous host copies, or with a CUDA-aware MPI the GPU
+    tensors themselves, once the compute stream has written them."""
+    ts = [t.detach() for t in tensors]
+    if ts and _device_aware(ts[0].device):
+        out = [t.contiguous() for t in ts]
+        torch.cuda.current_stream(ts[0].device).synchronize()
+        return out
+    return [t.to("cpu").contiguous() for t in ts]
+
+
+def _incoming(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A receive's buffer: on the GPU for a CUDA-aware MPI, else pinned host memory for GPU
+    tensors (copied up by the caller) and plain host memory for CPU ones."""
+    if _device_aware(device):
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
 
 
 class _MpiSend(Request):
@@ -203,7 +232,8 @@ def mpi_iallreduce_(comm: MPI.Comm, tensor: torch.Tensor) -> Request:
 
 
 class MpiCommunicator(Communicator):
-    """mpi4py over host memory; runs anywhere. GPU tensors are staged through the host."""
+    """mpi4py over host memory; runs anywhere. GPU tensors are staged through the host, or
+    handed to MPI as they are where MPI is CUDA-aware (`cuda_mpi.cuda_aware_mpi`)."""
 
     def __init__(self, comm: MPI.Comm) -> None:
         self.comm = comm
@@ -217,15 +247,14 @@ class MpiCommunicator(Communicator):
     def isend(self, tensors: Sequence[torch.Tensor], dest: int, tag: int) -> Request:
         # One message per tensor, all with the same tag: MPI's non-overtaking rule delivers
         # them in order into the receiver's receives, posted in the same order.
-        host = [t.detach().to("cpu").contiguous() for t in tensors]
+        host = _outgoing(tensors)
         self.bytes_sent += sum(t.numel() * t.element_size() for t in host)
         reqs = [self.comm.Isend(_bytes(t), dest=dest, tag=tag) for t in host]
         return _MpiSend(reqs, host)
 
     def irecv(self, metas: Sequence[TensorMeta], source: int, tag: int,
               device: torch.device) -> Request:
-        host = [torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
-                for shape, dtype in metas]
+        host = [_incoming(shape, dtype, device) for shape, dtype in metas]
         reqs = [self.comm.Irecv(_bytes(t), source=source, tag=tag) for t in host]
         return _MpiRecv(reqs, host, device)
 
@@ -239,7 +268,7 @@ class MpiCommunicator(Communicator):
             raw = bytearray(pickle.dumps(header))
             reqs.append(self.comm.Isend([raw, MPI.BYTE], dest=dest, tag=2 * tag + 1))
             keep.append(raw)
-        host = [t.detach().to("cpu").contiguous() for t in tensors]
+        host = _outgoing(tensors)
         self.bytes_sent += sum(t.numel() * t.element_size() for t in host)
         reqs += [self.comm.Isend(_bytes(t), dest=dest, tag=2 * tag) for t in host]
         return _MpiSend(reqs, host + keep)
@@ -268,7 +297,7 @@ class MpiCommunicator(Communicator):
                     f"of {describe(header.metas)} ({meta.nbytes} bytes); found message "
                     f"{status.tag // 2}{' (a header)' if status.tag % 2 else ''} of {found} "
                     f"bytes: the two ranks disagree on the order or shape of their messages")
-            host = torch.empty(meta.shape, dtype=meta.dtype, pin_memory=device.type == "cuda")
+            host = _incoming(meta.shape, meta.dtype, device)
             msg.Recv(_bytes(host))
             out.append(host if device.type == "cpu" else host.to(device, non_blocking=True))
         return header, out

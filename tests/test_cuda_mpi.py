@@ -159,3 +159,17 @@ def test_nccl_all_reduce_runs_on_its_own_stream_and_wait_orders_the_compute_stre
     comm.device = torch.device("cpu")
     comm.iallreduce_(torch.zeros(3)).wait()
     assert log.calls == ["all_reduce on compute, group g, async True", "work waited"]
+
+
+@pytest.mark.parametrize("value", ["1", "0"])
+def test_point_to_point_hands_mpi_gpu_memory_only_when_mpi_is_cuda_aware(monkeypatch, value):
+    from pipeflow import comm
+
+    monkeypatch.setenv(CUDA_AWARE_ENV, value)
+    assert comm._device_aware(torch.device("cuda", 0)) is (value == "1")
+    assert comm._device_aware(torch.device("cpu")) is False     # the host path, as before
+    t = torch.arange(6.0).view(2, 3).t()                         # CPU, not contiguous
+    sent = comm._outgoing([t])
+    assert sent[0].is_contiguous() and torch.equal(sent[0], t) and sent[0].device == t.device
+    got = comm._incoming((2, 3), torch.float16, torch.device("cpu"))
+    assert got.shape == (2, 3) and got.dtype == torch.float16 and not got.is_pinned()
