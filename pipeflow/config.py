@@ -18,7 +18,7 @@ import tomli_w
 __all__ = ["Config", "ConfigError", "SCHEDULES", "PARTITIONS", "POLICIES", "parse_policy",
            "normalise_policy"]
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv", "auto")
 PARTITIONS = ("uniform", "parameters", "time")
 PRECISIONS = ("fp32", "bf16", "fp16")
 BACKENDS = ("mpi", "nccl", "gloo", "auto", "strict")
@@ -41,7 +41,9 @@ class Config:
     pipeline: int = 1          # pipeline stages
     data: int = 1              # data-parallel replicas of every stage
     microbatches: int = 1      # micro-batches per step: the gradient accumulation
-    schedule: str = "1f1b"     # "1f1b", "gpipe" or "interleaved"
+    # "1f1b", "gpipe", "interleaved", "zb-h1", "zbv", or "auto": the fastest that fits
+    # activation_budget_mb, simulated from F, B and W measured on the Engine's `sample`
+    schedule: str = "1f1b"
     virtual_stages: int = 1    # model chunks per rank; >= 2 with schedule "interleaved"
     partition: str | list[int] = "uniform"
     precision: str = "fp32"    # "fp32", or "bf16"/"fp16" working weights with fp32 masters
@@ -56,7 +58,7 @@ class Config:
     loss_scale_min: float = 1.0
     # "none", "full", "every:k", "selective", "auto", or a list with one policy per stage
     recompute: str | list[str] = "none"
-    activation_budget_mb: float = 0.0    # per rank, for recompute = "auto"
+    activation_budget_mb: float = 0.0    # per rank, for recompute and schedule = "auto"
     # What recompute = "selective" checkpoints: module classes by name suffix (e.g.
     # ["LlamaAttention"]), besides modules marked `pipeflow_selective = True`.
     recompute_modules: list[str] = dataclasses.field(default_factory=list)
@@ -108,11 +110,15 @@ class Config:
         elif self.schedule == "zbv":
             raise ConfigError(f"schedule 'zbv' runs exactly 2 model chunks per rank (a V), "
                               f"found virtual_stages = {v}; set 2 or leave it out")
+        if self.schedule == "auto" and v != 1:
+            raise ConfigError(f"schedule 'auto' chooses the model chunks per rank with the "
+                              f"schedule, found virtual_stages = {v}; leave virtual_stages = 1 "
+                              f"or name a schedule ('interleaved' with {v})")
         if self.schedule == "interleaved" and v < 2:
             raise ConfigError(f"schedule 'interleaved' runs several model chunks per rank: "
                               f"set virtual_stages >= 2 (2 halves the bubble), found "
                               f"virtual_stages = {v}")
-        if self.schedule not in ("interleaved", "zbv") and v != 1:
+        if self.schedule not in ("interleaved", "zbv", "auto") and v != 1:
             raise ConfigError(f"virtual_stages = {v} needs schedule 'interleaved'; "
                               f"{self.schedule!r} runs one model chunk per rank: set "
                               f"virtual_stages = 1 or schedule = 'interleaved'")

@@ -65,7 +65,7 @@ class Engine:
     overrides the default (this rank's GPU by node-local rank, else the CPU); `trace` records
     each instruction's start and end (`timeline`); `measure_activations` counts the bytes
     stashed for backward (`peak_activation_bytes`); `sample`, a micro-batch of inputs, is what
-    `partition = "time"` measures each layer's forward and backward on. With `count_items`
+    `partition = "time"` and `schedule = "auto"` measure the layers on. With `count_items`
     (`targets of a micro-batch -> number of valid items`, e.g. non-padding tokens), `loss_fn`
     returns each micro-batch's summed loss and the engine divides by the global batch's
     count, so a padded token-mean loss equals the one-process model's.
@@ -125,6 +125,8 @@ class Engine:
     data_comm = property(lambda self: self._stage.data_comm)
     is_first = property(lambda self: self._stage.holds_first)
     is_last = property(lambda self: self._stage.holds_last)
+    schedule = property(lambda self: self._stage.schedule)     # what runs: "auto" resolved
+    schedule_choice = property(lambda self: self._stage.schedule_choice)   # why ("" unless auto)
 
     @property
     def stage(self) -> int:

@@ -402,7 +402,8 @@ class SimResult:
 def simulate(programs: Sequence[Sequence[Action]], forward_time: float = 1.0,
              backward_time: float | None = None, comm_time: float = 0.0, *,
              backward_input_time: float = 1.0, weight_time: float = 1.0,
-             layout: Sequence[Sequence[int]] | None = None) -> SimResult:
+             layout: Sequence[Sequence[int]] | None = None,
+             stage_times: Sequence[tuple[float, float, float]] | None = None) -> SimResult:
     """Replay every stage's program together and check it can run.
 
     Sends never block (the engine posts them and moves on); a receive waits until the matching
@@ -417,6 +418,10 @@ def simulate(programs: Sequence[Sequence[Action]], forward_time: float = 1.0,
     that: a rank's whole forward of a micro-batch still takes `forward_time`. `layout` (which
     virtual stage each rank's chunk runs) defaults to the programs' own (`Programs`), else
     the interleaved one.
+
+    `stage_times[v] = (F, B, W)`, one entry a virtual stage, replaces the scalar times with
+    each virtual stage's own (an uneven partition, a heavy last stage): its ops take them
+    as given, not divided by the chunks; without W in the schedule B takes B + W.
     """
     stages = len(programs)
     chunks = 1 + max((a.chunk for prog in programs for a in prog), default=0)
@@ -424,24 +429,38 @@ def simulate(programs: Sequence[Sequence[Action]], forward_time: float = 1.0,
         stage_layout("interleaved", stages, chunks)
     split = any(a.op == WEIGHT for prog in programs for a in prog)
     _check_programs(programs, layout, split)
-    full = backward_input_time + weight_time if backward_time is None else backward_time
-    durations = {FORWARD: forward_time / chunks,
-                 BACKWARD: (backward_input_time if split else full) / chunks}
-    if split:
-        durations[WEIGHT] = weight_time / chunks
-    result = _replay(programs, layout, durations, comm_time)
+    if stage_times is None:
+        full = backward_input_time + weight_time if backward_time is None else backward_time
+        b, w = (backward_input_time, weight_time) if split else (full, 0.0)
+        times = [(forward_time / chunks, b / chunks, w / chunks)] * (stages * chunks)
+    else:
+        times = _check_stage_times(stage_times, stages * chunks)
+    durations = {v: {FORWARD: f, BACKWARD: b if split else b + w, WEIGHT: w}
+                 for v, (f, b, w) in enumerate(times)}
+    result = _replay(programs, layout, durations, comm_time, split)
     _check_link_order(programs, layout)
     return result
 
 
+def _check_stage_times(stage_times: Sequence[tuple[float, float, float]],
+                       virtual: int) -> list[tuple[float, float, float]]:
+    times = [tuple(float(t) for t in entry) for entry in stage_times]
+    if len(times) != virtual or any(len(t) != 3 or min(t) < 0 for t in times):
+        raise ScheduleError(
+            f"stage_times needs one (F, B, W) triple of times >= 0 per virtual stage, "
+            f"{virtual} in all, found {list(stage_times)!r}")
+    return times
+
+
 def _replay(programs: Sequence[Sequence[Action]], layout: Sequence[Sequence[int]],
-            durations: dict[str, float], comm_time: float) -> SimResult:
+            durations: dict[int, dict[str, float]], comm_time: float,
+            split: bool) -> SimResult:
+    """`durations[virtual stage][op]`: how long each compute op takes there."""
     stages = len(programs)
     owners = _owners(layout)
     clock, busy, pc = [0.0] * stages, [0.0] * stages, [0] * stages
     held = {kind: [0] * stages for kind in ("stash", "pending_w", "held")}
     peaks = {kind: [0] * stages for kind in held}
-    split = WEIGHT in durations
     timeline: list[list[tuple[float, float, Action]]] = [[] for _ in range(stages)]
     in_flight: dict[Message, float] = {}            # message -> arrival time
     while not all(pc[s] == len(programs[s]) for s in range(stages)):
@@ -457,9 +476,10 @@ def _replay(programs: Sequence[Sequence[Action]], layout: Sequence[Sequence[int]
                 elif act.op in SENDS:
                     in_flight[_route(act, s, layout, owners)[0]] = clock[s] + comm_time
                 else:
-                    timeline[s].append((clock[s], clock[s] + durations[act.op], act))
-                    clock[s] += durations[act.op]
-                    busy[s] += durations[act.op]
+                    took = durations[layout[s][act.chunk]][act.op]
+                    timeline[s].append((clock[s], clock[s] + took, act))
+                    clock[s] += took
+                    busy[s] += took
                     _count(held, peaks, s, act.op, split)
                 pc[s] += 1
                 progressed = True

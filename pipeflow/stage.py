@@ -14,7 +14,8 @@ from torch import nn
 
 from pipeflow import schedule as sched
 from pipeflow.comm import Communicator
-from pipeflow.config import Config, ConfigError
+from pipeflow.auto_schedule import choose_schedule, measure_layer_costs
+from pipeflow.config import SCHEDULES, Config, ConfigError
 from pipeflow.data_parallel import GradReducer
 from pipeflow.layers import LayerSpec, build_layer, get_parameter, set_parameter, tie_groups
 from pipeflow.partition import measure_layer_times, partition_layers
@@ -67,15 +68,16 @@ class Stage:
         self.config = config
         self.topo = topo = Topology(world, config.pipeline, config.data)
         self.index, self.stages = topo.stage, topo.pipeline
-        self.num_chunks = config.virtual_stages
         self.device = device if device is not None else default_device(topo)
         bind_device(self.device)      # before CUDA's first use: layer building forks its RNG
         self.n_layers = len(layers)
-        self.layer_times = _measure_times(layers, config, world, sample, self.device)
+        # The schedule that runs (schedule "auto" resolved) and its model chunks per rank.
+        self.schedule, self.num_chunks, self.layer_times, self.schedule_choice = \
+            _resolve_schedule(layers, config, world, sample, self.device, topo.pipeline)
         self.boundaries = partition_layers(layers, self.stages * self.num_chunks,
                                            config.partition, self.layer_times)
         # layout[rank][chunk] = virtual stage; where[virtual] = (rank, chunk)
-        self.layout = sched.stage_layout(config.schedule, self.stages, self.num_chunks)
+        self.layout = sched.stage_layout(self.schedule, self.stages, self.num_chunks)
         self.where = {v: (r, c) for r, row in enumerate(self.layout) for c, v in enumerate(row)}
         ranges = [range(self.boundaries[self.virtual(c)], self.boundaries[self.virtual(c) + 1])
                   for c in range(self.num_chunks)]
@@ -128,7 +130,7 @@ class Stage:
     def _schedule(self) -> None:
         """The instruction lists, validated the same way on every rank before any message."""
         cfg = self.config
-        programs = sched.build_schedule(cfg.schedule, self.stages, cfg.microbatches,
+        programs = sched.build_schedule(self.schedule, self.stages, cfg.microbatches,
                                         chunks=self.num_chunks)
         self.expected_peak_stash = sched.simulate(programs).peak_stash
         self.program = programs[self.index]
@@ -177,7 +179,7 @@ class Stage:
         """The pipeline's communicator and, with replicas, the stage's data group's. Only
         the interleaved schedule needs the ring's wrap-around link (ZBV turns on one rank)."""
         return grid_communicators(self.topo, self.backend, self.device,
-                                  ring=self.config.schedule == "interleaved")
+                                  ring=self.schedule == "interleaved")
 
     def _tie_groups(self) -> None:
         """Under torch.distributed, a group per spanning tie and replica, made on every rank
@@ -232,6 +234,34 @@ def _measure_times(layers: Sequence[LayerSpec], config: Config, world: MPI.Comm,
     if world.rank == 0 and sample is not None:
         times = measure_layer_times(layers, sample, config.seed, device=device)
     return world.bcast(times, root=0)
+
+
+def _resolve_schedule(layers: Sequence[LayerSpec], config: Config, world: MPI.Comm,
+                      sample: Any, device: torch.device, stages: int
+                      ) -> tuple[str, int, list[float] | None, str]:
+    """(schedule, model chunks per rank, layer times for partition 'time', the text of
+    schedule 'auto''s choice). 'auto' measures on world rank 0 and broadcasts, then every
+    rank chooses alike from the same numbers; rank 0 prints the choice."""
+    if config.schedule != "auto":
+        return (config.schedule, config.virtual_stages,
+                _measure_times(layers, config, world, sample, device), "")
+    costs = None
+    if world.rank == 0 and sample is not None:
+        costs = measure_layer_costs(layers, sample, config.seed, device=device)
+    costs = world.bcast(costs, root=0)
+    if costs is None:
+        raise ConfigError(
+            f"Config.schedule 'auto' measures each layer's forward, input- and weight-gradient "
+            f"times on a sample micro-batch, and world rank 0 was given none: pass "
+            f"Engine(..., sample=inputs[:micro_batch_size]) (a micro-batch of the inputs), or "
+            f"name a schedule (one of {[s for s in SCHEDULES if s != 'auto']})")
+    times = costs.totals if config.partition == "time" else None
+    choice = choose_schedule(
+        costs, stages, config.microbatches, int(config.activation_budget_mb * 2**20),
+        boundaries=lambda k: partition_layers(layers, k, config.partition, times))
+    if world.rank == 0:
+        print(choice.describe(), flush=True)
+    return choice.schedule, choice.chunks, times, choice.describe()
 
 
 def _scaler(config: Config) -> LossScaler | None:

@@ -201,9 +201,11 @@ class _Loop:
 
 def _build_engine(run: RunConfig, model: Model, batches: Batches, comm: MPI.Comm) -> Engine:
     config = run.engine
-    # partition = "time" measures the layers on one micro-batch of the real data.
+    # partition = "time" and schedule = "auto" measure the layers on one micro-batch of the
+    # real data.
     micro = max(1, run.train.batch_size // (config.data * config.microbatches))
-    sample = batches.rows(0, 0, micro)[0] if config.partition == "time" else None
+    measured = config.partition == "time" or config.schedule == "auto"
+    sample = batches.rows(0, 0, micro)[0] if measured else None
     # trace=True: each instruction's start and end, for the measured bubble per stage.
     return Engine(model.layers, model.loss_fn, _optimizer(run.train), config, comm=comm,
                   trace=True, sample=sample)
@@ -228,7 +230,7 @@ def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
                          append=t.resume)
         c = run.engine
         out.line(f"pipeflow: {model.name} on {source}; grid pipeline={c.pipeline} x "
-                 f"data={c.data}, {c.microbatches} micro-batches, {c.schedule}, stages "
+                 f"data={c.data}, {c.microbatches} micro-batches, {engine.schedule}, stages "
                  f"{engine.boundaries}; MFU against {peak[0] / 1e12:.3g} TFLOP/s a rank "
                  f"({peak[1]})" + (f"; metrics in {metrics}" if metrics else ""))
         if t.resume:

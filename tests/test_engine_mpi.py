@@ -17,8 +17,8 @@ from torch import nn
 import pipeflow as pf
 from pipeflow.schedule import build_schedule, simulate
 
-from toy import (Drop, adamw, assert_same_parameters, batches, loss_fn, sgd, toy_layers,
-                 train_reference)
+from toy import (Drop, adamw, assert_same_parameters, batches, loss_fn, sgd, sub_world,
+                 toy_layers, train_reference)
 
 WORLD = MPI.COMM_WORLD
 BATCH = 24
@@ -29,10 +29,7 @@ EXPLICIT_INTERLEAVED = {2: [0, 2, 3, 6, 9], 4: [0, 1, 2, 3, 4, 5, 6, 7, 9]}
 MICROBATCHES = {2: [1, 2, 3, 8], 4: [2, 4, 6, 12]}  # below, equal to and above the stages
 
 
-def _sub_world(stages: int) -> MPI.Comm:
-    if WORLD.size < stages:
-        pytest.skip(f"needs {stages} ranks")
-    return WORLD.Split(color=WORLD.rank // stages, key=WORLD.rank)
+_sub_world = sub_world
 
 
 def _cases():

@@ -12,8 +12,10 @@ import pytest
 from pipeflow.planner import cli
 from pipeflow.models.gpt import GPTConfig, layer_parameters, num_parameters
 from pipeflow.partition import partition_balanced
+from pipeflow.planner import cost
 from pipeflow.planner.cost import (PRECISIONS, Grid, activation_bytes_per_layer,
-                                   bubble_fraction, estimate, peak_stash, ring_allreduce_time,
+                                   bubble_fraction, estimate, exposed_allreduce_time,
+                                   idle_units, peak_held, peak_stash, ring_allreduce_time,
                                    stage_memory, time_balanced_boundaries)
 from pipeflow.planner.hardware import GB, PRESETS, Cluster, Hardware, HardwareError, LayerTimes
 from pipeflow.planner.plan import make_plan, nice_batch
@@ -142,16 +144,27 @@ def test_stash_and_bubble():
 
 
 @pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2),
-                                             ("interleaved", 3)])
-def test_planner_stash_is_the_simulators(schedule, chunks):
+                                             ("interleaved", 3), ("zb-h1", 1), ("zbv", 2)])
+def test_planner_stash_held_and_idle_time_are_the_simulators(schedule, chunks):
     # The planner extrapolates long runs from two simulations past the warm-up: it must agree
     # with simulating every micro-batch.
-    peak_stash.cache_clear()
+    cost._simulated.cache_clear()
     for p in range(1, 9):
-        step = p if chunks > 1 else 1
+        step = p if schedule == "interleaved" else 1
         for m in range(step, 8 * p + 3 * step, step):
-            full = simulate(build_schedule(schedule, p, m, chunks)).peak_stash
-            assert peak_stash(schedule, p, m, chunks) == tuple(full), (p, m)
+            full = simulate(build_schedule(schedule, p, m, chunks), forward_time=1.0,
+                            backward_input_time=1.0, weight_time=1.0)
+            assert peak_stash(schedule, p, m, chunks) == tuple(full.peak_stash), (p, m)
+            assert peak_held(schedule, p, m, chunks) == tuple(full.peak_held), (p, m)
+            assert idle_units(schedule, p, m, chunks) == pytest.approx(full.makespan - 3 * m), \
+                (p, m)
+    # The search's deep pipelines take the steady figures (`cost._steady`): spot checks.
+    if schedule in ("zb-h1", "zbv"):
+        for p, m in [(12, 23), (12, 30), (16, 33)]:
+            full = simulate(build_schedule(schedule, p, m, chunks), forward_time=1.0,
+                            backward_input_time=1.0, weight_time=1.0)
+            assert peak_held(schedule, p, m, chunks) == tuple(full.peak_held), (p, m)
+            assert idle_units(schedule, p, m, chunks) == pytest.approx(full.makespan - 3 * m)
 
 
 def test_stage_memory_is_state_plus_stash():
@@ -196,6 +209,59 @@ def test_step_time_is_m_plus_p_minus_1_stage_times_for_equal_stages(p, m):
     assert est.step_time_s == pytest.approx((m + p - 1) * stage_s)
     assert est.pipeline_s * est.bubble == pytest.approx((p - 1) * stage_s)
     assert [s.blocks for s in est.stages] == [16 // p] * p
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16), (8, 16), (8, 32)])
+def test_zero_bubble_schedules_idle_a_third_and_a_sixth_of_1f1b(p, m):
+    # Equal stages, F = B = W = t/3 (backward twice the forward), no messages: 1F1B idles
+    # (p - 1)·t, ZB-H1 (p - 1)(F + B - W) = (p - 1)·t/3, ZBV half that once its V is full.
+    shape = Shape(16, 128, 2, seq_len=16, vocab_size=128)
+    cluster = Cluster(_ideal_hardware(), gpus=p, gpus_per_node=p)
+    t = (16 // p) * 3e-3
+    one = estimate(shape, cluster, Grid(p, 1, 1, m, "1f1b"), "none", "fp32")
+    h1 = estimate(shape, cluster, Grid(p, 1, 1, m, "zb-h1"), "none", "fp32")
+    v = estimate(shape, cluster, Grid(p, 1, 1, m, "zbv"), "none", "fp32")
+    assert one.pipeline_s == pytest.approx(m * t + (p - 1) * t)
+    assert h1.pipeline_s == pytest.approx(m * t + (p - 1) * t / 3)
+    assert v.pipeline_s == pytest.approx(m * t + (p - 1) * t / 6)
+    assert h1.bubble == pytest.approx((p - 1) / 3 / (m + (p - 1) / 3))
+    assert [s.weight_s for s in h1.stages] == pytest.approx([t / 3] * p)
+    # Memory: ZB-H1 holds p micro-batches on every stage (those waiting for W), ZBV 2p
+    # chunks of half a stage: both 1F1B's stage 0 depth on every stage.
+    assert [s.stash for s in h1.stages] == [p] * p and [s.stash for s in v.stages] == [2 * p] * p
+    per_mb = [s.activation_bytes / s.stash for s in one.stages]
+    assert [s.activation_bytes for s in h1.stages] == pytest.approx([p * b for b in per_mb])
+    assert [s.activation_bytes for s in v.stages] == pytest.approx([p * b for b in per_mb])
+
+
+def test_all_but_the_last_bucket_hide_behind_the_last_backward():
+    bucket = 25 * 2**20
+    ring = lambda n: ring_allreduce_time(n, 8, 1e9, 1e-5)      # noqa: E731
+    nbytes = 3.5 * bucket
+    # A long last backward hides the first three buckets; the last half bucket stays.
+    assert exposed_allreduce_time(nbytes, 8, 1e9, 1e-5, window_s=10.0) == \
+        pytest.approx(ring(0.5 * bucket))
+    # No window: all of it, bucket by bucket; a partial window hides part of the rest.
+    assert exposed_allreduce_time(nbytes, 8, 1e9, 1e-5, window_s=0.0) == \
+        pytest.approx(ring(0.5 * bucket) + ring(3 * bucket))
+    assert exposed_allreduce_time(nbytes, 8, 1e9, 1e-5, window_s=0.01) == \
+        pytest.approx(ring(0.5 * bucket) + ring(3 * bucket) - 0.01)
+    assert exposed_allreduce_time(bucket, 8, 1e9, 1e-5, window_s=10.0) == pytest.approx(ring(
+        bucket))                                          # one bucket: nothing to hide
+    assert exposed_allreduce_time(nbytes, 1, 1e9, 1e-5, window_s=0.0) == 0.0
+    # In the estimate: the step waits for the exposed part only, the stage reports both.
+    shape = Shape(8, 1024, 16)
+    est = estimate(shape, Cluster(H100, 16, 8), Grid(1, 16, 1, 2), "none")
+    st = est.stages[0]
+    assert st.allreduce_exposed_s < st.allreduce_s
+    assert est.tail_s == pytest.approx(st.allreduce_exposed_s + st.optimizer_s)
+    bw, lat = H100.inter_node_bandwidth * H100.link_efficiency, H100.inter_node_latency
+    assert st.allreduce_exposed_s == pytest.approx(exposed_allreduce_time(
+        st.params * 4, 16, bw, lat, window_s=st.backward_s))
+    # Calibrated (CPU, mpi4py) hardware: MPI moves the buckets when waited for, none hides.
+    cpu = dataclasses.replace(_ideal_hardware(), intra_node_bandwidth=1e9)
+    st = estimate(shape, Cluster(cpu, 2, 2), Grid(1, 2, 1, 2), "none", "fp32").stages[0]
+    assert st.allreduce_s > 0.1 and st.allreduce_exposed_s == pytest.approx(st.allreduce_s)
 
 
 def test_allreduce_crosses_nodes_only_when_the_data_group_does():
@@ -329,7 +395,10 @@ def test_cli_json_has_the_promised_fields(capsys, tmp_path):
     assert (eng["pipeline"], eng["data"], eng["microbatches"]) == (
         plan["pipeline"], plan["data"], plan["microbatches"])
     assert train["batch_size"] == eng["data"] * eng["microbatches"] * plan["micro_batch_size"]
-    assert eng["partition"][0] == 0 and eng["partition"][-1] == model["n_layers"] + 2
+    if eng["schedule"] == "zbv":       # 2p virtual stages: the engine balances them by time
+        assert eng["partition"] == "time" and "'time'" in cfg.read_text()
+    else:
+        assert eng["partition"][0] == 0 and eng["partition"][-1] == model["n_layers"] + 2
     assert model["d_model"] * model["n_layers"] > 0 and train["steps"] >= 1
     import pipeflow
     pipeflow.Config.from_dict(eng)          # the engine accepts what was written

@@ -186,7 +186,8 @@ def test_link_order_check_fails_when_receives_are_swapped():
     fixed = build_schedule("zbv", p, m)
     assert fixed[1] != raw[1] and fixed[0] == raw[0]
     times = {FORWARD: 0.5, BACKWARD: 0.5, WEIGHT: 0.5}
-    assert schedule._replay(raw, fixed.layout, times, 0.0).makespan == \
+    per_stage = {v: times for v in range(2 * p)}
+    assert schedule._replay(raw, fixed.layout, per_stage, 0.0, True).makespan == \
         simulate(fixed).makespan
 
 
@@ -296,3 +297,42 @@ def test_every_link_receives_in_the_order_of_its_sends(name, chunks, stages):
         simulate(build_schedule(name, stages, m, chunks=chunks))
 
 
+
+
+@pytest.mark.parametrize("name,chunks", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2),
+                                         ("zb-h1", 1), ("zbv", 2)])
+def test_stage_times_equal_to_the_scalar_times_replay_alike(name, chunks):
+    # Per-virtual-stage times that are all one rank's share per chunk give the scalar run.
+    for p, m in [(2, 4), (3, 6), (4, 8), (4, 3)]:
+        if name == "interleaved" and m % p:
+            continue
+        programs = build_schedule(name, p, m, chunks)
+        scalar = simulate(programs, forward_time=1.0, backward_input_time=1.5, weight_time=0.5)
+        b = 1.5 if name in ("zb-h1", "zbv") else 2.0
+        w = 0.5 if name in ("zb-h1", "zbv") else 0.0
+        per_stage = simulate(programs, stage_times=[(1.0 / chunks, b / chunks, w / chunks)]
+                             * (p * chunks))
+        assert per_stage.makespan == pytest.approx(scalar.makespan), (name, p, m)
+        assert per_stage.peak_held == scalar.peak_held
+
+
+def test_stage_times_make_the_slowest_stage_the_bottleneck():
+    # 2 stages, 1 micro-batch: F on s0 (1), F on s1 (3), B on s1 (6), B on s0 (2).
+    programs = build_schedule("1f1b", 2, 1)
+    assert simulate(programs, stage_times=[(1, 2, 0), (3, 6, 0)]).makespan == 12
+    # Many micro-batches: the last stage's F + B, 9 units each, set the pace.
+    m = 16
+    r = simulate(build_schedule("1f1b", 2, m), stage_times=[(1, 2, 0), (3, 6, 0)])
+    assert r.busy == [3 * m, 9 * m]
+    assert 9 * m < r.makespan <= 9 * m + 3
+    # Without W in the schedule, B takes B + W.
+    assert simulate(programs, stage_times=[(1, 1, 1), (3, 3, 3)]).makespan == 12
+    # With W, B alone sends the gradient: stage 0's B and W (1 + 1) overlap stage 1's W (3).
+    assert simulate(build_schedule("zb-h1", 2, 1),
+                    stage_times=[(1, 1, 1), (3, 3, 3)]).makespan == 1 + 3 + 3 + 3
+
+
+def test_stage_times_of_the_wrong_length_are_refused():
+    with pytest.raises(ScheduleError, match="one \\(F, B, W\\) triple .* per virtual stage, "
+                                            "4 in all"):
+        simulate(build_schedule("zbv", 2, 4), stage_times=[(1, 1, 1)] * 2)

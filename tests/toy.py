@@ -134,3 +134,15 @@ def assert_same_update(update, reference, rtol: float):
         assert err <= rtol, (f"{name}: update off by {err:.2%} of its size (tolerance "
                              f"{rtol:.0%}); |update| {delta.norm():.3g}, expected "
                              f"{ref.norm():.3g}")
+
+
+def sub_world(stages: int):
+    """The world in groups of `stages` ranks, one pipeline each (`mpirun -n 4` runs two
+    2-stage pipelines side by side); skips the test when the world is smaller."""
+    import pytest
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    if world.size < stages:
+        pytest.skip(f"needs {stages} ranks")
+    return world.Split(color=world.rank // stages, key=world.rank)

@@ -99,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bf16 (default) or fp32 (the default with --calibrate)")
     search.add_argument("--schedules", type=_list(PLANNED_SCHEDULES),
                         default=list(PLANNED_SCHEDULES),
-                        help="schedules to consider (default 1f1b,gpipe)")
+                        help=f"schedules to consider (default {','.join(PLANNED_SCHEDULES)})")
     search.add_argument("--recompute", type=_list(RECOMPUTE), default=list(RECOMPUTE),
                         help="recomputation allowed per stage, cheapest first "
                              "(default none,selective,full)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Sequence
 
 from pipeflow.config import SCHEDULES
@@ -18,13 +19,21 @@ from pipeflow.topology import rank_of
 __all__ = [
     "PrecisionBytes", "PRECISIONS", "RECOMPUTE", "PLANNED_SCHEDULES", "Grid", "StageCost",
     "Estimate", "activation_bytes_per_layer", "head_activation_bytes", "peak_stash",
-    "bubble_fraction", "ring_allreduce_time", "block_forward_flops", "head_forward_flops",
+    "peak_held", "idle_units", "schedule_chunks", "exposed_allreduce_time", "bubble_fraction",
+    "ring_allreduce_time", "block_forward_flops", "head_forward_flops",
     "layer_kinds", "time_balanced_boundaries", "stage_memory", "estimate",
 ]
 
 RECOMPUTE = ("none", "selective", "full")     # cheapest first: the order the search tries
 # The schedules of `pipeflow.config.SCHEDULES` the cost model times.
-PLANNED_SCHEDULES = tuple(s for s in SCHEDULES if s in ("1f1b", "gpipe"))
+PLANNED_SCHEDULES = tuple(s for s in SCHEDULES if s in ("1f1b", "gpipe", "zb-h1", "zbv"))
+SPLIT_BACKWARD = ("zb-h1", "zbv")     # B (input gradient) and W (weight gradient) apart
+BUCKET_BYTES = 25 * 2**20             # the engine's default gradient bucket (Config.bucket_mb)
+
+
+def schedule_chunks(schedule: str) -> int:
+    """Model chunks per rank the planner runs `schedule` with (ZBV's V: 2)."""
+    return 2 if schedule == "zbv" else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,26 +134,68 @@ def head_activation_bytes(seq_len: int, micro_batch_size: int, vocab_size: int,
 
 
 @functools.lru_cache(maxsize=None)
-def peak_stash(schedule: str, pipeline: int, microbatches: int,
-               chunks: int = 1) -> tuple[int, ...]:
-    """Per stage, the most micro-batches (model-chunk forwards, with `chunks` > 1) whose
-    activations it holds at once: `pipeflow.schedule.simulate(...).peak_stash`.
+def _simulated(schedule: str, pipeline: int, microbatches: int,
+               chunks: int) -> tuple[tuple[float, ...], ...]:
+    """(peak stash per stage, peak held per stage, (idle units,)) of a simulation with
+    F = B = W = 1 unit: `pipeflow.schedule.simulate`. Idle units: the makespan less the 3m
+    units of one rank's work.
 
     Simulating m micro-batches costs O(p·m), and the search asks for hundreds of (p, m).
-    Past its warm-up, every schedule repeats one pattern, so its stash grows by a fixed step
-    each `step` micro-batches (1F1B and interleaved by 0, GPipe by 1): from m0 = chunks·p
-    (every warm-up is shorter) on, two simulations give the line. The tests hold it to the
-    full simulation.
+    Past its warm-up, every schedule repeats one pattern, so each figure grows by a fixed
+    step each `step` micro-batches (1F1B's stash by 0, GPipe's by 1, every idle time by 0):
+    from m0 = chunks·p (every warm-up, ZBV's 2p - 1 too, is shorter) on, two simulations
+    give the line. The tests hold it to the full simulation.
     """
-    step = pipeline if chunks > 1 else 1       # interleaved runs groups of p micro-batches
+    known = _steady(schedule, pipeline, microbatches)
+    if known is not None:
+        return known
+    step = pipeline if schedule == "interleaved" else 1   # groups of p micro-batches
     m0 = chunks * pipeline
     if microbatches <= m0 + step:
-        programs = build_schedule(schedule, pipeline, microbatches, chunks)
-        return tuple(simulate(programs).peak_stash)
-    low = peak_stash(schedule, pipeline, m0, chunks)
-    high = peak_stash(schedule, pipeline, m0 + step, chunks)
+        r = simulate(build_schedule(schedule, pipeline, microbatches, chunks),
+                     forward_time=1.0, backward_input_time=1.0, weight_time=1.0)
+        return (tuple(r.peak_stash), tuple(r.peak_held), (r.makespan - 3 * microbatches,))
+    low = _simulated(schedule, pipeline, m0, chunks)
+    high = _simulated(schedule, pipeline, m0 + step, chunks)
     steps = (microbatches - m0) // step
-    return tuple(lo + steps * (hi - lo) for lo, hi in zip(low, high))
+    return tuple(tuple(lo + steps * (hi - lo) for lo, hi in zip(a, b))
+                 for a, b in zip(low, high))
+
+
+def _steady(schedule: str, p: int, m: int) -> tuple[tuple[float, ...], ...] | None:
+    """`_simulated`'s figures where a schedule's pattern is known, so that the search never
+    simulates a deep pipeline: 1F1B and ZB-H1 once m >= p, GPipe always, ZBV once its V is
+    full (m >= 2p - 1). The tests hold each to the simulator."""
+    if schedule in ("1f1b", "zb-h1") and m >= p:
+        stash = tuple(float(p - s) for s in range(p))
+        if schedule == "1f1b":
+            return stash, stash, (3.0 * (p - 1),)
+        return stash, (float(p),) * p, (p - 1.0,)
+    if schedule == "gpipe":
+        return (float(m),) * p, (float(m),) * p, (3.0 * (p - 1),)
+    if schedule == "zbv" and m >= 2 * p - 1:
+        return (2.0 * p,) * p, (2.0 * p,) * p, ((p - 1) / 2,)
+    return None
+
+
+def peak_stash(schedule: str, pipeline: int, microbatches: int,
+               chunks: int = 1) -> tuple[int, ...]:
+    """Per stage, the most micro-batches (model-chunk forwards, with `chunks` > 1) forwarded
+    and not yet through B: `pipeflow.schedule.simulate(...).peak_stash`."""
+    return tuple(int(x) for x in _simulated(schedule, pipeline, microbatches, chunks)[0])
+
+
+def peak_held(schedule: str, pipeline: int, microbatches: int,
+              chunks: int = 1) -> tuple[int, ...]:
+    """Per stage, the most micro-batches whose activations it holds at once: the stash, and
+    under split backward those whose W is still pending (`simulate(...).peak_held`)."""
+    return tuple(int(x) for x in _simulated(schedule, pipeline, microbatches, chunks)[1])
+
+
+def idle_units(schedule: str, pipeline: int, microbatches: int, chunks: int = 1) -> float:
+    """A step's idle time with F = B = W = 1 unit: 3(p - 1) for 1F1B and GPipe, p - 1 for
+    ZB-H1 once m >= p (Qi et al.'s (p - 1)(F + B - W)), (p - 1)/2 for ZBV once m >= 2p - 1."""
+    return _simulated(schedule, pipeline, microbatches, chunks)[2][0]
 
 
 def bubble_fraction(pipeline: int, microbatches: int) -> float:
@@ -263,19 +314,39 @@ def _p2p_time(cluster: Cluster, stage: int, p: int, d: int, send_bytes: float) -
     return total
 
 
+def exposed_allreduce_time(nbytes: float, ranks: int, bandwidth: float, latency: float,
+                           window_s: float, bucket_bytes: float = BUCKET_BYTES) -> float:
+    """The part of a bucketed all-reduce the step waits for after its last backward.
+
+    Buckets launch as their gradients become final during the last micro-batch's backward
+    (its W under split backward), which takes `window_s`: every bucket but the last (the
+    first layers', final at the very end) runs behind it, and the last runs after."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    last = nbytes - bucket_bytes * (math.ceil(nbytes / bucket_bytes) - 1)
+    rest = ring_allreduce_time(nbytes - last, ranks, bandwidth, latency) if nbytes > last \
+        else 0.0
+    return ring_allreduce_time(last, ranks, bandwidth, latency) + max(0.0, rest - window_s)
+
+
 def _gradient_sync_time(shape: Shape, cluster: Cluster, prec: PrecisionBytes, stage: int,
-                        p: int, d: int, params: int) -> float:
-    """Per step: the all-reduce over the stage's replicas, and the tied matrix's sum."""
+                        p: int, d: int, params: int, window_s: float) -> tuple[float, float]:
+    """Per step: (the all-reduce over the stage's replicas plus the tied matrix's sum, the
+    part of it after the last backward: all but the last bucket overlap the last micro-batch's
+    backward, `window_s`; the tied sum follows the replicas' all-reduce)."""
     bw, lat = cluster.link([rank_of(stage, r, d) for r in range(d)])
-    total = ring_allreduce_time(params * prec.grad_reduce_bytes, d, bw, lat)
+    nbytes = params * prec.grad_reduce_bytes
+    total = ring_allreduce_time(nbytes, d, bw, lat)
+    exposed = exposed_allreduce_time(nbytes, d, bw, lat, window_s)
     if p > 1 and stage in (0, p - 1) and shape.tie_embeddings:
         # The tied embedding / head matrix: its gradient is summed between the first and
         # the last stage after the replicas' all-reduce.
         tie_bytes = shape.vocab_size * shape.d_model * prec.grad_reduce_bytes
-        total += max(ring_allreduce_time(tie_bytes, 2, *cluster.link([rank_of(0, r, d),
-                                                                      rank_of(p - 1, r, d)]))
-                     for r in _replica_samples(d, cluster.gpus_per_node))
-    return total
+        tie = max(ring_allreduce_time(tie_bytes, 2, *cluster.link([rank_of(0, r, d),
+                                                                   rank_of(p - 1, r, d)]))
+                  for r in _replica_samples(d, cluster.gpus_per_node))
+        total, exposed = total + tie, exposed + tie
+    return total, exposed
 
 
 # -- estimate ---------------------------------------------------------------------------
@@ -294,10 +365,12 @@ class StageCost:
     activation_bytes: float         # the stash
     transient_bytes: float          # one micro-batch's recomputed block / logits gradient
     forward_s: float                # per micro-batch
-    backward_s: float               # per micro-batch, recomputation included
+    backward_s: float               # per micro-batch, recomputation included (B + W)
     p2p_s: float                    # per micro-batch: this stage's sends
     allreduce_s: float              # per step
     optimizer_s: float              # per step
+    weight_s: float = 0.0           # of backward_s, W under split backward (0 without)
+    allreduce_exposed_s: float = 0.0   # of allreduce_s, what is not hidden behind backward
 
     @property
     def memory_bytes(self) -> float:
@@ -322,6 +395,7 @@ class Estimate:
     tail_s: float           # all-reduce and optimizer step after the last backward
     usable_memory: float
     precision: str
+    bubble_s: float = 0.0   # of pipeline_s, the idle time of the slowest stage
 
     @property
     def step_time_s(self) -> float:
@@ -349,7 +423,8 @@ class Estimate:
 
     @property
     def bubble(self) -> float:
-        return bubble_fraction(self.grid.pipeline, self.grid.microbatches)
+        """The idle share of the pipeline span: (p - 1)/(m + p - 1) for 1F1B's equal stages."""
+        return self.bubble_s / self.pipeline_s if self.pipeline_s else 0.0
 
 
 def _stage_kinds(shape: Shape, layers: tuple[int, int]) -> dict[str, int]:
@@ -364,7 +439,8 @@ def stage_memory(shape: Shape, precision: PrecisionBytes, grid: Grid, stage: int
                  layers: tuple[int, int], recompute: str) -> tuple[float, float, float]:
     """(state, activation stash, transient) bytes of one stage.
 
-    The stash is `peak_stash` micro-batches of what each of the stage's layers keeps
+    The stash is `peak_held` micro-batches of what each of the stage's layers keeps (ZBV's
+    in chunks, each half the stage's layers; with split backward those waiting for W count)
     (Korthikanti's per-block formula; the head's logits on the last stage). Under full or
     selective recomputation the dropped activations of one block are rebuilt during its
     backward: that transient, and the fp32 logits gradient on the head's stage, come on top
@@ -383,53 +459,88 @@ def stage_memory(shape: Shape, precision: PrecisionBytes, grid: Grid, stage: int
     if recompute != "none" and count["block"]:
         transient += activation_bytes_per_layer(s, b, shape.d_model, shape.n_heads, "none",
                                                 precision.activation_scale) - per_block
-    stash = peak_stash(grid.schedule, grid.pipeline, grid.microbatches)[stage]
-    return params * precision.state_bytes, stash * per_mb, transient
+    chunks = schedule_chunks(grid.schedule)
+    held = peak_held(grid.schedule, grid.pipeline, grid.microbatches, chunks)[stage]
+    return params * precision.state_bytes, held * per_mb / chunks, transient
 
 
 def estimate(shape: Shape, cluster: Cluster, grid: Grid, recompute: str | Sequence[str],
              precision: str = "bf16", boundaries: Sequence[int] | None = None) -> Estimate:
     """Memory per stage and step time of `grid` with per-stage `recompute`.
 
-    Step time = Σ_s t_s + (m - 1)·max_s t_s + max_s(all-reduce_s + optimizer_s), where t_s is
-    stage s's forward + backward + sends for one micro-batch. The first term is the critical
-    path of one micro-batch through every stage and back; the second is the slowest stage
-    working through the other m - 1. For equal stages it is (m + p - 1)·t: the bubble
-    (p - 1)/(m + p - 1) of Huang et al. 2019 and Narayanan et al. 2021. Point-to-point and
-    all-reduce are not overlapped with compute: the estimate leans slow.
+    Step time = m·max_s t_s + bubble + max_s(exposed all-reduce_s + optimizer_s), where t_s
+    is stage s's forward + backward + sends for one micro-batch. The bubble is the ramp of
+    the other stages: Σ_s t_s - t_slowest for 1F1B and GPipe, so that equal stages take
+    (m + p - 1)·t, the bubble (p - 1)/(m + p - 1) of Huang et al. 2019 and Narayanan et al.
+    2021. With split backward (ZB-H1, ZBV) each stage's share of the ramp is F + B - W
+    instead of F + B + W (Qi et al. 2024: ZB-H1 idles (p - 1)(F + B - W)), scaled by the
+    schedule's simulated idle time (`idle_units`: ZBV half ZB-H1's; more when m < p); W is
+    half the backward without recomputation (F = B = W, thirds of a layer's time). Of the
+    gradient all-reduce, all buckets but the last hide behind the last micro-batch's
+    backward (its W under split backward), on GPUs; on calibrated CPU hardware (mpi4py)
+    none does. ZBV is costed on the p-stage partition with
+    twice the point-to-point messages (each rank sends for both its chunks).
     """
     prec = PRECISIONS[precision]
-    p, d, b, m = grid.pipeline, grid.data, grid.micro_batch_size, grid.microbatches
+    p, b = grid.pipeline, grid.micro_batch_size
     if boundaries is None:
         boundaries = time_balanced_boundaries(shape, cluster, prec, p, b)
     if len(boundaries) != p + 1:
         raise ValueError(f"{len(boundaries)} boundaries for {p} stages")
     modes = [recompute] * p if isinstance(recompute, str) else list(recompute)
-    hw = cluster.hardware
     times = {(k, ph): _layer_time(shape, cluster, prec, k, ph, b)
              for k in ("embed", "block", "head") for ph in ("forward", "backward")}
+    stages = tuple(_stage_cost(shape, cluster, prec, grid, st, (boundaries[st],
+                                                                 boundaries[st + 1]),
+                               modes[st], times) for st in range(p))
+    pipeline_s, bubble_s = _pipeline_time(stages, grid)
+    tail_s = max(s.allreduce_exposed_s + s.optimizer_s for s in stages)
+    return Estimate(grid, stages, pipeline_s, tail_s, cluster.hardware.usable_memory,
+                    precision, bubble_s)
+
+
+def _stage_cost(shape: Shape, cluster: Cluster, prec: PrecisionBytes, grid: Grid, st: int,
+                layers: tuple[int, int], mode: str,
+                times: dict[tuple[str, str], float]) -> StageCost:
+    p, d, b = grid.pipeline, grid.data, grid.micro_batch_size
+    count = _stage_kinds(shape, layers)
+    state, acts, transient = stage_memory(shape, prec, grid, st, layers, mode)
+    fwd = sum(n * times[k, "forward"] for k, n in count.items())
+    plain = sum(n * times[k, "backward"] for k, n in count.items())
+    bwd = plain + count["block"] * _recompute_time(shape, cluster, prec, mode, b)
+    # Split backward: W is half the plain backward; B the rest, recomputation included.
+    weight = plain / 2 if grid.schedule in SPLIT_BACKWARD else 0.0
+    params = _stage_params(shape, count)
     send_bytes = b * shape.seq_len * shape.d_model * prec.act_bytes
-    stages = []
-    for st in range(p):
-        layers = (boundaries[st], boundaries[st + 1])
-        count = _stage_kinds(shape, layers)
-        state, acts, transient = stage_memory(shape, prec, grid, st, layers, modes[st])
-        fwd = sum(n * times[k, "forward"] for k, n in count.items())
-        bwd = sum(n * times[k, "backward"] for k, n in count.items())
-        bwd += count["block"] * _recompute_time(shape, cluster, prec, modes[st], b)
-        params = _stage_params(shape, count)
-        p2p = _p2p_time(cluster, st, p, d, send_bytes)
-        allreduce = _gradient_sync_time(shape, cluster, prec, st, p, d, params)
-        if hw.layer_times is not None:
-            optimizer = params * hw.layer_times.optimizer_s_per_param
-        else:
-            # Adam reads and writes ~30 bytes per parameter (master, gradient, m, v in fp32;
-            # the working copy): memory-bound.
-            optimizer = params * 30 / hw.memory_bandwidth
-        stages.append(StageCost(st, layers, count["block"], params, modes[st],
-                                peak_stash(grid.schedule, p, m)[st], state, acts,
-                                transient, fwd, bwd, p2p, allreduce, optimizer))
+    p2p = _p2p_time(cluster, st, p, d, send_bytes) * schedule_chunks(grid.schedule)
+    hw = cluster.hardware
+    # On calibrated (CPU, mpi4py) hardware MPI moves the buckets mostly when the engine waits
+    # for them: nothing hides there.
+    window = 0.0 if hw.calibrated else weight or bwd
+    allreduce, exposed = _gradient_sync_time(shape, cluster, prec, st, p, d, params, window)
+    if hw.layer_times is not None:
+        optimizer = params * hw.layer_times.optimizer_s_per_param
+    else:
+        # Adam reads and writes ~30 bytes per parameter (master, gradient, m, v in fp32;
+        # the working copy): memory-bound.
+        optimizer = params * 30 / hw.memory_bandwidth
+    held = peak_held(grid.schedule, p, grid.microbatches, schedule_chunks(grid.schedule))[st]
+    return StageCost(st, layers, count["block"], params, mode, held, state, acts, transient,
+                     fwd, bwd, p2p, allreduce, optimizer, weight, exposed)
+
+
+def _pipeline_time(stages: Sequence[StageCost], grid: Grid) -> tuple[float, float]:
+    """(the span of the forwards and backwards, its bubble), see `estimate`."""
+    p, m = grid.pipeline, grid.microbatches
     per_mb = [s.microbatch_s for s in stages]
-    pipeline_s = sum(per_mb) + (m - 1) * max(per_mb)
-    tail_s = max(s.allreduce_s + s.optimizer_s for s in stages)
-    return Estimate(grid, tuple(stages), pipeline_s, tail_s, hw.usable_memory, precision)
+    slowest = max(range(p), key=per_mb.__getitem__)
+    if grid.schedule in SPLIT_BACKWARD:
+        # A stage's share of the ramp in units of F = B = W: F + B - W (and its sends).
+        gaps = [s.forward_s + (s.backward_s - s.weight_s) - s.weight_s + s.p2p_s
+                for s in stages]
+    else:
+        gaps = [t / 3 for t in per_mb]          # a third of F + B + W
+    scale = idle_units(grid.schedule, p, m, schedule_chunks(grid.schedule)) / (p - 1) \
+        if p > 1 else 0.0
+    bubble = scale * (sum(gaps) - gaps[slowest])
+    return m * per_mb[slowest] + bubble, bubble

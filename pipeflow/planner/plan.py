@@ -8,7 +8,7 @@ import math
 from typing import Any, Callable, Sequence
 
 from pipeflow.config import Config
-from pipeflow.planner.cost import PLANNED_SCHEDULES, RECOMPUTE, Estimate
+from pipeflow.planner.cost import PLANNED_SCHEDULES, RECOMPUTE, Estimate, schedule_chunks
 from pipeflow.planner.hardware import GB, Cluster
 from pipeflow.planner.scaling import (METHODS, SECONDS_PER_DAY, Allocation, allocate,
                                       allocate_for_params)
@@ -374,8 +374,12 @@ def train_toml(plan: Plan, command_line: str = "pipeflow plan") -> str:
     the `[model]` and `[train]` tables, under comments saying where the values come from."""
     best, g, sh, hw = plan.best, plan.best.grid, plan.shape, plan.cluster.hardware
     modes = best.recompute
+    # ZBV cuts the model into 2p virtual stages (a V): the engine balances them by time
+    # measured on a micro-batch, where the plan costed the p-stage cut.
+    v = schedule_chunks(g.schedule) > 1
     config = Config(pipeline=g.pipeline, data=g.data, microbatches=g.microbatches,
-                    schedule=g.schedule, partition=best.boundaries, precision=plan.precision,
+                    schedule=g.schedule, partition="time" if v else best.boundaries,
+                    precision=plan.precision,
                     recompute=modes[0] if len(set(modes)) == 1 else list(modes),
                     backend="mpi" if hw.calibrated else "auto", clip=1.0, seed=0)
     train = {"steps": plan.steps, "batch_size": plan.global_batch,
@@ -390,8 +394,10 @@ def train_toml(plan: Plan, command_line: str = "pipeflow plan") -> str:
         f"{', '.join(f'{x:.1f}' for x in best.memory_gb)}.",
         f"# Run: {plan.command('<this file>')}",
         f"# engine: {g.microbatches} micro-batches of {g.micro_batch_size} sequence(s); "
-        f"partition: stage boundaries in the layer list (embedding, {sh.n_layers} blocks, "
-        f"head), balanced by predicted time"
+        + (f"partition: 'time', the {2 * g.pipeline} virtual stages of {g.schedule} balanced "
+           f"by time measured on a micro-batch" if v else
+           f"partition: stage boundaries in the layer list (embedding, {sh.n_layers} blocks, "
+           f"head), balanced by predicted time")
         + ("; backend auto: NCCL on GPUs (the bandwidths planned for), MPI elsewhere."
            if config.backend == "auto" else "."),
         f"# train: batch_size is the global batch in sequences ({_si(plan.batch_tokens)} "

@@ -64,9 +64,14 @@ def enumerate_grids(shape: Shape, gpus: int, global_batch: int,
             for b in divisors(global_batch // d):
                 if b > max_micro_batch:
                     break
-                # One stage runs every schedule alike: keep only the first.
+                m = global_batch // (d * b)
+                # One stage runs every schedule alike: keep only the first. ZBV only where
+                # its V fills (m >= 2p - 1): below, ZB-H1 is as near (equal for m <= p) at
+                # less memory and half the messages, and simulating every short V of a deep
+                # pipeline would cost the search minutes.
                 for schedule in (schedules if p > 1 else schedules[:1]):
-                    yield Grid(p, d, b, global_batch // (d * b), schedule)
+                    if schedule != "zbv" or m >= 2 * p - 1:
+                        yield Grid(p, d, b, m, schedule)
 
 
 def choose_recompute(shape: Shape, cluster: Cluster, grid: Grid, precision: str,

@@ -1,0 +1,240 @@
+"""`schedule = "auto"`: the fastest schedule that fits the memory budget, by the simulator.
+
+World rank 0 measures each layer on a sample micro-batch (`measure_layer_costs`): its
+forward (F), whole backward, input gradient (B) and weight gradient (W) times, and the bytes
+one micro-batch keeps for backward. Every rank then runs the same pure `choose_schedule` on
+those broadcast numbers, so all choose alike: for each candidate schedule the engine's stage
+boundaries, each virtual stage's sums, the simulated step (`simulate(stage_times=...)`) and
+each rank's activation peak against `Config.activation_budget_mb`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from pipeflow import schedule as sched
+from pipeflow import tree
+from pipeflow.config import ConfigError
+from pipeflow.partition import _leaf, partition_uniform
+from pipeflow.recompute import SavedTensorMeter, _fmt
+from pipeflow.zero_bubble import backward_input, backward_weight
+
+__all__ = ["LayerCosts", "Candidate", "Choice", "candidates", "choose_schedule",
+           "measure_layer_costs", "peak_activation_bytes"]
+
+# Simplest first: among schedules within `margin` of the fastest, the earliest wins
+# (fewer messages, no split backward), so noise never buys complexity.
+CANDIDATES = (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2))
+SPLIT = ("zb-h1", "zbv")      # the schedules that run B and W apart
+
+
+@dataclasses.dataclass
+class LayerCosts:
+    """Per layer, one micro-batch: seconds of F, whole backward, B and W; bytes saved."""
+
+    forward: list[float]
+    backward: list[float]           # the whole backward (schedules without W)
+    backward_input: list[float]     # B: the input gradient alone
+    weight: list[float]             # W: the weight gradient alone
+    saved_bytes: list[int]          # kept for backward from F until the backward completes
+
+    @property
+    def totals(self) -> list[float]:
+        """Forward + backward per layer: what `partition = "time"` balances."""
+        return [f + b for f, b in zip(self.forward, self.backward)]
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One schedule as `choose_schedule` weighed it."""
+
+    schedule: str
+    chunks: int
+    skipped: str = ""                       # why it was not simulated
+    boundaries: list[int] = dataclasses.field(default_factory=list)
+    step_time: float = math.inf             # simulated seconds a step
+    peak_bytes: list[int] = dataclasses.field(default_factory=list)   # per rank
+    fits: bool = True
+
+
+@dataclasses.dataclass
+class Choice:
+    """The schedule to run and every candidate's figures, for the training log."""
+
+    schedule: str
+    chunks: int
+    candidates: list[Candidate]
+    budget_bytes: int
+    note: str = ""
+
+    def describe(self) -> str:
+        parts = []
+        for c in self.candidates:
+            if c.skipped:
+                parts.append(f"{c.schedule} skipped ({c.skipped})")
+                continue
+            need = f", activations {_fmt(max(c.peak_bytes))}"
+            if not c.fits:
+                need += f" > budget {_fmt(self.budget_bytes)}"
+            took = f"{c.step_time:.3g} s" if c.step_time >= 1 else f"{c.step_time * 1e3:.3g} ms"
+            parts.append(f"{c.schedule} {took}{need}")
+        return (f"pipeflow: schedule 'auto' chose {self.schedule!r}{self.note}; simulated step "
+                f"from F, B, W measured per layer: " + "; ".join(parts))
+
+
+def candidates(stages: int, microbatches: int, n_layers: int) -> list[Candidate]:
+    """Every schedule `auto` weighs, with the reason where one cannot run here."""
+    out = []
+    for name, chunks in CANDIDATES:
+        skipped = ""
+        if chunks > 1 and stages < 2:
+            skipped = "needs pipeline >= 2"
+        elif chunks > 1 and n_layers < stages * chunks:
+            skipped = f"needs {stages * chunks} layers, has {n_layers}"
+        elif name == "interleaved" and microbatches % stages:
+            skipped = f"microbatches not a multiple of {stages}"
+        out.append(Candidate(name, chunks, skipped))
+    return out
+
+
+def peak_activation_bytes(programs: sched.Programs, virtual_bytes: Sequence[int]) -> list[int]:
+    """Each rank's most activation bytes held at once: a forward of virtual stage v adds
+    `virtual_bytes[v]` until its backward completes (its W, under split backward), in the
+    order the simulator counts `peak_held`."""
+    split = any(a.op == sched.WEIGHT for prog in programs for a in prog)
+    done = sched.WEIGHT if split else sched.BACKWARD
+    peaks = []
+    for rank, prog in enumerate(programs):
+        held = peak = 0
+        for act in prog:
+            nbytes = virtual_bytes[programs.layout[rank][act.chunk]]
+            held += nbytes if act.op == sched.FORWARD else -nbytes if act.op == done else 0
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
+def _weigh(c: Candidate, costs: LayerCosts, stages: int, microbatches: int,
+           boundaries: Callable[[int], list[int]]) -> None:
+    """Fill in a candidate's boundaries, simulated step and per-rank peak bytes."""
+    try:
+        c.boundaries = list(boundaries(stages * c.chunks))
+    except ConfigError:
+        c.skipped = f"the partition does not give {stages * c.chunks} virtual stages"
+        return
+    spans = [range(a, b) for a, b in zip(c.boundaries, c.boundaries[1:])]
+
+    def total(values: Sequence[float]) -> list[float]:
+        return [sum(values[i] for i in span) for span in spans]
+
+    f = total(costs.forward)
+    if c.schedule in SPLIT:
+        times = list(zip(f, total(costs.backward_input), total(costs.weight)))
+    else:
+        times = [(x, b, 0.0) for x, b in zip(f, total(costs.backward))]
+    programs = sched.build_schedule(c.schedule, stages, microbatches, c.chunks)
+    c.step_time = sched.simulate(programs, stage_times=times).makespan
+    c.peak_bytes = peak_activation_bytes(programs, [int(b) for b in total(costs.saved_bytes)])
+
+
+def choose_schedule(costs: LayerCosts, stages: int, microbatches: int, budget_bytes: int = 0,
+                    boundaries: Callable[[int], list[int]] | None = None,
+                    margin: float = 0.01) -> Choice:
+    """The fastest candidate whose every rank's activations fit `budget_bytes` (0: no
+    budget); among those within `margin` of the fastest, the simplest (`CANDIDATES`' order).
+    `boundaries(k)`: the engine's stage boundaries for k virtual stages (default uniform).
+    When none fits, the one needing least memory, said in the note."""
+    n = len(costs.forward)
+    boundaries = boundaries or (lambda k: partition_uniform(n, k))
+    weighed = candidates(stages, microbatches, n)
+    for c in weighed:
+        if not c.skipped:
+            _weigh(c, costs, stages, microbatches, boundaries)
+            c.fits = budget_bytes <= 0 or max(c.peak_bytes) <= budget_bytes
+    ran = [c for c in weighed if not c.skipped]
+    if not ran:
+        raise ConfigError(
+            f"schedule 'auto' found no schedule to run {n} layers on {stages} stages: "
+            + "; ".join(f"{c.schedule}: {c.skipped}" for c in weighed)
+            + "; give partition p + 1 (or 2p + 1) boundaries, or name a schedule")
+    pool, note = [c for c in ran if c.fits], ""
+    if not pool:
+        least = min(max(c.peak_bytes) for c in ran)
+        pool = [c for c in ran if max(c.peak_bytes) == least]
+        note = f" (none fits the budget of {_fmt(budget_bytes)}: the least memory)"
+    fastest = min(c.step_time for c in pool)
+    chosen = next(c for c in pool if c.step_time <= fastest * (1 + margin))
+    if chosen.step_time > fastest:
+        note += f" (within {margin:.0%} of the fastest, the simplest)"
+    return Choice(chosen.schedule, chosen.chunks, weighed, budget_bytes, note)
+
+
+# -- measuring ------------------------------------------------------------------------------
+
+def _now(device: Any) -> float:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def _outputs(out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The floating outputs that carry a gradient, and a gradient of ones for each."""
+    floats = [t for t in tree.tensors(out) if t.is_floating_point() and t.requires_grad]
+    return floats, [torch.ones_like(t) for t in floats]
+
+
+def _time_layer(layer: torch.nn.Module, x: Any, device: Any) -> tuple[list[float], int, Any]:
+    """([F, whole backward, B, W] seconds, bytes saved for backward, output) of one run."""
+    inputs = tree.map_tensors(lambda t: _leaf(t, device), x)
+    start = _now(device)
+    out = layer(inputs)
+    f = _now(device) - start
+    floats, grads = _outputs(out)
+    if not floats:
+        return [f, 0.0, 0.0, 0.0], 0, out
+    start = _now(device)
+    torch.autograd.backward(floats, grads)
+    full = _now(device) - start
+    inputs = tree.map_tensors(lambda t: _leaf(t, device), x)
+    with SavedTensorMeter() as meter:
+        floats, grads = _outputs(layer(inputs))
+    saved = meter.current
+    params = [p for p in layer.parameters() if p.requires_grad]
+    start = _now(device)
+    _, pending = backward_input(floats, grads, inputs, params)
+    b = _now(device) - start
+    if not pending.done:
+        backward_weight(pending)
+    w = _now(device) - start - b
+    return [f, full, b, w], saved, out
+
+
+def measure_layer_costs(layers: Sequence, sample: Any, seed: int = 0, repeats: int = 3,
+                        device: torch.device | str = "cpu") -> LayerCosts:
+    """F, whole backward, B and W seconds and saved bytes of each layer on `sample` (a
+    micro-batch of inputs). Layers are built one at a time with their real seeds and freed;
+    each runs on the previous one's output. Times are the minimum of `repeats` runs after
+    one untimed."""
+    from pipeflow.layers import build_layer
+
+    costs = LayerCosts([], [], [], [], [])
+    x = sample
+    for i, spec in enumerate(layers):
+        layer = build_layer(spec, seed, i).to(device)
+        best = [math.inf] * 4
+        for attempt in range(repeats + 1):
+            times, saved, out = _time_layer(layer, x, device)
+            if attempt:
+                best = [min(a, b) for a, b in zip(best, times)]
+        for column, value in zip((costs.forward, costs.backward, costs.backward_input,
+                                  costs.weight), best):
+            column.append(value)
+        costs.saved_bytes.append(saved)
+        x = tree.detach(out)
+        del layer
+    return costs
