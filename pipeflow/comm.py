@@ -13,7 +13,8 @@ from pipeflow.tree import Header, describe
 
 __all__ = ["TensorMeta", "Communicator", "MpiCommunicator", "TorchDistCommunicator",
            "CommDeviceError", "check_on_device", "init_torch_distributed", "rendezvous_address",
-           "torch_grid_communicators", "meta_of", "mpi_iallreduce_", "ProtocolError", "HeadersFirst"]
+           "torch_grid_communicators", "torch_family_communicators", "meta_of",
+           "mpi_iallreduce_", "ProtocolError", "HeadersFirst"]
 
 # What a receiver must know to allocate a buffer: shape and dtype. Exchanged once per
 # distinct batch shape and cached by the engine, never sent with every message.
@@ -121,11 +122,40 @@ class Communicator(abc.ABC):
 
 
 def _bytes(t: torch.Tensor) -> Any:
-    """A zero-copy byte view of a contiguous CPU tensor that MPI can read and write.
+    """A zero-copy byte view of a contiguous CPU tensor (or GPU tensor, for a CUDA-aware MPI)
+    that MPI can read and write.
 
     Bytes, not typed elements, so every torch dtype (bf16 included, which MPI lacks) travels.
     """
-    return [t.view(-1).view(torch.uint8).numpy(), MPI.BYTE]
+    raw = t.view(-1).view(torch.uint8)
+    return [raw if t.device.type == "cuda" else raw.numpy(), MPI.BYTE]   # CUDA: CUDA-aware MPI
+
+
+def _device_aware(device: torch.device) -> bool:
+    """Whether MPI takes this device's memory itself (a CUDA-aware MPI and a GPU tensor)."""
+    if device.type != "cuda":
+        return False
+    from pipeflow.cuda_mpi import cuda_aware_mpi
+    return cuda_aware_mpi()
+
+
+def _outgoing(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The buffers a send hands MPI: contiguous host copies, or with a CUDA-aware MPI the GPU
+    tensors themselves, once the compute stream has written them."""
+    ts = [t.detach() for t in tensors]
+    if ts and _device_aware(ts[0].device):
+        out = [t.contiguous() for t in ts]
+        torch.cuda.current_stream(ts[0].device).synchronize()
+        return out
+    return [t.to("cpu").contiguous() for t in ts]
+
+
+def _incoming(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A receive's buffer: on the GPU for a CUDA-aware MPI, else pinned host memory for GPU
+    tensors (copied up by the caller) and plain host memory for CPU ones."""
+    if _device_aware(device):
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
 
 
 class _MpiSend(Request):
@@ -186,10 +216,14 @@ def _typed(t: torch.Tensor) -> Any:
 def mpi_iallreduce_(comm: MPI.Comm, tensor: torch.Tensor) -> Request:
     """Start summing `tensor` over `comm` in place.
 
-    GPU tensors are staged through host memory: this runs without CUDA-aware MPI. A
-    contiguous CPU tensor is reduced where it lies; a non-contiguous one (or any, with
-    `FORCE_HOST_STAGING`) through a contiguous copy, summed back into `tensor` by `wait()`.
+    CUDA tensors go to `cuda_mpi` (device buffers for a CUDA-aware MPI, else reused pinned
+    staging on a side stream). A contiguous CPU tensor is reduced where it lies; a
+    non-contiguous one (or any, with `FORCE_HOST_STAGING`) through a contiguous copy, summed
+    back into `tensor` by `wait()`.
     """
+    if tensor.device.type == "cuda" and not FORCE_HOST_STAGING:
+        from pipeflow.cuda_mpi import iallreduce_cuda_
+        return iallreduce_cuda_(comm, tensor)
     host = tensor.detach()
     if FORCE_HOST_STAGING or host.device.type != "cpu" or not host.is_contiguous():
         host = host.to("cpu", memory_format=torch.contiguous_format, copy=True)
@@ -198,7 +232,8 @@ def mpi_iallreduce_(comm: MPI.Comm, tensor: torch.Tensor) -> Request:
 
 
 class MpiCommunicator(Communicator):
-    """mpi4py over host memory; runs anywhere. GPU tensors are staged through the host."""
+    """mpi4py over host memory; runs anywhere. GPU tensors are staged through the host, or
+    handed to MPI as they are where MPI is CUDA-aware (`cuda_mpi.cuda_aware_mpi`)."""
 
     def __init__(self, comm: MPI.Comm) -> None:
         self.comm = comm
@@ -212,15 +247,14 @@ class MpiCommunicator(Communicator):
     def isend(self, tensors: Sequence[torch.Tensor], dest: int, tag: int) -> Request:
         # One message per tensor, all with the same tag: MPI's non-overtaking rule delivers
         # them in order into the receiver's receives, posted in the same order.
-        host = [t.detach().to("cpu").contiguous() for t in tensors]
+        host = _outgoing(tensors)
         self.bytes_sent += sum(t.numel() * t.element_size() for t in host)
         reqs = [self.comm.Isend(_bytes(t), dest=dest, tag=tag) for t in host]
         return _MpiSend(reqs, host)
 
     def irecv(self, metas: Sequence[TensorMeta], source: int, tag: int,
               device: torch.device) -> Request:
-        host = [torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
-                for shape, dtype in metas]
+        host = [_incoming(shape, dtype, device) for shape, dtype in metas]
         reqs = [self.comm.Irecv(_bytes(t), source=source, tag=tag) for t in host]
         return _MpiRecv(reqs, host, device)
 
@@ -234,7 +268,7 @@ class MpiCommunicator(Communicator):
             raw = bytearray(pickle.dumps(header))
             reqs.append(self.comm.Isend([raw, MPI.BYTE], dest=dest, tag=2 * tag + 1))
             keep.append(raw)
-        host = [t.detach().to("cpu").contiguous() for t in tensors]
+        host = _outgoing(tensors)
         self.bytes_sent += sum(t.numel() * t.element_size() for t in host)
         reqs += [self.comm.Isend(_bytes(t), dest=dest, tag=2 * tag) for t in host]
         return _MpiSend(reqs, host + keep)
@@ -263,7 +297,7 @@ class MpiCommunicator(Communicator):
                     f"of {describe(header.metas)} ({meta.nbytes} bytes); found message "
                     f"{status.tag // 2}{' (a header)' if status.tag % 2 else ''} of {found} "
                     f"bytes: the two ranks disagree on the order or shape of their messages")
-            host = torch.empty(meta.shape, dtype=meta.dtype, pin_memory=device.type == "cuda")
+            host = _incoming(meta.shape, meta.dtype, device)
             msg.Recv(_bytes(host))
             out.append(host if device.type == "cpu" else host.to(device, non_blocking=True))
         return header, out
@@ -495,6 +529,9 @@ class TorchDistCommunicator(HeadersFirst, Communicator):
 
     def iallreduce_(self, tensor: torch.Tensor) -> Request:
         self._check("all_reduce", [tensor])
+        if tensor.device.type == "cuda":
+            from pipeflow.cuda_mpi import all_reduce_on_side_stream
+            return all_reduce_on_side_stream(self._dist, tensor, self.group)
         return _DistWork([self._dist.all_reduce(tensor, group=self.group, async_op=True)])
 
     def _check(self, op: str, tensors: Sequence[torch.Tensor]) -> None:
@@ -550,6 +587,18 @@ def torch_grid_communicators(topo: Any, backend: str, device: torch.device, ring
     pipe = TorchDistCommunicator(topo.pipe, pipe_group, links, device)
     data = TorchDistCommunicator(topo.data_group, data_group, device=device) if d > 1 else None
     return pipe, data
+
+
+def torch_family_communicators(comm: MPI.Comm | None, rank_lists: list[list[int]],
+                                backend: str, device: torch.device
+                                ) -> TorchDistCommunicator | None:
+    """One torch.distributed group per list of world ranks (disjoint lists), made in one call
+    on every rank; this rank's as a communicator whose objects travel over `comm` (the same
+    ranks over MPI), or None where this rank is in none of the lists."""
+    group = _split_family(rank_lists, backend)
+    if comm is None:
+        return None
+    return TorchDistCommunicator(comm, group, device=device)
 
 
 def _split_family(rank_lists: list[list[int]], backend: str) -> Any:

@@ -58,7 +58,15 @@ def _sum_ties(stage) -> None:
         param = stage.precision.master_of(tie.param)
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-        mpi_iallreduce_(tie.comm, param.grad).wait()
+        if tie.dist is None:
+            mpi_iallreduce_(tie.comm, param.grad).wait()
+            continue
+        # torch.distributed sums contiguous tensors on the group's device, in place.
+        grad = param.grad.detach()
+        flat = grad if grad.is_contiguous() else grad.contiguous()
+        tie.dist.allreduce_(flat)
+        if flat is not grad:
+            grad.copy_(flat)
 
 
 def _skip(stage, stats, loss: float, norm: float) -> None:

@@ -44,10 +44,15 @@ class StageModule(nn.Module):
 
 
 class Tie:
-    """A weight shared with other stages: summed over its holders after each backward."""
+    """A weight shared with other stages: summed over its holders after each backward.
 
-    def __init__(self, param: nn.Parameter, first: bool, comm: MPI.Comm) -> None:
-        self.param, self.first, self.comm = param, first, comm
+    `comm`: the holders of one replica over MPI; `dist`: the same ranks as a torch.distributed
+    group (NCCL or gloo backends), which then sums the gradient on the stage's device.
+    """
+
+    def __init__(self, param: nn.Parameter, first: bool, comm: MPI.Comm,
+                 dist: Communicator | None = None) -> None:
+        self.param, self.first, self.comm, self.dist = param, first, comm, dist
 
 
 class Stage:
@@ -78,6 +83,7 @@ class Stage:
                   for c in range(self.num_chunks)]
         built = {i: build_layer(layers[i], config.seed, i) for r in ranges for i in r}
         self.tie_comms: dict[str, MPI.Comm] = {}
+        self.tie_stages: list[list[int]] = []    # each spanning tie's stages, alike everywhere
         self.ties = self._tie(layers, built)
         self.module = StageModule(built).to(self.device)
         self.chunk_layers = [[self.module.get_submodule(str(i)) for i in r] for r in ranges]
@@ -87,6 +93,7 @@ class Stage:
         mark_selective(self.module, config.recompute_modules, self.recompute, self.describe())
         self.backend = choose_backend(config.backend, topo, self.device)
         self.pipe_comm, self.data_comm = self._communicators()
+        self._tie_groups()
         masters = self.precision.masters
         self.reducer = (GradReducer(self.precision.working, self.data_comm,
                                     int(config.bucket_mb * 2**20), grad_params=masters)
@@ -149,6 +156,8 @@ class Stage:
             stages = sorted({stage_of[i] for i, _ in holders})
             mine = [(i, attr) for i, attr in holders if i in built]
             member = self.index in stages and len(stages) > 1
+            if len(stages) > 1:
+                self.tie_stages.append(stages)
             # Collective over the world: every rank takes part, members per replica.
             comm = self.topo.world.Split(self.topo.replica if member else MPI.UNDEFINED,
                                          self.index)
@@ -172,10 +181,30 @@ class Stage:
         return grid_communicators(self.topo, self.backend, self.device,
                                   ring=self.schedule == "interleaved")
 
+    def _tie_groups(self) -> None:
+        """Under torch.distributed, a group per spanning tie and replica, made on every rank
+        in the same order, so a tied gradient is summed on the device (not staged through
+        the host by MPI). MPI backends keep the MPI communicators of `_tie`."""
+        if self.backend in ("mpi", "strict"):
+            return
+        from pipeflow.comm import torch_family_communicators
+
+        mine = iter(self.ties)
+        for stages in self.tie_stages:
+            ranks = [[self.topo.rank_of(s, r) for s in stages] for r in range(self.topo.data)]
+            tie = next(mine) if self.index in stages else None
+            dist = torch_family_communicators(tie.comm if tie else None, ranks, self.backend,
+                                              self.device)
+            if tie is not None:
+                tie.dist = dist
+
     def close(self) -> None:
         self.pipe_comm.free()
         if self.data_comm is not None:
             self.data_comm.free()
+        for tie in self.ties:
+            if tie.dist is not None:
+                tie.dist.free()
         for comm in self.tie_comms.values():
             comm.Free()
         self.topo.free()

@@ -115,6 +115,43 @@ def test_torch_distributed_path_gloo_matches_mpi(optimizer, clip):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pipeline", sorted({2, WORLD.size}))
+def test_tied_gradients_are_summed_by_torch_distributed_not_mpi(pipeline, monkeypatch):
+    # Under gloo (NCCL's code path on CPUs) a tied weight's gradient is summed by a
+    # torch.distributed group of its holders, one per replica, on the stage's device: MPI
+    # host staging (the whole vocab x d gradient every step) is never used for it.
+    from pipeflow import optim_step
+
+    def refuse(comm, tensor):
+        raise AssertionError(f"rank {WORLD.rank}: a tied gradient of shape "
+                             f"{tuple(tensor.shape)} was summed over MPI under backend 'gloo'")
+
+    monkeypatch.setattr(optim_step, "mpi_iallreduce_", refuse)
+    layers = toy_layers(tied=True)
+    config = pf.Config(pipeline=pipeline, data=WORLD.size // pipeline, microbatches=2,
+                       backend="gloo")
+    engine = pf.Engine(layers, loss_fn, plain_sgd, config)
+    stage = engine._stage
+    ties = stage.ties
+    assert len(ties) == (1 if stage.index in (0, pipeline - 1) else 0)
+    assert all(t.dist is not None and t.dist.size == 2 for t in ties)
+    _trains_like_one_process(engine, layers, batches(2, BATCH), clip=0.0, optimizer=plain_sgd)
+    engine.close()
+
+
+def _trains_like_one_process(engine, layers, steps, clip, optimizer):
+    """Same losses and parameters as build_sequential on one process; returns the model."""
+    losses = [engine.train_step(x, y) for x, y in steps]
+    reference, ref_losses = train_reference(layers, steps, clip=clip, optimizer=optimizer)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    full = engine.gather_state_dict()
+    if WORLD.rank == 0:
+        assert_same_parameters(full, reference.state_dict())
+    return reference
+
+
+@pytest.mark.mpi(min_size=2)
 def test_batch_must_divide_by_replicas_times_microbatches():
     engine = pf.Engine(toy_layers(), loss_fn, adamw,
                        pf.Config(pipeline=1, data=WORLD.size, microbatches=3))
@@ -144,12 +181,7 @@ def test_interleaved_chunks_with_tied_weights_and_clipping(backend, grid, schedu
                        bucket_mb=0.001)
     engine = pf.Engine(layers, loss_fn, sgd, config)
     steps = batches(3, 8 * pipeline * data)
-    losses = [engine.train_step(x, y) for x, y in steps]
-    reference, ref_losses = train_reference(layers, steps, clip=0.3, optimizer=sgd)
-    assert losses == pytest.approx(ref_losses, rel=1e-5)
-    full = engine.gather_state_dict()
-    if WORLD.rank == 0:
-        assert_same_parameters(full, reference.state_dict())
+    reference = _trains_like_one_process(engine, layers, steps, clip=0.3, optimizer=sgd)
     # Forward only, in the interleaved order.
     x, y = steps[0]
     assert engine.eval_step(x, y) == pytest.approx(loss_fn(reference(x), y).item(), rel=1e-5)

@@ -1,0 +1,161 @@
+"""GPU tensors over MPI: device buffers handed to a CUDA-aware MPI, else reused pinned staging;
+and NCCL's data-parallel all-reduce on a stream of its own.
+
+Only CUDA tensors come here; CPU tensors keep `comm.mpi_iallreduce_`'s host path. Nothing in
+this module touches CUDA until a CUDA tensor is reduced, so it imports on any machine.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+from mpi4py import MPI
+
+from pipeflow.comm import Request, _typed
+
+__all__ = ["CUDA_AWARE_ENV", "cuda_aware_mpi", "PinnedBuffers", "side_stream",
+           "iallreduce_cuda_", "all_reduce_on_side_stream"]
+
+CUDA_AWARE_ENV = "PIPEFLOW_CUDA_AWARE_MPI"
+
+
+def cuda_aware_mpi(query: Callable[[], Any] | None = None) -> bool:
+    """Whether MPI may be handed device memory.
+
+    `PIPEFLOW_CUDA_AWARE_MPI=1` or `0` decides when set (an MPI that claims support it does
+    not have, or one that cannot say, is common); otherwise MPI is asked
+    (`MPI.Query_cuda_support`, mpi4py >= 4 on Open MPI and MPICH); otherwise it is off, and
+    GPU tensors are staged through pinned host buffers.
+    """
+    value = os.environ.get(CUDA_AWARE_ENV, "").strip()
+    if value:
+        if value not in ("0", "1"):
+            raise ValueError(f"{CUDA_AWARE_ENV}={value!r}: expected 1 (MPI takes device "
+                             f"buffers) or 0 (stage through host memory); unset it to ask MPI")
+        return value == "1"
+    query = query if query is not None else getattr(MPI, "Query_cuda_support", None)
+    if query is None:
+        return False
+    try:
+        return bool(query())
+    except (NotImplementedError, MPI.Exception):   # an MPI without the MPIX extension
+        return False
+
+
+class PinnedBuffers:
+    """Host staging buffers reused across steps, keyed by (numel, dtype).
+
+    A buffer is taken for one operation and given back with the event after which it is
+    free again (its copy back to the device); it is reused only once that event has passed,
+    so buckets of one size in flight together each get their own.
+    """
+
+    def __init__(self, pin_memory: bool = True) -> None:
+        self.pin_memory = pin_memory
+        self.allocated = 0
+        self._free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, Any]]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        free = self._free.get((numel, dtype), [])
+        for i, (buf, event) in enumerate(free):
+            if event is None or event.query():
+                del free[i]
+                return buf
+        self.allocated += 1
+        return torch.empty(numel, dtype=dtype, pin_memory=self.pin_memory)
+
+    def give(self, buf: torch.Tensor, event: Any = None) -> None:
+        self._free.setdefault((buf.numel(), buf.dtype), []).append((buf, event))
+
+
+_PINNED = PinnedBuffers()
+_SIDE: dict[torch.device, Any] = {}
+
+
+def side_stream(device: torch.device) -> Any:
+    """One communication stream per GPU, made on first use."""
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device=device)
+    return _SIDE[device]
+
+
+class _DeviceAllreduce(Request):
+    """An MPI all-reduce of a device tensor; `wait()` lands the sum in the target."""
+
+    def __init__(self, request: MPI.Request, buf: torch.Tensor, target: torch.Tensor,
+                 staged: bool) -> None:
+        self._request, self._buf, self._target, self._staged = request, buf, target, staged
+
+    def test(self) -> bool:
+        return self._request.Test()
+
+    def wait(self) -> None:
+        self._request.Wait()
+        if self._buf is self._target:
+            return
+        # On the current (compute) stream: it waits for the sum only where it needs it.
+        self._target.copy_(self._buf.view(self._target.shape), non_blocking=True)
+        if self._staged:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self._target.device))
+            _PINNED.give(self._buf, done)
+
+
+def iallreduce_cuda_(comm: MPI.Comm, tensor: torch.Tensor) -> Request:
+    """Start summing a CUDA tensor over `comm` in place: the device buffer itself where MPI
+    is CUDA-aware, else a pinned host copy made on a side stream."""
+    target = tensor.detach()
+    _typed_check(target)
+    if cuda_aware_mpi():
+        buf = target if target.is_contiguous() else target.contiguous()
+        # MPI reads device memory outside CUDA's stream order: the values must be there.
+        torch.cuda.current_stream(target.device).synchronize()
+        req = comm.Iallreduce(MPI.IN_PLACE, buf.view(-1), op=MPI.SUM)
+        return _DeviceAllreduce(req, buf, target, staged=False)
+    host = _PINNED.take(target.numel(), target.dtype)
+    side = side_stream(target.device)
+    side.wait_stream(torch.cuda.current_stream(target.device))
+    with torch.cuda.stream(side):
+        host.copy_(target.reshape(-1), non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(side)
+    target.record_stream(side)
+    copied.synchronize()       # this thread waits for the copy; the compute stream does not
+    req = comm.Iallreduce(MPI.IN_PLACE, _typed(host), op=MPI.SUM)
+    return _DeviceAllreduce(req, host, target, staged=True)
+
+
+class _SideStreamWork(Request):
+    """A torch.distributed all-reduce issued on the side stream; `wait()` orders the current
+    stream after it, so what follows on the compute stream sees the sum."""
+
+    def __init__(self, work: Any, side: Any, device: torch.device) -> None:
+        self._work, self._side, self._device = work, side, device
+
+    def test(self) -> bool:
+        return self._work.is_completed()
+
+    def wait(self) -> None:
+        self._work.wait()
+        torch.cuda.current_stream(self._device).wait_stream(self._side)
+
+
+def all_reduce_on_side_stream(dist: Any, tensor: torch.Tensor, group: Any) -> Request:
+    """Start an NCCL all-reduce of a CUDA tensor on the GPU's communication stream, after
+    what the compute stream has queued so far (the gradients it reduces); the compute stream
+    goes on with the backward meanwhile."""
+    device = tensor.device
+    side = side_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+    tensor.record_stream(side)      # its memory is not reused before the side stream is done
+    return _SideStreamWork(work, side, device)
+
+
+def _typed_check(t: torch.Tensor) -> None:
+    if t.dtype == torch.bfloat16:
+        raise TypeError(f"MPI has no bfloat16 sum (a tensor of shape {tuple(t.shape)} on "
+                        f"{t.device}): reduce gradients in fp32 or fp16")
