@@ -170,10 +170,10 @@ def test_interleaved_chunks_with_tied_weights_and_clipping(backend, grid, schedu
     # of the last rank) are tied across the ring's wrap-around.
     pipeline, data = (2, WORLD.size // 2) if grid == "hybrid" else (WORLD.size, 1)
     if backend == "gloo" and WORLD.size > 2:
-        # Known issue, open: with headers sent ahead of every message (gloo, strict), the
-        # 4-stage ring's eval_step hangs now and then after other tests in the same process
-        # (every rank waiting for a header). The 4-stage ring runs over MPI here; gloo keeps
-        # the 2-rank run.
+        # Known issue, open: over torch.distributed (headers over MPI, tensors over gloo) the
+        # 4-stage ring hangs now and then in eval_step after other tests in this process,
+        # every rank waiting for an activation. The 4-stage ring runs over MPI here; gloo
+        # keeps the 2-rank run.
         backend = "mpi"
     layers = toy_layers(blocks=2 * pipeline * 2 - 2, tied=True)
     config = pf.Config(pipeline=pipeline, data=data, microbatches=2 * pipeline,
