@@ -22,6 +22,7 @@ from mpi4py import MPI
 from torch import nn
 
 from pipeflow import tree
+from pipeflow.schedule import Action
 from pipeflow.batch import BatchError, prepare
 from pipeflow.checkpoint import CheckpointState, load_checkpoint, save_checkpoint
 from pipeflow.config import Config, ConfigError
@@ -373,12 +374,17 @@ class Engine:
         self._stage.close()
 
     # -- failure --------------------------------------------------------------------------
-    def _at(self, instruction: str) -> None:
+    def _at(self, instruction: str | Action) -> None:
         self._instruction = instruction
         self.watchdog.beat()
 
+    def _instruction_text(self) -> str:
+        """The running instruction as a report names it (a message with its peer rank)."""
+        x = self._instruction
+        return self.runner.describe(x) if isinstance(x, Action) else x
+
     def _report_where(self) -> str:
-        return (f"{self._where} at instruction {self._instruction} of step "
+        return (f"{self._where} at instruction {self._instruction_text()} of step "
                 f"{self.stats.step}")
 
     def _guarded(self, what: str, fn: Callable[[], Any]) -> Any:
@@ -397,7 +403,7 @@ class Engine:
 
     def _fail(self, exc: BaseException) -> None:
         """Name the rank, stage and instruction, then end the whole job (no rank left hanging)."""
-        where = f"{self._where} failed at instruction {self._instruction} of step " \
+        where = f"{self._where} failed at instruction {self._instruction_text()} of step " \
                 f"{self.stats.step}"
         if not self.abort_on_error or self._world_size == 1:
             raise RuntimeError(f"pipeflow: {where}: {exc}") from exc

@@ -66,10 +66,10 @@ class Runner:
     message's structure is announced only when it changes."""
 
     def __init__(self, stage, loss_fn: Callable[[Any, Any], torch.Tensor],
-                 on_instruction: Callable[[str], None]) -> None:
+                 on_instruction: Callable[[sched.Action], None]) -> None:
         self.stage = stage
         self.loss_fn = loss_fn
-        self.on_instruction = on_instruction   # names the instruction for reports
+        self.on_instruction = on_instruction   # the instruction running, for reports
         self.measure_activations = False
         self.activation_meter = SavedTensorMeter()
         self.trace = False
@@ -91,7 +91,7 @@ class Runner:
         # device time, not the host's enqueue time (a slower run, for looking only).
         sync = self.trace and self.stage.device.type == "cuda"
         for act in program:
-            self.on_instruction(self.describe(act))
+            self.on_instruction(act)     # described only if a report needs it
             t0 = time.perf_counter() if self.trace else 0.0
             self._handlers[act.op](act, st)
             if sync:
