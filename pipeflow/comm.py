@@ -491,7 +491,6 @@ class TorchDistCommunicator(HeadersFirst, Communicator):
             comm.Get_group(), list(range(comm.size)), MPI.COMM_WORLD.Get_group())
         self.group = group
         self.links = links or {}
-        self._groups = [group, *self.links.values()]
 
     def isend(self, tensors: Sequence[torch.Tensor], dest: int, tag: int) -> Request:
         group = self.links[(self.rank, dest)]
@@ -542,10 +541,9 @@ class TorchDistCommunicator(HeadersFirst, Communicator):
         self.objects.barrier()
 
     def free(self) -> None:
+        """Free the MPI side. The torch.distributed groups stay alive for the process (see
+        `_split_family`): the next engine on the same ranks reuses them."""
         self.objects.free()
-        for g in self._groups:
-            self._dist.destroy_process_group(g)
-        self._groups = []
 
 
 def torch_grid_communicators(topo: Any, backend: str, device: torch.device, ring: bool
@@ -601,9 +599,29 @@ def torch_family_communicators(comm: MPI.Comm | None, rank_lists: list[list[int]
     return TorchDistCommunicator(comm, group, device=device)
 
 
+# (backend, rank lists) -> this rank's group: every family is made once per process.
+_FAMILIES: dict[tuple[str, tuple[tuple[int, ...], ...]], Any] = {}
+
+
 def _split_family(rank_lists: list[list[int]], backend: str) -> Any:
-    """Create disjoint groups (world ranks) in one call on every rank; this rank's group, or
-    None when it is in none of them."""
+    """Disjoint groups (world ranks), made in one call on every rank the first time these
+    lists are asked for, then reused; this rank's group, or None when it is in none of them.
+
+    Groups live as long as the process, as in Megatron-Core, and are never destroyed by an
+    engine's `close()`: a gloo or NCCL group's teardown waits for its queued work and joins
+    its threads, and where that teardown runs (garbage collection, at any later point) while
+    the peer ranks still hold their side, the rank blocks there and every other rank waits
+    on it in its next collective. Making a group is also costly (NCCL communicators), so
+    the next engine on the same ranks reuses it. The key is the same on every rank, so every
+    rank makes or reuses a family alike.
+    """
+    key = (backend, tuple(tuple(ranks) for ranks in rank_lists))
+    if key not in _FAMILIES:
+        _FAMILIES[key] = _new_family(rank_lists, backend)
+    return _FAMILIES[key]
+
+
+def _new_family(rank_lists: list[list[int]], backend: str) -> Any:
     import torch.distributed as dist
 
     if backend == "nccl" and hasattr(dist, "split_group"):

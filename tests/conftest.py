@@ -1,6 +1,8 @@
 """Test-session guards: the MPI tests must really run under mpirun, none silently skipped."""
 
+import faulthandler
 import os
+import signal
 import sys
 
 import pytest
@@ -8,6 +10,14 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # tests/toy.py
 
 _skipped: list[str] = []
+
+# Debugging a hung test process: with PIPEFLOW_TEST_STACKS=DIR set, `kill -USR1 PID` writes
+# every thread's stack (the main thread's MPI or torch.distributed call included) to
+# DIR/stacks.PID.txt (a file: pytest captures the test's own stderr).
+if os.environ.get("PIPEFLOW_TEST_STACKS") and hasattr(signal, "SIGUSR1"):
+    _stacks = open(os.path.join(os.environ["PIPEFLOW_TEST_STACKS"],
+                                f"stacks.{os.getpid()}.txt"), "w")
+    faulthandler.register(signal.SIGUSR1, file=_stacks, all_threads=True)
 
 
 def _with_mpi(config) -> bool:
