@@ -140,6 +140,28 @@ def test_tied_gradients_are_summed_by_torch_distributed_not_mpi(pipeline, monkey
     engine.close()
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_torch_distributed_groups_outlive_close_and_are_reused():
+    # A group torn down while its peers still hold theirs can block a rank at whatever later
+    # point garbage collection runs it (a hang seen on 4 ranks): groups live for the process,
+    # and a second engine on the same grid makes none and trains on the first one's.
+    import torch.distributed as dist
+
+    config = pf.Config(pipeline=2, data=WORLD.size // 2, microbatches=2, backend="gloo")
+    layers = toy_layers(tied=True)
+    first = pf.Engine(layers, loss_fn, plain_sgd, config)
+    families = dict(pf_comm._FAMILIES)
+    first.close()
+    assert all(g is None or dist.get_rank(g) >= 0 for g in families.values())   # alive
+    made = dist.distributed_c10d._world.group_count
+    second = pf.Engine(layers, loss_fn, plain_sgd, config)
+    assert dist.distributed_c10d._world.group_count == made
+    assert pf_comm._FAMILIES == families
+    _trains_like_one_process(second, layers, batches(2, BATCH), clip=0.0, optimizer=plain_sgd)
+    second.close()
+
+
 def _trains_like_one_process(engine, layers, steps, clip, optimizer):
     """Same losses and parameters as build_sequential on one process; returns the model."""
     losses = [engine.train_step(x, y) for x, y in steps]
