@@ -25,9 +25,12 @@ def _pair() -> MPI.Comm:
     return WORLD.Split(color=WORLD.rank // 2, key=WORLD.rank)
 
 
-def _engine(comm: MPI.Comm, pipeline: int, data: int) -> pf.Engine:
+def _engine(comm: MPI.Comm, pipeline: int, data: int, schedule: str = "1f1b",
+            precision: str = "fp32") -> pf.Engine:
     return pf.Engine(dropout_layers(), loss_fn, adamw,
-                     pf.Config(pipeline=pipeline, data=data, microbatches=2), comm=comm)
+                     pf.Config(pipeline=pipeline, data=data, microbatches=2, schedule=schedule,
+                               virtual_stages=2 if schedule == "zbv" else 1,
+                               precision=precision, loss_scale=2.0 ** 10), comm=comm)
 
 
 def _masters(engine: pf.Engine) -> dict[str, torch.Tensor]:
@@ -35,13 +38,18 @@ def _masters(engine: pf.Engine) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("grid", [(2, 1), (1, 2)])
-def test_a_dropout_run_resumes_bit_identically_on_every_rank(grid, tmp_path_factory):
+@pytest.mark.parametrize("grid,schedule,precision", [
+    ((2, 1), "1f1b", "fp32"), ((1, 2), "1f1b", "fp32"),
+    # Split backward (W later than B) with mixed precision: the fp32 masters, the loss scale
+    # and the random state resume as they were.
+    ((2, 1), "zb-h1", "bf16"), ((2, 1), "zbv", "fp16")])
+def test_a_dropout_run_resumes_bit_identically_on_every_rank(grid, schedule, precision,
+                                                              tmp_path_factory):
     comm = _pair()
     folder = comm.bcast(str(tmp_path_factory.mktemp("ckpt")) if comm.rank == 0 else None)
     data = batches(3, 8)
     seed_everything(0, comm.rank)        # each rank (each replica) draws its own masks
-    engine = _engine(comm, *grid)
+    engine = _engine(comm, *grid, schedule, precision)
     for x, y in data[:2]:
         engine.train_step(x, y)
     saved = engine.save(folder)
@@ -51,7 +59,7 @@ def test_a_dropout_run_resumes_bit_identically_on_every_rank(grid, tmp_path_fact
         meta = json.loads(open(os.path.join(saved, "engine.json")).read())
         assert sorted(meta["checksums"]) == sorted(set(os.listdir(saved)) - {"engine.json"})
         assert {"rng-rank00000.pt", "rng-rank00001.pt"} <= set(meta["checksums"])
-    resumed = _engine(comm, *grid)
+    resumed = _engine(comm, *grid, schedule, precision)
     with warnings.catch_warnings():
         warnings.simplefilter("error")       # the same grid: no warning
         resumed.load(folder)

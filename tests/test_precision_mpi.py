@@ -66,13 +66,17 @@ def test_overflow_on_one_stage_of_one_replica_skips_the_step_everywhere():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_fp16_sgd_update_on_the_grid_at_a_large_loss_scale_is_the_fp32_update():
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zbv"])
+def test_fp16_sgd_update_on_the_grid_at_a_large_loss_scale_is_the_fp32_update(schedule):
     # Plain SGD's update is the gradient itself: a loss scale not applied, or not undone,
     # before the tied-weight sum or the replicas' all-reduce changes its size 1024-fold.
+    # Under split backward the weight gradients (and the fp32 masters' accumulation) come
+    # later, in W.
     data = 2 if WORLD.size == 4 else 1
     layers = toy_layers(tied=True)
     engine = pf.Engine(layers, loss_fn, sgd,
                        pf.Config(pipeline=WORLD.size // data, data=data, microbatches=2,
+                                 schedule=schedule, virtual_stages=2 if schedule == "zbv" else 1,
                                  precision="fp16", loss_scale=1024.0))
     x, y = batches(1, 16)[0]
     update = update_of(engine, x, y)
