@@ -10,6 +10,7 @@ __all__ = [
     "Action", "FORWARD", "BACKWARD", "WEIGHT", "SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD",
     "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "zbv", "SCHEDULES", "build_schedule",
     "Programs", "stage_layout", "ScheduleError", "SimResult", "simulate", "format_table",
+    "batched_rendezvous_stalls",
 ]
 
 # B is a stage's whole backward in a schedule without W; in one with W (zero bubble), B is the
@@ -376,6 +377,63 @@ def _check_link_order(programs: Sequence[Sequence[Action]],
                     f"micro-batch {s[1]} to virtual stage {s[2]} but received as {r[0]} of "
                     f"micro-batch {r[1]} to virtual stage {r[2]}; NCCL matches messages by "
                     f"order alone: receive them in the order they are sent")
+
+
+def batched_rendezvous_stalls(programs: Programs) -> list[int]:
+    """The ranks left stuck if each run of consecutive sends and receives were one batch on
+    one shared stream per pipeline (Megatron-Core's single P2P group), where a send completes
+    only once its receiver has posted the matching receive, i.e. sits in the batch that
+    receiver is at (messages to this rank's own other chunk complete at once). Empty: that
+    batching never deadlocks. The engine's direction-split links need no such batching; this
+    says which schedules a one-group design could batch naively (see
+    `comm.torch_grid_communicators`)."""
+    layout, owners = programs.layout, _owners(programs.layout)
+    items = [_comm_runs(prog) for prog in programs]
+    at = [0] * len(programs)
+    done: list[set[tuple[Message, bool]]] = [set() for _ in programs]
+
+    def batch(r: int) -> dict[tuple[Message, bool], int]:
+        """The batch rank r is at: (message, is a send) -> the peer; {} at a computation."""
+        run = items[r][at[r]] if at[r] < len(items[r]) else []
+        found = {}
+        for act in run:
+            msg, src, dst = _route(act, r, layout, owners)
+            found[(msg, act.op in SENDS)] = dst if act.op in SENDS else src
+        return found
+
+    local: set[Message] = set()
+    moved = True
+    while moved:
+        moved = False
+        for r in range(len(programs)):
+            mine = batch(r)
+            for (msg, send), peer in mine.items():
+                if (msg, send) in done[r]:
+                    continue
+                if peer == r and (send or msg in local):
+                    local.add(msg)
+                    done[r].add((msg, send))
+                elif peer != r and (msg, not send) in batch(peer):
+                    done[r].add((msg, send))
+                    done[peer].add((msg, not send))
+            if at[r] < len(items[r]) and done[r].issuperset(mine):
+                at[r], done[r], moved = at[r] + 1, set(), True
+    return [r for r in range(len(programs)) if at[r] < len(items[r])]
+
+
+def _comm_runs(prog: Sequence[Action]) -> list[list[Action]]:
+    """The program as items: each run of consecutive sends and receives one batch, each
+    computation an empty item."""
+    out: list[list[Action]] = []
+    for act in prog:
+        if act.op in SENDS or act.op in RECVS:
+            if out and out[-1]:
+                out[-1].append(act)
+                continue
+            out.append([act])
+        else:
+            out.append([])
+    return out
 
 
 @dataclasses.dataclass

@@ -6,8 +6,10 @@ import pytest
 from pipeflow import schedule
 from pipeflow.cli import main
 from pipeflow.config import Config, ConfigError
-from pipeflow.schedule import (Action, BACKWARD, FORWARD, RECV_ACT, SEND_ACT, WEIGHT,
-                               ScheduleError, build_schedule, format_table, simulate)
+from pipeflow.schedule import (Action, BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT,
+                               SEND_GRAD, WEIGHT, Programs, ScheduleError,
+                               batched_rendezvous_stalls, build_schedule, format_table,
+                               simulate)
 
 GRID = [(p, m) for p in range(1, 9) for m in range(1, 33)]
 
@@ -336,3 +338,22 @@ def test_stage_times_of_the_wrong_length_are_refused():
     with pytest.raises(ScheduleError, match="one \\(F, B, W\\) triple .* per virtual stage, "
                                             "4 in all"):
         simulate(build_schedule("zbv", 2, 4), stage_times=[(1, 1, 1)] * 2)
+
+
+def test_naive_batching_on_one_shared_stream_deadlocks_only_the_multi_chunk_schedules():
+    # Why the torch.distributed path splits its links by direction (comm.py): on one group
+    # per pipeline (a stream both directions share, a send waiting for its receive) each
+    # run of consecutive sends and receives batched together stalls interleaved and ZBV
+    # programs, while GPipe, 1F1B and ZB-H1 go through.
+    for name in ("gpipe", "1f1b", "zb-h1"):
+        for p in range(2, 9):
+            for m in (1, 3, p, 2 * p + 1, 32):
+                assert batched_rendezvous_stalls(build_schedule(name, p, m)) == [], (name, p, m)
+    assert batched_rendezvous_stalls(build_schedule("interleaved", 2, 4, 2)) == [0, 1]
+    assert batched_rendezvous_stalls(build_schedule("zbv", 4, 8)) != []
+    # A hand-made deadlock: each rank sends first, then receives, in two separate batches
+    # (a compute between): both sends wait for a receive that is posted only afterwards.
+    crossed = Programs([[Action(SEND_ACT, 0), Action(FORWARD, 1), Action(RECV_GRAD, 0)],
+                        [Action(SEND_GRAD, 0), Action(FORWARD, 1), Action(RECV_ACT, 0)]],
+                       [[0], [1]])
+    assert batched_rendezvous_stalls(crossed) == [0, 1]
