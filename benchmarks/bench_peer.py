@@ -3,8 +3,9 @@
 # Run: mpirun -n 2 python benchmarks/bench_peer.py   (writes BENCHMARKS.md; --help for sizes)
 # Every system is timed in the same run, alternated in rounds: T1 (one rank, the whole model),
 # the peer's Schedule1F1B, Interleaved1F1B, InterleavedZeroBubble and ZBVZeroBubble, and
-# pipeflow's 1f1b, interleaved, zb-h1 and zbv. Each pipeline's first step is checked against
-# `build_sequential` on the whole batch in one process before anything is timed.
+# pipeflow's 1f1b, interleaved, zb-h1 and zbv (zbv also split by measured layer time). Each
+# pipeline's first step is checked against `build_sequential` on the whole batch in one
+# process before anything is timed.
 
 from __future__ import annotations
 
@@ -70,6 +71,10 @@ PIPEFLOW = {
                         "interleaved"),
     "zb-h1": Kind("pipeflow ZB-H1", 1, "interleaved", "zero-bubble"),
     "zbv": Kind("pipeflow ZBV (V, 2 chunks a rank)", 2, "zbv", "zero-bubble"),
+    # pipeflow's own partitioner, which the peer has no counterpart of: the uniform split
+    # puts the embedding and the head both on rank 0 under ZBV's V.
+    "zbv/time": Kind("pipeflow ZBV, split by measured layer time (`partition = \"time\"`)",
+                     2, "zbv", "zero-bubble"),
 }
 
 
@@ -171,10 +176,14 @@ def make_pipeflow(name: str, layers, args, seed: int, optimizer=None) -> pf.Engi
     """pipeflow's engine under schedule `name` (a key of PIPEFLOW), uniform layer counts over
     every virtual stage; AdamW unless `optimizer` is given."""
     kind = PIPEFLOW[name]
-    config = pf.Config(pipeline=COMM.size, microbatches=args.microbatches, schedule=name,
-                       virtual_stages=kind.chunks, partition="uniform", seed=seed)
+    schedule, _, partition = name.partition("/")
+    config = pf.Config(pipeline=COMM.size, microbatches=args.microbatches, schedule=schedule,
+                       virtual_stages=kind.chunks, partition=partition or "uniform", seed=seed)
     optimizer = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=args.lr))
-    return pf.Engine(layers, gpt_loss, optimizer, config)
+    micro = args.batch // args.microbatches      # "time" measures layers on a micro-batch
+    sample = Batches(load_corpus(), micro, args.seq, seed=seed).batch(0)[0] if partition \
+        else None
+    return pf.Engine(layers, gpt_loss, optimizer, config, sample=sample)
 
 
 def make_single(layers, args, seed: int):
@@ -287,7 +296,9 @@ def order_stash(order: dict) -> tuple[list[int], list[int]]:
 def pipeflow_stash(name: str, p: int, m: int) -> tuple[list[int], list[int], float]:
     """pipeflow's simulated peaks per rank and bubble (F = B = W) for schedule `name`."""
     kind = PIPEFLOW[name]
-    sim = simulate(build_schedule(name, p, m, kind.chunks if name == "interleaved" else None))
+    schedule = name.partition("/")[0]
+    sim = simulate(build_schedule(schedule, p, m,
+                                  kind.chunks if schedule == "interleaved" else None))
     return sim.peak_stash, sim.peak_held, sim.bubble
 
 
@@ -381,7 +392,8 @@ def report(times, stash, checks, ref: Reference, cfg: GPTConfig, args, load) -> 
         f"{num_parameters(cfg) / 1e6:.2f}M parameters; batch {args.batch} "
         f"({tokens} tokens) in {m} micro-batches; {p} ranks, layers split uniformly over the "
         f"{p} stages (1 chunk a rank) or {2 * p} virtual stages (2 chunks a rank), the peer "
-        f"and pipeflow alike; AdamW; one torch thread per rank. Step times are medians over "
+        f"and pipeflow alike (one pipeflow row, marked, splits by measured layer time); "
+        f"AdamW; one torch thread per rank. Step times are medians over "
         f"{args.rounds} rounds of {args.steps} steps per system, after {args.warmup} warmup "
         f"steps, every system alternated within each round. " + busy_note(*load, p),
         "",
