@@ -606,8 +606,10 @@ def torch_family_communicators(comm: MPI.Comm | None, rank_lists: list[list[int]
     return TorchDistCommunicator(comm, group, device=device)
 
 
-# (backend, rank lists) -> this rank's group: every family is made once per process.
+# (backend, rank lists) -> this rank's group: every family is made once per process, or
+# once per default group where the user tears torch.distributed down and starts it again.
 _FAMILIES: dict[tuple[str, tuple[tuple[int, ...], ...]], Any] = {}
+_FAMILIES_OF: list[Any] = [None]        # the default group the families above belong to
 
 
 def _split_family(rank_lists: list[list[int]], backend: str) -> Any:
@@ -622,6 +624,11 @@ def _split_family(rank_lists: list[list[int]], backend: str) -> Any:
     the next engine on the same ranks reuses it. The key is the same on every rank, so every
     rank makes or reuses a family alike.
     """
+    import torch.distributed as dist
+
+    if _FAMILIES_OF[0] is not dist.group.WORLD:      # destroyed and initialised again
+        _FAMILIES.clear()
+        _FAMILIES_OF[0] = dist.group.WORLD
     key = (backend, tuple(tuple(ranks) for ranks in rank_lists))
     if key not in _FAMILIES:
         _FAMILIES[key] = _new_family(rank_lists, backend)

@@ -160,6 +160,13 @@ def test_torch_distributed_groups_outlive_close_and_are_reused():
     assert pf_comm._FAMILIES == families
     _trains_like_one_process(second, layers, batches(2, BATCH), clip=0.0, optimizer=plain_sgd)
     second.close()
+    # torch.distributed torn down and started again by the user: new groups, not the dead.
+    dist.destroy_process_group()
+    third = pf.Engine(layers, loss_fn, plain_sgd, config)
+    assert pf_comm._FAMILIES and all(pf_comm._FAMILIES.get(k) is not g for k, g in families.items()
+                                     if g is not None)
+    _trains_like_one_process(third, layers, batches(2, BATCH), clip=0.0, optimizer=plain_sgd)
+    third.close()
 
 
 def _trains_like_one_process(engine, layers, steps, clip, optimizer):
