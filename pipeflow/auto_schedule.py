@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -20,7 +19,8 @@ import torch
 from pipeflow import schedule as sched
 from pipeflow import tree
 from pipeflow.config import ConfigError
-from pipeflow.partition import _leaf, partition_uniform
+from pipeflow.partition import (clock, each_layer, grad_outputs, leaf_input,
+                                partition_uniform)
 from pipeflow.recompute import SavedTensorMeter, _fmt
 from pipeflow.zero_bubble import backward_input, backward_weight
 
@@ -176,65 +176,37 @@ def choose_schedule(costs: LayerCosts, stages: int, microbatches: int, budget_by
 
 # -- measuring ------------------------------------------------------------------------------
 
-def _now(device: Any) -> float:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter()
-
-
-def _outputs(out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The floating outputs that carry a gradient, and a gradient of ones for each."""
-    floats = [t for t in tree.tensors(out) if t.is_floating_point() and t.requires_grad]
-    return floats, [torch.ones_like(t) for t in floats]
-
-
 def _time_layer(layer: torch.nn.Module, x: Any, device: Any) -> tuple[list[float], int, Any]:
     """([F, whole backward, B, W] seconds, bytes saved for backward, output) of one run."""
-    inputs = tree.map_tensors(lambda t: _leaf(t, device), x)
-    start = _now(device)
+    inputs = tree.map_tensors(lambda t: leaf_input(t, device), x)
+    start = clock(device)
     out = layer(inputs)
-    f = _now(device) - start
-    floats, grads = _outputs(out)
+    f = clock(device) - start
+    floats, grads = grad_outputs(out)
     if not floats:
         return [f, 0.0, 0.0, 0.0], 0, out
-    start = _now(device)
+    start = clock(device)
     torch.autograd.backward(floats, grads)
-    full = _now(device) - start
-    inputs = tree.map_tensors(lambda t: _leaf(t, device), x)
+    full = clock(device) - start
+    inputs = tree.map_tensors(lambda t: leaf_input(t, device), x)
     with SavedTensorMeter() as meter:
-        floats, grads = _outputs(layer(inputs))
+        floats, grads = grad_outputs(layer(inputs))
     saved = meter.current
     params = [p for p in layer.parameters() if p.requires_grad]
-    start = _now(device)
+    start = clock(device)
     _, pending = backward_input(floats, grads, inputs, params)
-    b = _now(device) - start
+    b = clock(device) - start
     if not pending.done:
         backward_weight(pending)
-    w = _now(device) - start - b
+    w = clock(device) - start - b
     return [f, full, b, w], saved, out
 
 
 def measure_layer_costs(layers: Sequence, sample: Any, seed: int = 0, repeats: int = 3,
                         device: torch.device | str = "cpu") -> LayerCosts:
     """F, whole backward, B and W seconds and saved bytes of each layer on `sample` (a
-    micro-batch of inputs). Layers are built one at a time with their real seeds and freed;
-    each runs on the previous one's output. Times are the minimum of `repeats` runs after
-    one untimed."""
-    from pipeflow.layers import build_layer
-
-    costs = LayerCosts([], [], [], [], [])
-    x = sample
-    for i, spec in enumerate(layers):
-        layer = build_layer(spec, seed, i).to(device)
-        best = [math.inf] * 4
-        for attempt in range(repeats + 1):
-            times, saved, out = _time_layer(layer, x, device)
-            if attempt:
-                best = [min(a, b) for a, b in zip(best, times)]
-        for column, value in zip((costs.forward, costs.backward, costs.backward_input,
-                                  costs.weight), best):
-            column.append(value)
-        costs.saved_bytes.append(saved)
-        x = tree.detach(out)
-        del layer
-    return costs
+    micro-batch of inputs), layer by layer as `partition.each_layer` runs them."""
+    rows = each_layer(layers, sample, lambda layer, x: _time_layer(layer, x, device), seed,
+                      repeats, device)
+    columns = [[seconds[k] for seconds, _ in rows] for k in range(4)]
+    return LayerCosts(*columns, saved_bytes=[saved for _, saved in rows])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -11,7 +11,7 @@ from pipeflow import tree
 from pipeflow.config import ConfigError
 
 __all__ = ["partition_uniform", "partition_balanced", "check_boundaries", "partition_layers",
-           "measure_layer_times"]
+           "measure_layer_times", "each_layer", "clock", "grad_outputs", "leaf_input"]
 
 
 def partition_uniform(n_layers: int, stages: int) -> list[int]:
@@ -95,39 +95,62 @@ def partition_layers(layers: Sequence, stages: int, method: str | Sequence[int],
 
 def measure_layer_times(layers: Sequence, sample: Any, seed: int = 0, repeats: int = 3,
                         device: torch.device | str = "cpu") -> list[float]:
-    """Forward + backward seconds of each layer on `sample` (a micro-batch of inputs).
+    """Forward + backward seconds of each layer on `sample` (a micro-batch of inputs)."""
+    def run(layer: torch.nn.Module, x: Any) -> tuple[list[float], None, Any]:
+        inputs = tree.map_tensors(lambda t: leaf_input(t, device), x)
+        start = clock(device)
+        out = layer(inputs)
+        floats, grads = grad_outputs(out)
+        if floats:
+            torch.autograd.backward(floats, grads)
+        return [clock(device) - start], None, out
+
+    return [seconds[0] for seconds, _ in each_layer(layers, sample, run, seed, repeats, device)]
+
+
+def each_layer(layers: Sequence, sample: Any,
+               run: Callable[[torch.nn.Module, Any], tuple[list[float], Any, Any]],
+               seed: int = 0, repeats: int = 3, device: torch.device | str = "cpu"
+               ) -> list[tuple[list[float], Any]]:
+    """`run(layer, x) -> (seconds, extra, output)` on each layer, fed the previous layer's
+    output (the first gets `sample`); per layer, the elementwise minimum of the seconds of
+    `repeats` runs after one untimed (the minimum resists noise from other work), and the
+    last run's `extra`.
 
     Layers are built one at a time (with their real seeds) and freed, so this needs the memory
-    of one layer, not the model; each layer runs on the previous one's output. The minimum of
-    `repeats` timed runs, after one untimed, resists noise from other work.
+    of one layer, not the model.
     """
     from pipeflow.layers import build_layer
 
     x = sample
-    times: list[float] = []
+    rows: list[tuple[list[float], Any]] = []
     for i, spec in enumerate(layers):
         layer = build_layer(spec, seed, i).to(device)
-        best = float("inf")
+        best: list[float] | None = None
         for attempt in range(repeats + 1):
-            inputs = tree.map_tensors(lambda t: _leaf(t, device), x)
-            if device != "cpu" and torch.cuda.is_available():
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            out = layer(inputs)
-            floats = [t for t in tree.tensors(out) if t.is_floating_point() and t.requires_grad]
-            if floats:
-                torch.autograd.backward(floats, [torch.ones_like(t) for t in floats])
-            if device != "cpu" and torch.cuda.is_available():
-                torch.cuda.synchronize()
+            seconds, extra, out = run(layer, x)
             if attempt:
-                best = min(best, time.perf_counter() - start)
-        times.append(best)
+                best = seconds if best is None else [min(a, b) for a, b in zip(best, seconds)]
+        rows.append((best if best is not None else [float("inf")] * len(seconds), extra))
         x = tree.detach(out)
         del layer
-    return times
+    return rows
 
 
-def _leaf(t: torch.Tensor, device: Any) -> torch.Tensor:
+def clock(device: torch.device | str) -> float:
+    """`time.perf_counter()` once the device's queued work is done (CUDA runs asynchronously)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def grad_outputs(out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A layer's floating outputs that carry a gradient, and a gradient of ones for each."""
+    floats = [t for t in tree.tensors(out) if t.is_floating_point() and t.requires_grad]
+    return floats, [torch.ones_like(t) for t in floats]
+
+
+def leaf_input(t: torch.Tensor, device: Any) -> torch.Tensor:
     """A fresh leaf on `device`: floating tensors require grad, as a stage input does."""
     t = t.detach().to(device)
     return t.requires_grad_(True) if t.is_floating_point() else t
