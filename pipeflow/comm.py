@@ -120,6 +120,11 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def barrier(self) -> None: ...
 
+    def arrived_from(self, source: int) -> str | None:
+        """For a hang report, from any thread: what has arrived from `source` and not been
+        received yet, or None where the transport cannot tell (torch.distributed)."""
+        return None
+
 
 def _bytes(t: torch.Tensor) -> Any:
     """A zero-copy byte view of a contiguous CPU tensor (or GPU tensor, for a CUDA-aware MPI)
@@ -319,6 +324,14 @@ class MpiCommunicator(Communicator):
 
     def barrier(self) -> None:
         self.comm.Barrier()
+
+    def arrived_from(self, source: int) -> str | None:
+        status = MPI.Status()
+        if not self.comm.Iprobe(source=source, tag=MPI.ANY_TAG, status=status):
+            return f"nothing from rank {source} of the pipeline has arrived"
+        kind = " (a header)" if status.tag % 2 else ""
+        return (f"message {status.tag // 2}{kind} of {status.Get_count(MPI.BYTE)} bytes from "
+                f"rank {source} of the pipeline has arrived and waits to be received")
 
     def free(self) -> None:
         self.control.Free()

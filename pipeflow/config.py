@@ -28,6 +28,19 @@ class ConfigError(ValueError):
     """A configuration value that the engine cannot run; the message says what to change."""
 
 
+def _env_seconds(name: str, default: float) -> float:
+    """A default in seconds from the environment variable `name`, if set."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number of seconds (0 turns the watchdog off); "
+                          f"found {raw!r}. Set it to e.g. 600, or unset it for the default "
+                          f"{default:g}") from None
+
+
 @dataclasses.dataclass
 class Config:
     """How to run a model: the grid, the schedule, the partition and the numerics.
@@ -70,7 +83,10 @@ class Config:
     bucket_mb: float = 25.0    # gradient all-reduce bucket size, MiB
     clip: float = 0.0          # clip gradients to this global norm; 0 turns clipping off
     seed: int = 0              # layer i is built under a seed derived from (seed, i)
-    watchdog_s: float = 300.0  # abort when no instruction completes for this long; 0: off
+    # abort when no instruction completes for this long; 0: off. The default, 300 s, can be
+    # set for every engine of a job by PIPEFLOW_WATCHDOG_S (a site's or a test suite's choice)
+    watchdog_s: float = dataclasses.field(
+        default_factory=lambda: _env_seconds("PIPEFLOW_WATCHDOG_S", 300.0))
     max_nonfinite_steps: int = 3   # abort after this many non-finite steps in a row
 
     def __post_init__(self) -> None:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -284,7 +285,9 @@ class Engine:
         else:
             total = float(torch.stack(losses).double().mean()) / d
         if self.is_last and d > 1:
-            total = self.topo.data_group.allreduce(total)
+            # On the data group's object channel: its tensor channel may still carry the
+            # gradient buckets' reductions, and every rank sums in the same order.
+            total = math.fsum(self._stage.data_comm.allgather_object(total))
         return self.pipe_comm.bcast_object(total, root=self._last_rank())
 
     def _last_rank(self) -> int:
@@ -378,13 +381,14 @@ class Engine:
         self._instruction = instruction
         self.watchdog.beat()
 
-    def _instruction_text(self) -> str:
+    def _instruction_text(self, probe: bool = False) -> str:
         """The running instruction as a report names it (a message with its peer rank)."""
         x = self._instruction
-        return self.runner.describe(x) if isinstance(x, Action) else x
+        return self.runner.describe(x, probe) if isinstance(x, Action) else x
 
     def _report_where(self) -> str:
-        return (f"{self._where} at instruction {self._instruction_text()} of step "
+        """The watchdog's report: where this rank is, and what it waits for."""
+        return (f"{self._where} at instruction {self._instruction_text(probe=True)} of step "
                 f"{self.stats.step}")
 
     def _guarded(self, what: str, fn: Callable[[], Any]) -> Any:

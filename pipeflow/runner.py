@@ -74,6 +74,7 @@ class Runner:
         self.activation_meter = SavedTensorMeter()
         self.trace = False
         self.timeline: list[tuple[str, float, float]] = []
+        self.pending_sends: list = []
         # Megatron-Core's deallocate_output_tensor: once an activation is sent, its storage
         # goes; the stash keeps only its graph (grad_fn) for the backward.
         self.free_sent_outputs = stage.config.free_sent_outputs
@@ -87,6 +88,7 @@ class Runner:
     # -- the loop -------------------------------------------------------------------------
     def run(self, program: list[sched.Action], st: StepState) -> StepState:
         self.timeline = []
+        self.pending_sends = st.sends      # for hang reports
         # Traced on a GPU, each instruction's end waits for its kernels: the timeline shows
         # device time, not the host's enqueue time (a slower run, for looking only).
         sync = self.trace and self.stage.device.type == "cuda"
@@ -97,7 +99,7 @@ class Runner:
             if sync:
                 torch.cuda.synchronize(self.stage.device)
             # Let finished sends go and reductions in flight progress, without blocking.
-            st.sends = [s for s in st.sends if not _finished(s)]
+            st.sends[:] = [s for s in st.sends if not _finished(s)]
             reducer = self.stage.reducer
             if reducer is not None and reducer.armed:
                 reducer.poll()
@@ -121,13 +123,23 @@ class Runner:
         kind = _ACT if act.op in (sched.SEND_ACT, sched.RECV_ACT) else _GRAD
         return Route(peer, chunk, 2 * (chunk * m + act.mb) + kind)
 
-    def describe(self, act: sched.Action) -> str:
-        """The instruction, and for a message the rank it waits on, for reports."""
+    def describe(self, act: sched.Action, probe: bool = False) -> str:
+        """The instruction, and for a message the rank it waits on, for reports. With `probe`
+        (a hang report, from the watchdog's thread) also what has arrived from that rank and
+        how many of this rank's sends are unfinished, so that a peer that never sent and a
+        message that arrived but was never matched are told apart."""
         if act.op not in sched.SENDS and act.op not in sched.RECVS:
             return repr(act)
-        peer = self.stage.topo.rank_of(self.route(act).peer, self.stage.topo.replica)
+        r = self.route(act)
+        peer = self.stage.topo.rank_of(r.peer, self.stage.topo.replica)
         verb = "to" if act.op in sched.SENDS else "from"
-        return f"{act!r} ({verb} rank {peer})"
+        text = f"{act!r} ({verb} rank {peer}"
+        if probe and act.op in sched.RECVS and r.peer != self.stage.pipe_comm.rank:
+            seen = self.stage.pipe_comm.arrived_from(r.peer)
+            if seen is not None:
+                text += f", expecting message {r.tag}; {seen}"
+            text += f"; {len(self.pending_sends)} of this rank's sends unfinished"
+        return text + ")"
 
     # -- handlers -------------------------------------------------------------------------
     def recv_activation(self, act: sched.Action, st: StepState) -> None:
@@ -313,3 +325,4 @@ def _backward(outs: list[torch.Tensor], grads: list[torch.Tensor] | None) -> Non
         return
     torch.autograd.Variable._execution_engine.run_backward(
         tuple(outs), tuple(grads), False, False, (), True, True)
+

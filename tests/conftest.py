@@ -11,6 +11,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # tests/toy.py
 
 _skipped: list[str] = []
 
+# A hung engine call reports itself (rank, instruction, the peer it waits on and what has
+# arrived from that peer) and ends the job well before pytest-timeout's plain stack dump.
+# No test step comes near this.
+os.environ.setdefault("PIPEFLOW_WATCHDOG_S", "45")
+
 # Debugging a hung test process: with PIPEFLOW_TEST_STACKS=DIR set, `kill -USR1 PID` writes
 # every thread's stack (the main thread's MPI or torch.distributed call included) to
 # DIR/stacks.PID.txt (a file: pytest captures the test's own stderr).

@@ -5,6 +5,8 @@ Run under `mpirun -n 2` and `-n 4` with `--with-mpi`.
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 from mpi4py import MPI
@@ -53,3 +55,31 @@ def test_non_contiguous_all_reduce_sums_into_the_tensor_itself(view):
     assert torch.equal(t, expected), f"rank {WORLD.rank}: {t} != {expected}"
     if view == "strided":
         assert torch.equal(base[:, 1::2], untouched)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_a_hang_report_tells_a_silent_peer_from_an_unmatched_message():
+    # The watchdog's report asks the transport what has arrived from the peer a receive
+    # waits on: nothing (the peer never sent) or a message nobody received (a mismatch).
+    from pipeflow.tree import header_of
+
+    comm = WORLD.Split(color=WORLD.rank // 2, key=WORLD.rank)
+    pipe = MpiCommunicator(comm)
+    header, tensors = header_of(torch.ones(3, 5))
+    if comm.rank == 1:
+        assert pipe.arrived_from(0) == "nothing from rank 0 of the pipeline has arrived"
+    comm.Barrier()
+    if comm.rank == 0:
+        pipe.send_message(header, tensors, 1, tag=7).wait()
+    comm.Barrier()
+    if comm.rank == 1:
+        # The header comes first (an odd wire tag), then 60 bytes of tensor.
+        assert pipe.arrived_from(0) == (f"message 7 (a header) of {len(pickle.dumps(header))} "
+                                        "bytes from rank 0 of the pipeline has arrived and "
+                                        "waits to be received")
+        got_header, (got,) = pipe.recv_message(0, 7, None, torch.device("cpu"))
+        assert got_header == header and torch.equal(got, tensors[0])
+        assert pipe.arrived_from(0).startswith("nothing")
+    pipe.free()
+    comm.Free()

@@ -279,10 +279,23 @@ def test_the_table_is_distinct():
     assert len(ids) == len(set(ids))
 
 
-def test_limits_at_their_edge_are_accepted():
+def test_limits_at_their_edge_are_accepted(monkeypatch):
+    monkeypatch.delenv("PIPEFLOW_WATCHDOG_S", raising=False)     # the suite sets its own
     config = pf.Config(watchdog_s=0, max_nonfinite_steps=0, clip=0, seed=-3,
                        partition=[0, 7], schedule="GPipe", loss_scale=1)
     assert (config.watchdog_s, config.max_nonfinite_steps, config.schedule) == (0, 0, "gpipe")
     assert pf.Config().watchdog_s == 300.0 and pf.Config().max_nonfinite_steps == 3
     assert pf.Config(schedule="interleaved", virtual_stages=2, pipeline=2,
                      microbatches=2).pipeline == 2
+
+
+def test_the_watchdog_default_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("PIPEFLOW_WATCHDOG_S", "42")
+    assert pf.Config().watchdog_s == 42.0 and pf.Config(watchdog_s=7).watchdog_s == 7
+    monkeypatch.setenv("PIPEFLOW_WATCHDOG_S", "5m")
+    with pytest.raises(pf.ConfigError, match=r"PIPEFLOW_WATCHDOG_S must be a number of "
+                                             r"seconds .*found '5m'"):
+        pf.Config()
+    monkeypatch.setenv("PIPEFLOW_WATCHDOG_S", "-1")
+    with pytest.raises(pf.ConfigError, match="Config.watchdog_s must be a finite number >= 0"):
+        pf.Config()
