@@ -80,6 +80,9 @@ class Config:
     backend: str = "auto"
     free_sent_outputs: bool = True   # free an activation's storage once it is sent; the
                                      # stash keeps its graph (Megatron-Core's deallocation)
+    # On CPUs under a split-backward (zero-bubble) schedule, keep what malloc frees for
+    # reuse instead of faulting it in again every step (pipeflow.hostmem); glibc only
+    keep_host_memory: bool = True
     bucket_mb: float = 25.0    # gradient all-reduce bucket size, MiB
     clip: float = 0.0          # clip gradients to this global norm; 0 turns clipping off
     seed: int = 0              # layer i is built under a seed derived from (seed, i)
@@ -113,9 +116,10 @@ class Config:
         _number("bucket_mb", self.bucket_mb, 0.0, strict=True)
         _number("clip", self.clip, 0.0, hint="0 turns clipping off", what="a norm")
         _integer("seed", self.seed, None)
-        if not isinstance(self.free_sent_outputs, bool):
-            _fail("free_sent_outputs", "true or false", self.free_sent_outputs,
-                  "set free_sent_outputs = true (the default) or false")
+        for name in ("free_sent_outputs", "keep_host_memory"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, "true or false", getattr(self, name),
+                      f"set {name} = true (the default) or false")
         _number("watchdog_s", self.watchdog_s, 0.0, hint="0 turns the watchdog off")
         _integer("max_nonfinite_steps", self.max_nonfinite_steps, 0)
 

@@ -28,6 +28,7 @@ from pipeflow.batch import BatchError, prepare
 from pipeflow.checkpoint import CheckpointState, load_checkpoint, save_checkpoint
 from pipeflow.config import Config, ConfigError
 from pipeflow.failure import Watchdog, install_excepthook, report_and_abort
+from pipeflow.hostmem import keep_freed_memory
 from pipeflow.layers import LayerSpec, _check_layers
 from pipeflow.optim_step import close_step
 from pipeflow.rng import seed_everything
@@ -106,6 +107,9 @@ class Engine:
         self._where = self._stage.describe()
         self.loss_fn = loss_fn
         self.runner = Runner(self._stage, loss_fn, self._at)
+        if config.keep_host_memory and self._stage.split_backward \
+                and self._stage.device.type == "cpu":
+            keep_freed_memory()     # B to W keeps more graphs alive: no page faults each step
         self._control = world.Dup()    # the per-step agreement and the close check
         # Dropout and other random draws: reproducible from Config.seed, different per rank
         # (replicas must not draw the same masks). Layers were built under their own seeds.
