@@ -76,6 +76,9 @@ PIPEFLOW = {
     # puts the embedding and the head both on rank 0 under ZBV's V.
     "zbv/time": Kind("pipeflow ZBV, split by measured layer time (`partition = \"time\"`)",
                      2, "zbv", "zero-bubble"),
+    # The simulator's pick from measured F, B and W times; its row is relabelled with the
+    # schedule it chose once the engine is built (`resolve_auto`).
+    "auto": Kind("pipeflow auto", 1, "interleaved", "zero-bubble"),
 }
 
 
@@ -181,9 +184,9 @@ def make_pipeflow(name: str, layers, args, seed: int, optimizer=None) -> pf.Engi
     config = pf.Config(pipeline=COMM.size, microbatches=args.microbatches, schedule=schedule,
                        virtual_stages=kind.chunks, partition=partition or "uniform", seed=seed)
     optimizer = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=args.lr))
-    micro = args.batch // args.microbatches      # "time" measures layers on a micro-batch
-    sample = Batches(load_corpus(), micro, args.seq, seed=seed).batch(0)[0] if partition \
-        else None
+    micro = args.batch // args.microbatches      # "time" and "auto" measure a micro-batch
+    sample = Batches(load_corpus(), micro, args.seq, seed=seed).batch(0)[0] \
+        if partition or schedule == "auto" else None
     return pf.Engine(layers, gpt_loss, optimizer, config, sample=sample)
 
 
@@ -302,11 +305,21 @@ def order_stash(order: dict) -> tuple[list[int], list[int]]:
 
 def pipeflow_stash(name: str, p: int, m: int) -> tuple[list[int], list[int], float]:
     """pipeflow's simulated peaks per rank and bubble (F = B = W) for schedule `name`."""
-    kind = PIPEFLOW[name]
     schedule = name.partition("/")[0]
-    sim = simulate(build_schedule(schedule, p, m,
-                                  kind.chunks if schedule == "interleaved" else None))
+    sim = simulate(build_schedule(schedule, p, m, 2 if schedule == "interleaved" else None))
     return sim.peak_stash, sim.peak_held, sim.bubble
+
+
+def resolve_auto(engine: pf.Engine) -> str:
+    """The schedule `auto` chose; its row takes that schedule's layout and bound."""
+    chosen = engine.schedule
+    base = PIPEFLOW.get(chosen, Kind(chosen, 1, "interleaved", "1f1b"))   # gpipe: 1F1B's bound
+    PIPEFLOW["auto"] = dataclasses.replace(base, label=f"pipeflow auto (chose {chosen})")
+    AUTO_WHY[:] = [engine.schedule_choice]
+    return chosen
+
+
+AUTO_WHY: list[str] = []     # what `auto` printed about its choice, for the report
 
 
 # -- timing ------------------------------------------------------------------------------
@@ -426,6 +439,8 @@ def report(times, stash, checks, ref: Reference, cfg: GPTConfig, args, load,
         f"(F→W, the autograd graphs alive), per rank, counted in chunks (with 2 chunks a rank "
         f"each holds about half a stage's activations); pipeflow's from "
         f"`pipeflow.schedule.simulate`, the peer's from its own `pipeline_order`.",
+        *(["", f"`auto`'s log line: {AUTO_WHY[0].removeprefix('pipeflow: ')}."] if AUTO_WHY
+          else []),
         "",
         f"**pipeflow's fastest here, {PIPEFLOW[fastest].label}: "
         f"{med[fastest] / med['peer 1F1B']:.3f}× the peer's Schedule1F1B step, "
@@ -482,7 +497,8 @@ def main() -> None:
     for name in PIPEFLOW:
         engine = make_pipeflow(name, layers, args, seed)
         checks[name] = check_pipeflow(name, engine, layers, args, seed, ref, batches.batch(0))
-        stash[name] = pipeflow_stash(name, p, m)[:2]
+        stash[name] = pipeflow_stash(resolve_auto(engine) if name == "auto" else name,
+                                     p, m)[:2]
         systems[name] = engine.train_step
     if rank0:
         for name, c in checks.items():

@@ -19,6 +19,15 @@ from mpi4py import MPI
 __all__ = ["abort_world", "report_and_abort", "install_excepthook", "Watchdog"]
 
 
+def say(text: str) -> None:
+    """A report that precedes an abort: to `sys.stderr`, and also to the process's own stderr
+    where something replaced it (a log file, pytest's capture), which an abort would lose."""
+    for stream in dict.fromkeys((sys.stderr, sys.__stderr__)):
+        if stream is not None:
+            stream.write(text)
+            stream.flush()
+
+
 def abort_world(code: int = 1) -> None:
     """End every rank. The launcher forwards a rank's output asynchronously and drops what is
     still in flight when it tears the job down: give the report a moment to get out."""
@@ -33,7 +42,7 @@ def abort_world(code: int = 1) -> None:
 
 def report_and_abort(where: str, exc: BaseException) -> None:
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    sys.stderr.write(f"\npipeflow: {where}:\n{text}pipeflow: aborting all ranks\n")
+    say(f"\npipeflow: {where}:\n{text}pipeflow: aborting all ranks\n")
     abort_world()
 
 
@@ -48,8 +57,8 @@ def install_excepthook() -> None:
 
     def hook(kind, exc, tb):
         sys.__excepthook__(kind, exc, tb)
-        sys.stderr.write(f"pipeflow: rank {MPI.COMM_WORLD.rank} raised an uncaught "
-                         f"{kind.__name__}; aborting all ranks\n")
+        say(f"pipeflow: rank {MPI.COMM_WORLD.rank} raised an uncaught {kind.__name__}; "
+            f"aborting all ranks\n")
         abort_world()
 
     sys.excepthook = hook
@@ -95,8 +104,11 @@ class Watchdog:
         while not self._stop.wait(period):
             idle = time.monotonic() - self._last
             if self._depth > 0 and idle > self.timeout_s:
-                sys.stderr.write(
-                    f"\npipeflow: {self.describe()}: no progress for {idle:.1f} s "
+                try:
+                    where = self.describe()
+                except Exception as exc:  # noqa: BLE001 - the abort must happen regardless
+                    where = f"rank {MPI.COMM_WORLD.rank} (its report failed: {exc!r})"
+                say(f"\npipeflow: {where}: no progress for {idle:.1f} s "
                     f"(watchdog_s = {self.timeout_s:g}); a rank is stuck or never arrived. "
                     f"Aborting all ranks. Raise watchdog_s for steps that are legitimately "
                     f"this slow.\n")

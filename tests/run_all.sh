@@ -14,7 +14,9 @@ if "$MPIRUN" --version 2>&1 | grep -q "Open MPI"; then OVERSUB="--oversubscribe"
 echo "== serial tests"
 python -m pytest -q -p no:cacheprovider -m "not mpi" "$@"
 
-# The multi-rank tests, one mpirun job per file: a failure or a hang (ended by the test's
+# The multi-rank tests, one mpirun job per file (`--capture=sys` leaves the ranks' own stderr
+# alone: a watchdog's or an abort's report ends the job and must reach the log, which
+# pytest's default fd capture would swallow with the process): a failure or a hang (ended by the test's
 # timeout) ends only that file's job, the other files still run and are reported, and no job
 # runs hundreds of engines in one process (the whole 4-rank suite in one job took 14 min on
 # 2 cores, one job per file about 3).
@@ -26,7 +28,8 @@ for n in 2 4; do
     echo "-- $f"
     rc=0
     timeout -k 15 900 "$MPIRUN" $OVERSUB -n "$n" \
-      python -m pytest -q -p no:cacheprovider --with-mpi -m "mpi and not gpu" "$f" "$@" || rc=$?
+      python -m pytest -q -p no:cacheprovider --capture=sys --with-mpi -m "mpi and not gpu" \
+      "$f" "$@" || rc=$?
     # Exit 5 (no test collected) is a failure unless the caller's own -k or -m chose none here.
     if [[ $rc -eq 5 && $# -gt 0 ]]; then rc=0; fi
     if [[ $rc -ne 0 ]]; then failed+=("mpirun -n $n $f (exit $rc)"); fi

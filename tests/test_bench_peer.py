@@ -47,3 +47,20 @@ def test_bounds_order_and_formulas():
     assert b["1f1b"] == pytest.approx(t1 / p * (m + p - 1) / m)
     assert b["interleaved"] == pytest.approx(t1 / p * (2 * m + p - 1) / (2 * m))
     assert b["zero-bubble"] < b["interleaved"] < b["1f1b"]
+
+
+@pytest.mark.parametrize("chosen,bound", [("zbv", "zero-bubble"), ("interleaved", "interleaved"),
+                                          ("gpipe", "1f1b")])
+def test_the_auto_row_takes_the_chosen_schedules_layout_and_bound(monkeypatch, chosen, bound):
+    from types import SimpleNamespace
+
+    monkeypatch.setitem(bench_peer.PIPEFLOW, "auto", bench_peer.PIPEFLOW["auto"])
+    monkeypatch.setattr(bench_peer, "AUTO_WHY", [])
+    engine = SimpleNamespace(schedule=chosen, schedule_choice=f"pipeflow: chose {chosen!r}")
+    assert bench_peer.resolve_auto(engine) == chosen
+    kind = bench_peer.PIPEFLOW["auto"]
+    assert (kind.label, kind.bound) == (f"pipeflow auto (chose {chosen})", bound)
+    assert kind.chunks == (2 if chosen in ("zbv", "interleaved") else 1)
+    stash, held, _ = bench_peer.pipeflow_stash(chosen, 2, 8)
+    assert stash == simulate(build_schedule(chosen, 2, 8, 2 if chosen == "interleaved"
+                                            else None)).peak_stash
