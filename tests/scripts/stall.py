@@ -1,6 +1,8 @@
 """A 2-rank job that stops making progress: `mpirun -n 2 python stall.py sleep|extra-step|build`.
 
 sleep: rank 1 sleeps inside a layer (the watchdog must report and end the job);
+outside: rank 1 sleeps in its own code between two steps (rank 0's watchdog fires, and rank 1,
+  in no engine call, must still say where it is);
 extra-step: rank 1 calls train_step once more than rank 0, which exits (the close check);
 build: rank 1's layer constructor raises while rank 0 builds on (abort from the first line).
 """
@@ -39,7 +41,9 @@ layers.insert(-1, pf.LayerSpec(Sleepy))
 engine = pf.Engine(layers, loss_fn, adamw,
                    pf.Config(pipeline=2, microbatches=2, watchdog_s=2.0))
 steps = 3 + (MODE == "extra-step" and engine.stage == 1)
-for x, y in batches(steps, 8):
+for k, (x, y) in enumerate(batches(steps, 8)):
+    if MODE == "outside" and RANK == 1 and k == 2:
+        time.sleep(120)
     engine.train_step(x, y)
 engine.close()
 print("finished without failing", flush=True)
