@@ -30,6 +30,17 @@ def say(text: str) -> None:
             stream.flush()
 
 
+def _main_stack(limit: int = 10) -> str:
+    """The main thread's innermost frames (the engine's or the caller's code where it is
+    stuck), for a report written from another thread."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None or threading.current_thread() is threading.main_thread():
+        return ""
+    lines = [f"    {e.filename}:{e.lineno} in {e.name}"
+             for e in traceback.extract_stack(frame)[-limit:]]
+    return "  its main thread, innermost last:\n" + "\n".join(lines) + "\n"
+
+
 def abort_world(code: int = 1) -> None:
     """End every rank. The launcher forwards a rank's output asynchronously and drops what is
     still in flight when it tears the job down: give the report a moment to get out."""
@@ -159,7 +170,7 @@ class Watchdog:
             where = f"rank {MPI.COMM_WORLD.rank} (its report failed: {exc!r})"
         if self._depth == 0:
             where += " (now between engine calls, in the caller's own code)"
-        say(f"\npipeflow: {where}: {what}.\n")
+        say(f"\npipeflow: {where}: {what}.\n{_main_stack()}")
 
     def _alarmed_by(self) -> int | None:
         """The rank whose alarm arrived (all pending alarms taken), or None."""
