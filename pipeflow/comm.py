@@ -585,7 +585,7 @@ def torch_grid_communicators(topo: Any, backend: str, device: torch.device, ring
     init_torch_distributed(backend, device)
     p, d = topo.pipeline, topo.data
     pipelines = [[topo.rank_of(s, r) for s in range(p)] for r in range(d)]
-    pipe_group = _split_family(pipelines, backend)
+    pipe_group = _split_family(pipelines, backend, "pipeline")
     links: dict[tuple[int, int], Any] = {}
     pairs = [(b, b + 1) for b in range(p - 1)]
     families = [[ab for ab in pairs if ab[0] % 2 == parity] for parity in (0, 1)]
@@ -594,38 +594,38 @@ def torch_grid_communicators(topo: Any, backend: str, device: torch.device, ring
     for family in (f for f in families if f):
         for forward in (True, False):
             group = _split_family([[pl[a], pl[b]] for pl in pipelines for a, b in family],
-                                  backend)
+                                  backend, "forward" if forward else "backward")
             for a, b in family:
                 if topo.stage in (a, b):
                     links[(a, b) if forward else (b, a)] = group
     data_group = None
     if d > 1:
         data_group = _split_family([[topo.rank_of(s, r) for r in range(d)] for s in range(p)],
-                                   backend)
+                                   backend, "data")
     pipe = TorchDistCommunicator(topo.pipe, pipe_group, links, device)
     data = TorchDistCommunicator(topo.data_group, data_group, device=device) if d > 1 else None
     return pipe, data
 
 
 def torch_family_communicators(comm: MPI.Comm | None, rank_lists: list[list[int]],
-                                backend: str, device: torch.device
+                                backend: str, device: torch.device, role: str
                                 ) -> TorchDistCommunicator | None:
     """One torch.distributed group per list of world ranks (disjoint lists), made in one call
     on every rank; this rank's as a communicator whose objects travel over `comm` (the same
     ranks over MPI), or None where this rank is in none of the lists."""
-    group = _split_family(rank_lists, backend)
+    group = _split_family(rank_lists, backend, role)
     if comm is None:
         return None
     return TorchDistCommunicator(comm, group, device=device)
 
 
-# (backend, rank lists) -> this rank's group: every family is made once per process, or
+# (backend, role, rank lists) -> this rank's group: every family is made once per process, or
 # once per default group where the user tears torch.distributed down and starts it again.
-_FAMILIES: dict[tuple[str, tuple[tuple[int, ...], ...]], Any] = {}
+_FAMILIES: dict[tuple[str, str, tuple[tuple[int, ...], ...]], Any] = {}
 _FAMILIES_OF: list[Any] = [None]        # the default group the families above belong to
 
 
-def _split_family(rank_lists: list[list[int]], backend: str) -> Any:
+def _split_family(rank_lists: list[list[int]], backend: str, role: str = "") -> Any:
     """Disjoint groups (world ranks), made in one call on every rank the first time these
     lists are asked for, then reused; this rank's group, or None when it is in none of them.
 
@@ -635,14 +635,15 @@ def _split_family(rank_lists: list[list[int]], backend: str) -> Any:
     the peer ranks still hold their side, the rank blocks there and every other rank waits
     on it in its next collective. Making a group is also costly (NCCL communicators), so
     the next engine on the same ranks reuses it. The key is the same on every rank, so every
-    rank makes or reuses a family alike.
+    rank makes or reuses a family alike. `role` tells apart families of the same ranks that
+    must stay distinct groups: a link's two directions each have their own stream.
     """
     import torch.distributed as dist
 
     if _FAMILIES_OF[0] is not dist.group.WORLD:      # destroyed and initialised again
         _FAMILIES.clear()
         _FAMILIES_OF[0] = dist.group.WORLD
-    key = (backend, tuple(tuple(ranks) for ranks in rank_lists))
+    key = (backend, role, tuple(tuple(ranks) for ranks in rank_lists))
     if key not in _FAMILIES:
         _FAMILIES[key] = _new_family(rank_lists, backend)
     return _FAMILIES[key]

@@ -194,7 +194,7 @@ class Stage:
             ranks = [[self.topo.rank_of(s, r) for s in stages] for r in range(self.topo.data)]
             tie = next(mine) if self.index in stages else None
             dist = torch_family_communicators(tie.comm if tie else None, ranks, self.backend,
-                                              self.device)
+                                              self.device, "tie")
             if tie is not None:
                 tie.dist = dist
 
