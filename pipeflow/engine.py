@@ -114,7 +114,7 @@ class Engine:
         # Dropout and other random draws: reproducible from Config.seed, different per rank
         # (replicas must not draw the same masks). Layers were built under their own seeds.
         seed_everything(config.seed, world.rank)
-        self.watchdog = Watchdog(config.watchdog_s, self._report_where, world)
+        self.watchdog = Watchdog(config.watchdog_s, self._report_where)
         _OPEN.add(self)
 
     # -- what this rank holds -------------------------------------------------------------

@@ -7,13 +7,11 @@ on its own, so a rank never prints a second, misleading report.
 
 from __future__ import annotations
 
-import atexit
 import os
 import sys
 import threading
 import time
 import traceback
-import weakref
 from typing import Callable
 
 from mpi4py import MPI
@@ -77,49 +75,30 @@ def install_excepthook() -> None:
     sys.excepthook = hook
 
 
-ALARM_TAG = 11     # on the watchdog's own communicator: "my watchdog fired, report now"
-_WATCHING: "weakref.WeakSet[Watchdog]" = weakref.WeakSet()
-
-
-@atexit.register          # registered after mpi4py's own: runs before MPI_Finalize
-def _stop_watching() -> None:
-    """No watchdog thread may be inside MPI while the main thread finalizes it."""
-    for dog in list(_WATCHING):
-        dog.close(free=False)
-
-
 class Watchdog:
     """Aborts the job when an engine call makes no progress for `timeout_s` seconds.
 
     The engine calls `beat()` after every instruction and arms the watchdog for the length of
     each call (`with watchdog:`); between calls (user code, data loading) nothing is timed.
-    On expiry it prints `describe()` (rank, step, instruction and the peer waited on), asks
-    every other rank to print theirs (a message on its own communicator, which each rank's
-    watchdog thread polls, so a rank stuck in MPI or outside any engine call answers too),
-    gives them a moment, and aborts every rank: a stuck collective or a rank that never
-    arrives is reported from every side, not silent.
-
-    `comm`: the ranks of the engine; a duplicate of it carries the alarms (made on every rank
-    alike, whatever `timeout_s`, since duplicating is collective).
+    On expiry it prints `describe()` (rank, step, instruction, the peer waited on and what
+    arrived from it) and the main thread's innermost frames, then aborts every rank: a stuck
+    collective or a rank that never arrives is reported, not silent. Each rank's own watchdog
+    reports for it; the thread makes no MPI call before expiry (a second thread polling MPI
+    made this MPICH stall ranks), and should the report itself block, the process exits
+    anyway after `_REPORT_S`.
     """
 
-    def __init__(self, timeout_s: float, describe: Callable[[], str],
-                 comm: MPI.Comm | None = None) -> None:
+    def __init__(self, timeout_s: float, describe: Callable[[], str]) -> None:
         self.timeout_s = float(timeout_s)
         self.describe = describe
         self._last = time.monotonic()
         self._depth = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._period = min(1.0, self.timeout_s / 4)
-        self._comm = comm.Dup() if comm is not None else None
-        # Another thread's MPI calls need MPI_THREAD_MULTIPLE (mpi4py's default).
-        self._alarms = self._comm is not None and MPI.Query_thread() == MPI.THREAD_MULTIPLE
         if self.timeout_s > 0:
             self._thread = threading.Thread(target=self._watch, name="pipeflow-watchdog",
                                             daemon=True)
             self._thread.start()
-            _WATCHING.add(self)
 
     def beat(self) -> None:
         self._last = time.monotonic()
@@ -132,59 +111,28 @@ class Watchdog:
     def __exit__(self, *exc: object) -> None:
         self._depth -= 1
 
-    def close(self, free: bool = True) -> None:
-        """Stop watching; with `free`, collective over `comm`, like the engine's `close()`."""
+    def close(self) -> None:
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * self._period + 1)
-        if free and self._comm is not None:
-            self._comm.Free()
-            self._comm = None
 
     def _watch(self) -> None:
-        try:
-            while not self._stop.wait(self._period):
-                asker = self._alarmed_by()
-                if asker is not None:
-                    self._report(f"asked by rank {asker}, whose watchdog fired")
-                    continue
-                idle = time.monotonic() - self._last
-                if self._depth > 0 and idle > self.timeout_s:
-                    self._expire(idle)
-                    return
-        except MPI.Exception:      # MPI finalized under a daemon thread at exit
-            return
+        period = min(1.0, self.timeout_s / 4)
+        while not self._stop.wait(period):
+            idle = time.monotonic() - self._last
+            if self._depth > 0 and idle > self.timeout_s:
+                self._expire(idle)
+                return
 
     def _expire(self, idle: float) -> None:
-        self._alarm_others()
-        self._report(f"no progress for {idle:.1f} s (watchdog_s = {self.timeout_s:g}); a "
-                     f"rank is stuck or never arrived. Aborting all ranks. Raise watchdog_s "
-                     f"for steps that are legitimately this slow")
-        time.sleep(self._period + 1.0)      # the other ranks' reports get out first
-        abort_world()
-
-    def _report(self, what: str) -> None:
+        # The report probes MPI from this thread; if that blocks, exit all the same.
+        threading.Timer(_REPORT_S, os._exit, args=(1,)).start()
         try:
             where = self.describe()
         except Exception as exc:  # noqa: BLE001 - the report must not stop the abort
             where = f"rank {MPI.COMM_WORLD.rank} (its report failed: {exc!r})"
-        if self._depth == 0:
-            where += " (now between engine calls, in the caller's own code)"
-        say(f"\npipeflow: {where}: {what}.\n{_main_stack()}")
+        say(f"\npipeflow: {where}: no progress for {idle:.1f} s (watchdog_s = "
+            f"{self.timeout_s:g}); a rank is stuck or never arrived. Aborting all ranks. "
+            f"Raise watchdog_s for steps that are legitimately this slow.\n{_main_stack()}")
+        abort_world()
 
-    def _alarmed_by(self) -> int | None:
-        """The rank whose alarm arrived (all pending alarms taken), or None."""
-        if not self._alarms or MPI.Is_finalized():
-            return None
-        asker, status = None, MPI.Status()
-        while self._comm.Iprobe(source=MPI.ANY_SOURCE, tag=ALARM_TAG, status=status):
-            asker = status.Get_source()
-            self._comm.Recv([bytearray(0), MPI.BYTE], source=asker, tag=ALARM_TAG)
-        return asker
 
-    def _alarm_others(self) -> None:
-        if not self._alarms:
-            return
-        me = self._comm.rank
-        self._sent = [self._comm.Isend([bytearray(0), MPI.BYTE], dest=rank, tag=ALARM_TAG)
-                      for rank in range(self._comm.size) if rank != me]   # the job ends
+_REPORT_S = 20.0     # the longest a watchdog's report may take before the process exits

@@ -27,10 +27,10 @@ def _clean_env():
     # A rank stuck in a layer (the watchdog), a rank a step ahead (the close check), a layer
     # constructor failing on one rank (abort from the first line).
     ("stall.py", "sleep", "no progress for"),
-    # Every rank reports, not only the one whose watchdog fired: here rank 1 is in its own
-    # code, where no watchdog is armed, and says so when rank 0's alarm reaches it.
-    ("stall.py", "outside", "(now between engine calls, in the caller's own code): asked by "
-                            "rank 0, whose watchdog fired"),
+    # A rank that never comes back from its own code: the waiting rank's watchdog names
+    # the per-step agreement it waits in, and where its main thread is.
+    ("stall.py", "outside", "rank 0 (stage 0 of 2, replica 0 of 1) at instruction batch of "
+                            "step 2: no progress for"),
     ("stall.py", "extra-step", "ranks disagree on the call"),
     ("stall.py", "build", "failed at instruction setup"),
 ])

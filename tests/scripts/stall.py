@@ -1,8 +1,8 @@
 """A 2-rank job that stops making progress: `mpirun -n 2 python stall.py sleep|extra-step|build`.
 
 sleep: rank 1 sleeps inside a layer (the watchdog must report and end the job);
-outside: rank 1 sleeps in its own code between two steps (rank 0's watchdog fires, and rank 1,
-  in no engine call, must still say where it is);
+outside: rank 1 sleeps in its own code between two steps (rank 0's watchdog, waiting for it
+  in the next step's agreement, must report and end the job);
 extra-step: rank 1 calls train_step once more than rank 0, which exits (the close check);
 build: rank 1's layer constructor raises while rank 0 builds on (abort from the first line).
 """
