@@ -80,3 +80,23 @@ def test_a_rank_binds_its_gpu_whatever_the_backend(monkeypatch):
     bind_device(torch.device("cuda"))       # the current GPU: nothing to bind
     bind_device(torch.device("cpu"))
     assert bound == [torch.device("cuda", 3)]
+
+
+def test_nccl_families_keep_each_role_apart_and_gloo_shares_them(monkeypatch):
+    # A link's two directions have the same ranks. Under NCCL (matching by order on one
+    # stream per communicator) each must be a communicator of its own; gloo matches by tag,
+    # so one group serves every role of the same ranks.
+    import torch.distributed as dist
+
+    from pipeflow import comm as pf_comm
+
+    monkeypatch.setattr(pf_comm, "_FAMILIES", {})
+    monkeypatch.setattr(pf_comm, "_FAMILIES_OF", [dist.group.WORLD])
+    monkeypatch.setattr(pf_comm, "_new_family", lambda lists, backend: object())
+    pair = [[0, 1]]
+    roles = ("pipeline", "forward", "backward", "data", "tie")
+    nccl = [pf_comm._split_family(pair, "nccl", role) for role in roles]
+    assert len({id(g) for g in nccl}) == len(roles)
+    assert pf_comm._split_family(pair, "nccl", "forward") is nccl[1]        # reused
+    gloo = {id(pf_comm._split_family(pair, "gloo", role)) for role in roles}
+    assert len(gloo) == 1

@@ -169,27 +169,6 @@ def test_torch_distributed_groups_outlive_close_and_are_reused():
     third.close()
 
 
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
-def test_each_link_direction_and_family_is_a_group_of_its_own(schedule):
-    # The group cache is keyed by rank lists, and a link's two directions (and a 2-stage
-    # pipeline's own group) have the same ranks: each must still be a distinct group, or both
-    # directions share one NCCL stream (the rendezvous deadlocks the links exist to avoid).
-    config = pf.Config(pipeline=WORLD.size, microbatches=2 * WORLD.size, schedule=schedule,
-                       virtual_stages=2 if schedule == "interleaved" else 1, backend="gloo")
-    layers = toy_layers(blocks=4 * WORLD.size)
-    engine = pf.Engine(layers, loss_fn, plain_sgd, config)
-    pipe = engine.pipe_comm
-    groups = list(pipe.links.values()) + [pipe.group]
-    assert len({id(g) for g in groups}) == len(groups), pipe.links
-    for (a, b), group in pipe.links.items():
-        assert (b, a) not in pipe.links or pipe.links[(b, a)] is not group
-    _trains_like_one_process(engine, layers, batches(2, 4 * WORLD.size), clip=0.0,
-                             optimizer=plain_sgd)
-    engine.close()
-
-
 def _trains_like_one_process(engine, layers, steps, clip, optimizer):
     """Same losses and parameters as build_sequential on one process; returns the model."""
     losses = [engine.train_step(x, y) for x, y in steps]
