@@ -51,8 +51,8 @@ def test_grid_groups_are_made_a_family_at_a_time_and_carry_both_directions(ring,
 
     calls = []
     real = comm_mod._split_family
-    monkeypatch.setattr(comm_mod, "_split_family",
-                        lambda lists, backend: calls.append(lists) or real(lists, backend))
+    monkeypatch.setattr(comm_mod, "_split_family", lambda lists, backend, role="":
+                        calls.append(lists) or real(lists, backend, role))
     p = WORLD.size
     topo = Topology(WORLD, p, 1)
     pipe, data = comm_mod.torch_grid_communicators(topo, "gloo", torch.device("cpu"), ring)
