@@ -363,15 +363,12 @@ def table(times: dict[str, list[float]], stash: dict[str, tuple], p: int, m: int
     rows = ["| system | median step (ms) | vs the peer's Schedule1F1B | own bound (ms) "
             "| efficiency vs own bound | efficiency vs zero-bubble limit | best round (ms) "
             "| peak stash per rank (F→B) | peak held per rank (F→W) |",
-            "|---|---:|---:|---:|---:|---:|---:|---|---|",
-            f"| one rank, whole model (T1), 1 thread | {med['T1'] * 1e3:.0f} | "
-            f"{med['T1'] / peer:.3f} | | | | {best['T1'] * 1e3:.0f} | | |",
-            f"| same, every rank its own copy at once (T1∥: all cores busy) | "
-            f"{med['T1 all'] * 1e3:.0f} | {med['T1 all'] / peer:.3f} | | | | "
-            f"{best['T1 all'] * 1e3:.0f} | | |",
-            f"| same, the batch in {m} micro-batches, gradients accumulated (T1m) | "
-            f"{med['T1 micro'] * 1e3:.0f} | {med['T1 micro'] / peer:.3f} | | | | "
-            f"{best['T1 micro'] * 1e3:.0f} | | |"]
+            "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    singles = (("T1", "one rank, whole model (T1), 1 thread"),
+               ("T1 all", "same, every rank its own copy at once (T1∥: all cores busy)"),
+               ("T1 micro", f"same, the batch in {m} micro-batches, gradients accumulated (T1m)"))
+    rows += [f"| {label} | {med[key] * 1e3:.0f} | {med[key] / peer:.3f} | | | | "
+             f"{best[key] * 1e3:.0f} | | |" for key, label in singles]
     kinds = {**{name: kind for name, (_, kind) in PEER.items()}, **PIPEFLOW}
     for name, kind in kinds.items():
         if name not in med:

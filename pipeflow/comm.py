@@ -236,6 +236,13 @@ def mpi_iallreduce_(comm: MPI.Comm, tensor: torch.Tensor) -> Request:
     return _MpiAllreduce(req, host, tensor.detach())
 
 
+def _on_wire(status: MPI.Status) -> str:
+    """A probed message as reports name it: its tag (header or tensor, see `send_message`)
+    and size."""
+    kind = " (a header)" if status.tag % 2 else ""
+    return f"message {status.tag // 2}{kind} of {status.Get_count(MPI.BYTE)} bytes"
+
+
 class MpiCommunicator(Communicator):
     """mpi4py over host memory; runs anywhere. GPU tensors are staged through the host, or
     handed to MPI as they are where MPI is CUDA-aware (`cuda_mpi.cuda_aware_mpi`)."""
@@ -299,9 +306,9 @@ class MpiCommunicator(Communicator):
             if status.tag != 2 * tag or found != meta.nbytes:
                 raise ProtocolError(
                     f"expected message {tag} from rank {source} of the pipeline, tensor {i} "
-                    f"of {describe(header.metas)} ({meta.nbytes} bytes); found message "
-                    f"{status.tag // 2}{' (a header)' if status.tag % 2 else ''} of {found} "
-                    f"bytes: the two ranks disagree on the order or shape of their messages")
+                    f"of {describe(header.metas)} ({meta.nbytes} bytes); found "
+                    f"{_on_wire(status)}: the two ranks disagree on the order or shape of "
+                    f"their messages")
             host = _incoming(meta.shape, meta.dtype, device)
             msg.Recv(_bytes(host))
             out.append(host if device.type == "cpu" else host.to(device, non_blocking=True))
@@ -329,9 +336,8 @@ class MpiCommunicator(Communicator):
         status = MPI.Status()
         if not self.comm.Iprobe(source=source, tag=MPI.ANY_TAG, status=status):
             return f"nothing from rank {source} of the pipeline has arrived"
-        kind = " (a header)" if status.tag % 2 else ""
-        return (f"message {status.tag // 2}{kind} of {status.Get_count(MPI.BYTE)} bytes from "
-                f"rank {source} of the pipeline has arrived and waits to be received")
+        return (f"{_on_wire(status)} from rank {source} of the pipeline has arrived and "
+                f"waits to be received")
 
     def free(self) -> None:
         self.control.Free()

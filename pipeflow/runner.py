@@ -325,4 +325,3 @@ def _backward(outs: list[torch.Tensor], grads: list[torch.Tensor] | None) -> Non
         return
     torch.autograd.Variable._execution_engine.run_backward(
         tuple(outs), tuple(grads), False, False, (), True, True)
-
