@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 import torch
 from mpi4py import MPI
 
-from pipeflow import tree
+from pipeflow import tree, waiting
 from pipeflow.config import ConfigError
 
 __all__ = ["BatchError", "MicroBatch", "Batches", "prepare"]
@@ -102,7 +102,7 @@ def prepare(call: str, step: int, inputs: Any, targets: Any, side: Mapping[str, 
             "inputs": _signature(inputs) if stage.holds_first else None,
             "targets": _signature(targets) if stage.holds_last else None,
             "side": sorted((k, _signature(v)) for k, v in side.items())}
-    views = control.allgather(mine)
+    views = waiting.allgather(control, mine)
     _check_agreement(views, mine)
     counted = [v["items"] for v in views if v["items"] is not None]
     return Batches(micro, sum(counted) if counted else None)

@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from pipeflow import waiting
 from pipeflow._io import atomic_write_bytes, fsync_dir
 from pipeflow.rng import get_rng_state, set_rng_state
 from pipeflow.topology import Topology
@@ -93,7 +94,7 @@ def save_checkpoint(state: CheckpointState, directory: str | os.PathLike) -> str
     folder = os.path.join(directory, f"step-{state.step:08d}")
     if topo.rank == 0:            # saving a step again: the folder is incomplete until whole
         _remove_meta(folder)
-    topo.world.Barrier()
+    waiting.barrier(topo.world)
     written: dict[str, str] = {}
     if topo.replica == 0:         # replicas hold identical copies: one writes
         for i, shard in _shards(state).items():
@@ -106,7 +107,7 @@ def save_checkpoint(state: CheckpointState, directory: str | os.PathLike) -> str
         checksums = {name: digest for part in parts for name, digest in part.items()}
         _write_meta(state, directory, folder, checksums)
         _remove_old(directory, folder)
-    topo.world.Barrier()
+    waiting.barrier(topo.world)
     return folder
 
 

@@ -9,6 +9,7 @@ from typing import Any, Sequence
 import torch
 from mpi4py import MPI
 
+from pipeflow import waiting
 from pipeflow.tree import Header, describe
 
 __all__ = ["TensorMeta", "Communicator", "MpiCommunicator", "TorchDistCommunicator",
@@ -175,7 +176,7 @@ class _MpiSend(Request):
         return done
 
     def wait(self) -> None:
-        MPI.Request.Waitall(self._requests)
+        waiting.waitall(self._requests)
         self._keep = []
 
 
@@ -190,7 +191,7 @@ class _MpiRecv(Request):
         return MPI.Request.Testall(self._requests)
 
     def wait(self) -> list[torch.Tensor]:
-        MPI.Request.Waitall(self._requests)
+        waiting.waitall(self._requests)
         if self._device.type == "cpu":
             return self._host
         return [t.to(self._device, non_blocking=True) for t in self._host]
@@ -206,7 +207,7 @@ class _MpiAllreduce(Request):
         return self._request.Test()
 
     def wait(self) -> None:
-        self._request.Wait()
+        waiting.wait(self._request)
         if self._host is not self._target:
             self._target.copy_(self._host)
 
@@ -288,12 +289,12 @@ class MpiCommunicator(Communicator):
     def recv_message(self, source: int, tag: int, header: Header | None,
                      device: torch.device) -> tuple[Header, list[torch.Tensor]]:
         status = MPI.Status()
-        msg = self.comm.Mprobe(source=source, tag=MPI.ANY_TAG, status=status)
+        msg = waiting.mprobe(self.comm, source, MPI.ANY_TAG, status)
         if status.tag == 2 * tag + 1:
             raw = bytearray(status.Get_count(MPI.BYTE))
             msg.Recv([raw, MPI.BYTE])
             header = pickle.loads(raw)
-            msg = self.comm.Mprobe(source=source, tag=MPI.ANY_TAG, status=status) \
+            msg = waiting.mprobe(self.comm, source, MPI.ANY_TAG, status) \
                 if header.metas else None
         if header is None:
             raise ProtocolError(f"message {tag} from rank {source} of the pipeline arrived "
@@ -301,7 +302,7 @@ class MpiCommunicator(Communicator):
         out = []
         for i, meta in enumerate(header.metas):
             if i:
-                msg = self.comm.Mprobe(source=source, tag=MPI.ANY_TAG, status=status)
+                msg = waiting.mprobe(self.comm, source, MPI.ANY_TAG, status)
             found = status.Get_count(MPI.BYTE)
             if status.tag != 2 * tag or found != meta.nbytes:
                 raise ProtocolError(
@@ -318,19 +319,19 @@ class MpiCommunicator(Communicator):
         self.control.send(obj, dest=dest)
 
     def recv_object(self, source: int) -> Any:
-        return self.control.recv(source=source)
+        return waiting.recv_object(self.control, source)
 
     def allgather_object(self, obj: Any) -> list[Any]:
-        return self.control.allgather(obj)
+        return waiting.allgather(self.control, obj)
 
     def bcast_object(self, obj: Any, root: int) -> Any:
-        return self.control.bcast(obj, root=root)
+        return waiting.bcast(self.control, obj, root)
 
     def iallreduce_(self, tensor: torch.Tensor) -> Request:
         return mpi_iallreduce_(self.comm, tensor)
 
     def barrier(self) -> None:
-        self.comm.Barrier()
+        waiting.barrier(self.comm)
 
     def arrived_from(self, source: int) -> str | None:
         status = MPI.Status()
@@ -481,7 +482,7 @@ class HeadersFirst:
                      device: torch.device) -> tuple[Header, list[torch.Tensor]]:
         if header is None:
             comm, htag = self._header_link(tag)
-            header = comm.recv(source=source, tag=htag)
+            header = waiting.recv_object(comm, source, htag)
         if not header.metas:
             return header, []
         metas = [(m.shape, m.dtype) for m in header.metas]

@@ -22,10 +22,20 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv", "auto")
 PARTITIONS = ("uniform", "parameters", "time")
 PRECISIONS = ("fp32", "bf16", "fp16")
 BACKENDS = ("mpi", "nccl", "gloo", "auto", "strict")
+WAITS = ("auto", "spin", "yield")
 
 
 class ConfigError(ValueError):
     """A configuration value that the engine cannot run; the message says what to change."""
+
+
+def _env_choice(name: str, default: str, allowed: tuple) -> str:
+    """A default from the environment variable `name`, if set: one of `allowed`."""
+    raw = os.environ.get(name, "").strip()
+    if raw and raw not in allowed:
+        raise ConfigError(f"{name} must be one of {list(allowed)}; found {raw!r}. Set it to "
+                          f"one of those, or unset it for the default {default!r}")
+    return raw or default
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -91,6 +101,11 @@ class Config:
     watchdog_s: float = dataclasses.field(
         default_factory=lambda: _env_seconds("PIPEFLOW_WATCHDOG_S", 300.0))
     max_nonfinite_steps: int = 3   # abort after this many non-finite steps in a row
+    # How a rank waits on MPI (pipeflow.waiting): "spin" inside MPI, "yield" its core between
+    # tests, or "auto": yield where a node runs more ranks than it has cores, else spin.
+    # PIPEFLOW_WAIT sets the default for every engine of a job.
+    wait: str = dataclasses.field(
+        default_factory=lambda: _env_choice("PIPEFLOW_WAIT", "auto", WAITS))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -122,6 +137,7 @@ class Config:
                       f"set {name} = true (the default) or false")
         _number("watchdog_s", self.watchdog_s, 0.0, hint="0 turns the watchdog off")
         _integer("max_nonfinite_steps", self.max_nonfinite_steps, 0)
+        self.wait = _choice("wait", self.wait, WAITS)
 
     def _check_schedule(self) -> None:
         v = self.virtual_stages

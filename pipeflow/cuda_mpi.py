@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 from mpi4py import MPI
 
+from pipeflow import waiting
 from pipeflow.comm import Request, _typed
 
 __all__ = ["CUDA_AWARE_ENV", "cuda_aware_mpi", "PinnedBuffers", "side_stream",
@@ -92,7 +93,7 @@ class _DeviceAllreduce(Request):
         return self._request.Test()
 
     def wait(self) -> None:
-        self._request.Wait()
+        waiting.wait(self._request)
         if self._buf is self._target:
             return
         # On the current (compute) stream: it waits for the sum only where it needs it.

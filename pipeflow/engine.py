@@ -22,7 +22,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from pipeflow import tree
+from pipeflow import tree, waiting
 from pipeflow.schedule import Action
 from pipeflow.batch import BatchError, prepare
 from pipeflow.checkpoint import CheckpointState, load_checkpoint, save_checkpoint
@@ -247,8 +247,8 @@ class Engine:
             keep = return_outputs or targets is None
             st = self._start("eval_step", inputs, targets, side, train=False, keep=keep)
             self._guarded("eval", lambda: self.runner.run(self._stage.eval_program, st))
-            has_targets = self._guarded("loss", lambda: self._control.allreduce(
-                int(bool(st.losses))))
+            has_targets = self._guarded("loss", lambda: any(
+                waiting.allgather(self._control, bool(st.losses))))
             loss = self._guarded("loss", lambda: self._global_loss(st.losses, st)) \
                 if has_targets else None
             outputs = self._guarded("outputs", lambda: self._gather_outputs(st.outputs)) \

@@ -12,7 +12,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from pipeflow import schedule as sched
+from pipeflow import schedule as sched, waiting
 from pipeflow.comm import Communicator
 from pipeflow.auto_schedule import choose_schedule, measure_layer_costs
 from pipeflow.config import SCHEDULES, Config, ConfigError
@@ -67,6 +67,8 @@ class Stage:
                  sample: Any = None) -> None:
         self.config = config
         self.topo = topo = Topology(world, config.pipeline, config.data)
+        # How this process waits on MPI from here on (process-wide: see pipeflow.waiting).
+        waiting.use(waiting.choose(config.wait, topo.local_size, topo.local_cores))
         self.index, self.stages = topo.stage, topo.pipeline
         self.device = device if device is not None else default_device(topo)
         bind_device(self.device)      # before CUDA's first use: layer building forks its RNG
@@ -233,7 +235,7 @@ def _measure_times(layers: Sequence[LayerSpec], config: Config, world: MPI.Comm,
     times = None
     if world.rank == 0 and sample is not None:
         times = measure_layer_times(layers, sample, config.seed, device=device)
-    return world.bcast(times, root=0)
+    return waiting.bcast(world, times, 0)
 
 
 def _resolve_schedule(layers: Sequence[LayerSpec], config: Config, world: MPI.Comm,
@@ -248,7 +250,7 @@ def _resolve_schedule(layers: Sequence[LayerSpec], config: Config, world: MPI.Co
     costs = None
     if world.rank == 0 and sample is not None:
         costs = measure_layer_costs(layers, sample, config.seed, device=device)
-    costs = world.bcast(costs, root=0)
+    costs = waiting.bcast(world, costs, 0)
     if costs is None:
         raise ConfigError(
             f"Config.schedule 'auto' measures each layer's forward, input- and weight-gradient "

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import torch
 from mpi4py import MPI
 
+from pipeflow import waiting
 from pipeflow.comm import (Communicator, HeadersFirst, MpiCommunicator, Request, TensorMeta,
                            check_on_device, meta_of)
 
@@ -42,7 +43,7 @@ class _StrictSend(Request):
         return self._header.Test() and self._data.test()
 
     def wait(self) -> None:
-        self._header.Wait()
+        waiting.wait(self._header)
         self._data.wait()
 
 
@@ -75,7 +76,7 @@ class _StrictRecv(Request):
 
     def wait(self) -> list[torch.Tensor]:
         if self._got is None:
-            self._check(self._header.wait())
+            self._check(waiting.wait_object(self._header))
         return self._data.wait()
 
 
@@ -110,7 +111,7 @@ class StrictCommunicator(HeadersFirst, Communicator):
     def _agree(self, op: str, tensor: torch.Tensor | None = None) -> None:
         """Every rank of the group issues this same collective as its next one."""
         sig = (op, None if tensor is None else (tuple(tensor.shape), str(tensor.dtype)))
-        views = self.checks.allgather(sig)
+        views = waiting.allgather(self.checks, sig)
         index = self.collectives
         self.collectives += 1
         if any(v != sig for v in views):

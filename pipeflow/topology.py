@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from typing import Any
 
 import torch
 from mpi4py import MPI
 
+from pipeflow import waiting
+from pipeflow.waiting import sleeping_barrier
 from pipeflow.config import ConfigError
 
 __all__ = ["Topology", "TopologyError", "rank_of", "sleeping_barrier", "bind_device",
@@ -22,17 +23,6 @@ def rank_of(stage: int, replica: int, data: int) -> int:
     """World rank of `(stage, replica)` in a grid of `data` replicas: pipeline-outermost, so
     a stage's replicas are neighbouring ranks (see `Topology`)."""
     return stage * data + replica
-
-
-def sleeping_barrier(comm: Any) -> None:
-    """A barrier that sleeps while it waits.
-
-    MPICH's blocking barrier spins, and on a machine with one core per rank a spinning idle
-    rank would steal time from the ranks being measured.
-    """
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(1e-4)
 
 
 class TopologyError(ConfigError):
@@ -66,6 +56,7 @@ class Topology:
         self.data_group = comm.Split(color=self.stage, key=self.replica)
         local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
         self.local_rank, self.local_size = local.rank, local.size
+        self.local_cores = waiting.node_cores(local)    # cores this node's ranks may use
         local.Free()
 
     @property

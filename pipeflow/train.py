@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 from mpi4py import MPI
 
+from pipeflow import waiting
 from pipeflow._io import atomic_write_bytes
 from pipeflow.config import ConfigError
 from pipeflow.data import Batches, load_corpus, token_file
@@ -144,7 +145,7 @@ def _save(engine: Engine, run: RunConfig, position: int) -> str:
                  "batch_size": run.train.batch_size,
                  "train": run.data.train or run.train.corpus or "stdlib"}
         atomic_write_bytes(os.path.join(folder, DATA_STATE), json.dumps(state).encode())
-    engine.topo.world.Barrier()
+    waiting.barrier(engine.topo.world)
     return folder
 
 

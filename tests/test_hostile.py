@@ -79,6 +79,9 @@ CONFIG = [
     Hostile("precision-int", config(precision=16),
             "Config.precision must be a string, one of ['fp32', 'bf16', 'fp16'], found 16",
             pf.ConfigError),
+    Hostile("wait-unknown", config(wait="sleep"),
+            "Config.wait must be one of ['auto', 'spin', 'yield'], found 'sleep'",
+            pf.ConfigError),
     Hostile("backend-unknown", config(backend="tcp"),
             "Config.backend must be one of ['mpi', 'nccl', 'gloo', 'auto', 'strict'], found 'tcp'",
             pf.ConfigError),
@@ -298,4 +301,15 @@ def test_the_watchdog_default_comes_from_the_environment(monkeypatch):
         pf.Config()
     monkeypatch.setenv("PIPEFLOW_WATCHDOG_S", "-1")
     with pytest.raises(pf.ConfigError, match="Config.watchdog_s must be a finite number >= 0"):
+        pf.Config()
+
+
+def test_the_wait_policy_default_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv("PIPEFLOW_WAIT", raising=False)
+    assert pf.Config().wait == "auto"
+    monkeypatch.setenv("PIPEFLOW_WAIT", "yield")
+    assert pf.Config().wait == "yield" and pf.Config(wait="spin").wait == "spin"
+    monkeypatch.setenv("PIPEFLOW_WAIT", "polite")
+    with pytest.raises(pf.ConfigError, match=r"PIPEFLOW_WAIT must be one of \['auto', 'spin', "
+                                             r"'yield'\]; found 'polite'"):
         pf.Config()

@@ -10,7 +10,8 @@ from typing import Any, Callable, Sequence
 from pipeflow.planner.cost import block_forward_flops
 from pipeflow.planner.hardware import Hardware, LayerTimes, fit_relative
 from pipeflow.planner.shapes import Shape
-from pipeflow.topology import sleeping_barrier
+from pipeflow import waiting
+from pipeflow.waiting import sleeping_barrier
 
 __all__ = ["measure_layer_times", "measure_link", "estimate_shared_memory_link", "calibrate",
            "DEFAULT_MICRO_BATCHES"]
@@ -151,7 +152,7 @@ def measure_link(comm: Any, sizes: Sequence[int] = (1 << 10, 1 << 16, 1 << 20, 1
     latency, inv_bw = (fit_relative([float(n) for n in sizes], one_way) if rank == 0
                        else (0.0, 1.0))
     result = (1.0 / max(inv_bw, 1e-15), max(latency, 0.0)) if rank == 0 else None
-    return comm.bcast(result, root=0)
+    return waiting.bcast(comm, result, 0)
 
 
 def estimate_shared_memory_link(nbytes: int = 1 << 25, repeats: int = 5) -> tuple[float, float]:
@@ -191,7 +192,7 @@ def calibrate(shape: Shape, comm: Any = None, ranks_per_node: int = 1,
         layer_times = measure_layer_times(shape, micro_batch_sizes, repeats, log=log)
     if comm is not None and comm.Get_size() > 1:
         sleeping_barrier(comm)
-        layer_times = comm.bcast(layer_times, root=0)
+        layer_times = waiting.bcast(comm, layer_times, 0)
         bandwidth, latency = measure_link(comm)
         link_note = f"measured by ping-pong between 2 of {comm.Get_size()} MPI ranks"
     else:

@@ -1,0 +1,152 @@
+"""How a rank waits on MPI: spinning inside MPI, or testing and yielding its core.
+
+MPI implementations (MPICH, Open MPI by default) busy-poll inside a blocking call: the lowest
+latency when every rank has a core of its own, as on a GPU node. Where ranks outnumber cores
+(tests and laptops: 4 ranks on 2 cores), a spinning rank takes the core that the rank it waits
+for needs, and with it the time the kernel needs to deliver loopback TCP (gloo's transport
+for torch.distributed on CPUs): on the project's 2-core machine, 4 ranks exchanging a header
+over MPI and its tensors over gloo stalled for seconds at a time and sometimes for 15 to 35 s,
+TCP's retransmission backoff, which the watchdog then reported as a hang. Testing and
+sleeping instead ran the same exchange 21 times faster, its longest wait 1.1 s -> 0.03 s
+(`benchmarks/bench_waiting.py`).
+
+`Config.wait`: "spin" (MPI's own blocking calls), "yield" (test, then sleep with a growing
+nap: 20 us doubling to 1 ms), or "auto": yield where this node runs more of the job's ranks
+than the cores they may run on, else spin. The choice is process-wide (communicators are
+shared by engines); `PIPEFLOW_WAIT` sets the default for a whole job.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+__all__ = ["use", "policy", "choose", "node_cores", "wait", "waitall", "wait_object", "mprobe",
+           "recv_object", "allgather", "bcast", "barrier", "sleeping_barrier"]
+
+_FIRST_NAP, _LONGEST_NAP = 2e-5, 1e-3
+_policy = ["spin"]
+
+
+def choose(wait: str, ranks_on_node: int, cores: int) -> str:
+    """"spin" or "yield" for `Config.wait` on a node running `ranks_on_node` of the job's
+    ranks on `cores` cores."""
+    if wait != "auto":
+        return wait
+    return "yield" if ranks_on_node > cores else "spin"
+
+
+def use(wait: str) -> None:
+    """Set this process's policy: "spin" or "yield" (resolve "auto" with `choose`)."""
+    if wait not in ("spin", "yield"):
+        raise ValueError(f"a wait policy is 'spin' or 'yield', found {wait!r}")
+    _policy[0] = wait
+
+
+def policy() -> str:
+    return _policy[0]
+
+
+def node_cores(local: MPI.Comm) -> int:
+    """The cores this node's ranks of the job may run on: the union of their affinities
+    (all of the node's cores unless the launcher binds ranks). Collective over `local`."""
+    mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else list(range(os.cpu_count() or 1))
+    return len(set().union(*local.allgather(mine)))
+
+
+def _until(done: Callable[[], Any]) -> Any:
+    """Call `done` until it returns something other than None/False, napping in between."""
+    nap = _FIRST_NAP
+    while True:
+        result = done()
+        if result is not None and result is not False:
+            return result
+        time.sleep(nap)
+        nap = min(2 * nap, _LONGEST_NAP)
+
+
+def wait(request: MPI.Request) -> None:
+    if _policy[0] == "spin":
+        request.Wait()
+    else:
+        _until(request.Test)
+
+
+def waitall(requests: Sequence[MPI.Request]) -> None:
+    if _policy[0] == "spin" or not requests:
+        MPI.Request.Waitall(list(requests))
+    else:
+        _until(lambda: MPI.Request.Testall(list(requests)))
+
+
+def wait_object(request: MPI.Request) -> Any:
+    """`request.wait()` of a pickled-object request (`comm.irecv`), by the policy."""
+    if _policy[0] == "spin":
+        return request.wait()
+    got: list[Any] = []
+
+    def done() -> bool:
+        flag, obj = request.test()
+        if flag:
+            got.append(obj)
+        return flag
+
+    _until(done)
+    return got[0]
+
+
+def mprobe(comm: MPI.Comm, source: int, tag: int, status: MPI.Status) -> MPI.Message:
+    """A matched probe (`Comm.Mprobe`), waiting by the policy."""
+    if _policy[0] == "spin":
+        return comm.Mprobe(source=source, tag=tag, status=status)
+    return _until(lambda: comm.Improbe(source=source, tag=tag, status=status))
+
+
+def recv_object(comm: MPI.Comm, source: int, tag: int = 0) -> Any:
+    """`comm.recv(source=, tag=)` of a pickled object, waiting by the policy."""
+    if _policy[0] == "spin":
+        return comm.recv(source=source, tag=tag)
+    return _until(lambda: comm.improbe(source=source, tag=tag)).recv()
+
+
+def allgather(comm: MPI.Comm, obj: Any) -> list[Any]:
+    """`comm.allgather(obj)`, waiting by the policy: the sizes, then the pickled bytes."""
+    if _policy[0] == "spin":
+        return comm.allgather(obj)
+    data = MPI.pickle.dumps(obj)
+    sizes = np.zeros(comm.size, dtype=np.int64)
+    wait(comm.Iallgather(np.array([len(data)], dtype=np.int64), sizes))
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    buf = bytearray(int(sizes.sum()))
+    wait(comm.Iallgatherv([data, MPI.BYTE], [buf, (sizes, starts), MPI.BYTE]))
+    return [MPI.pickle.loads(bytes(buf[s:s + n])) for s, n in zip(starts, sizes)]
+
+
+def bcast(comm: MPI.Comm, obj: Any, root: int) -> Any:
+    """`comm.bcast(obj, root=root)`, waiting by the policy."""
+    if _policy[0] == "spin":
+        return comm.bcast(obj, root=root)
+    data = MPI.pickle.dumps(obj) if comm.rank == root else b""
+    size = np.array([len(data)], dtype=np.int64)
+    wait(comm.Ibcast(size, root=root))
+    buf = bytearray(data) if comm.rank == root else bytearray(int(size[0]))
+    wait(comm.Ibcast([buf, MPI.BYTE], root=root))
+    return MPI.pickle.loads(bytes(buf))     # a copy on the root too, as comm.bcast gives
+
+
+def sleeping_barrier(comm: MPI.Comm) -> None:
+    """A barrier that always yields its core while it waits, whatever the policy: for ranks
+    that wait while others are being timed (the planner's calibration, benchmarks)."""
+    _until(comm.Ibarrier().Test)
+
+
+def barrier(comm: MPI.Comm) -> None:
+    if _policy[0] == "spin":
+        comm.Barrier()
+    else:
+        wait(comm.Ibarrier())

@@ -1,0 +1,29 @@
+"""The wait policy's choice (`pipeflow.waiting`), without MPI ranks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from mpi4py import MPI
+
+from pipeflow import waiting
+
+
+@pytest.mark.parametrize("ranks,cores,expected", [(4, 2, "yield"), (2, 2, "spin"),
+                                                  (1, 16, "spin"), (17, 16, "yield")])
+def test_auto_yields_only_where_ranks_outnumber_cores(ranks, cores, expected):
+    assert waiting.choose("auto", ranks, cores) == expected
+    assert waiting.choose("spin", ranks, cores) == "spin"
+    assert waiting.choose("yield", ranks, cores) == "yield"
+
+
+def test_a_node_has_the_cores_its_ranks_may_run_on():
+    assert waiting.node_cores(MPI.COMM_SELF) == len(os.sched_getaffinity(0))
+
+
+def test_use_takes_a_resolved_policy_only():
+    before = waiting.policy()
+    with pytest.raises(ValueError, match="'spin' or 'yield', found 'auto'"):
+        waiting.use("auto")
+    assert waiting.policy() == before
