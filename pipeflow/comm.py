@@ -292,7 +292,7 @@ class MpiCommunicator(Communicator):
         msg = waiting.mprobe(self.comm, source, MPI.ANY_TAG, status)
         if status.tag == 2 * tag + 1:
             raw = bytearray(status.Get_count(MPI.BYTE))
-            msg.Recv([raw, MPI.BYTE])
+            waiting.wait(msg.Irecv([raw, MPI.BYTE]))
             header = pickle.loads(raw)
             msg = waiting.mprobe(self.comm, source, MPI.ANY_TAG, status) \
                 if header.metas else None
@@ -311,7 +311,7 @@ class MpiCommunicator(Communicator):
                     f"{_on_wire(status)}: the two ranks disagree on the order or shape of "
                     f"their messages")
             host = _incoming(meta.shape, meta.dtype, device)
-            msg.Recv(_bytes(host))
+            waiting.wait(msg.Irecv(_bytes(host)))
             out.append(host if device.type == "cpu" else host.to(device, non_blocking=True))
         return header, out
 
