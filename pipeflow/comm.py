@@ -316,7 +316,7 @@ class MpiCommunicator(Communicator):
         return header, out
 
     def send_object(self, obj: Any, dest: int) -> None:
-        self.control.send(obj, dest=dest)
+        waiting.wait(self.control.isend(obj, dest=dest))
 
     def recv_object(self, source: int) -> Any:
         return waiting.recv_object(self.control, source)

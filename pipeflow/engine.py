@@ -302,7 +302,7 @@ class Engine:
         """The last stage's outputs of every micro-batch and replica, in global batch order,
         on world rank 0."""
         mine = tree.map_tensors(lambda t: t.to("cpu"), outputs) if self.is_last else None
-        parts = self._control.gather((self.topo.replica, mine), root=0)
+        parts = waiting.gather(self._control, (self.topo.replica, mine), 0)
         if self._control.rank != 0:
             return None
         pieces = [o for _, outs in sorted((p for p in parts if p[1] is not None),
@@ -320,7 +320,7 @@ class Engine:
 
     def _gather_state(self) -> dict[str, torch.Tensor] | None:
         local = {k: v.to("cpu") for k, v in self.master_state_dict().items()}
-        parts = self.topo.pipe.gather(local, root=0) if self.topo.replica == 0 else None
+        parts = waiting.gather(self.topo.pipe, local, 0) if self.topo.replica == 0 else None
         if self.topo.rank != 0:
             return None
         merged: dict[str, torch.Tensor] = {}

@@ -84,6 +84,9 @@ class Stage:
         ranges = [range(self.boundaries[self.virtual(c)], self.boundaries[self.virtual(c) + 1])
                   for c in range(self.num_chunks)]
         built = {i: build_layer(layers[i], config.seed, i) for r in ranges for i in r}
+        # Ranks finish building at different times: wait for the last one here, by the wait
+        # policy, rather than inside the communicator splits below (MPI's own, which spin).
+        waiting.barrier(world)
         self.tie_comms: dict[str, MPI.Comm] = {}
         self.tie_stages: list[list[int]] = []    # each spanning tie's stages, alike everywhere
         self.ties = self._tie(layers, built)

@@ -26,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 __all__ = ["use", "policy", "choose", "node_cores", "wait", "waitall", "wait_object", "mprobe",
-           "recv_object", "allgather", "bcast", "barrier", "sleeping_barrier"]
+           "recv_object", "allgather", "gather", "bcast", "barrier", "sleeping_barrier"]
 
 _FIRST_NAP, _LONGEST_NAP = 2e-5, 1e-3
 _policy = ["spin"]
@@ -124,6 +124,23 @@ def allgather(comm: MPI.Comm, obj: Any) -> list[Any]:
     starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     buf = bytearray(int(sizes.sum()))
     wait(comm.Iallgatherv([data, MPI.BYTE], [buf, (sizes, starts), MPI.BYTE]))
+    return [MPI.pickle.loads(bytes(buf[s:s + n])) for s, n in zip(starts, sizes)]
+
+
+def gather(comm: MPI.Comm, obj: Any, root: int) -> list[Any] | None:
+    """`comm.gather(obj, root=root)`, waiting by the policy."""
+    if _policy[0] == "spin":
+        return comm.gather(obj, root=root)
+    data = MPI.pickle.dumps(obj)
+    mine = comm.rank == root
+    sizes = np.zeros(comm.size if mine else 0, dtype=np.int64)
+    wait(comm.Igather(np.array([len(data)], dtype=np.int64), sizes if mine else None, root))
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1])) if mine else None
+    buf = bytearray(int(sizes.sum())) if mine else None
+    wait(comm.Igatherv([data, MPI.BYTE], [buf, (sizes, starts), MPI.BYTE] if mine else None,
+                       root))
+    if not mine:
+        return None
     return [MPI.pickle.loads(bytes(buf[s:s + n])) for s, n in zip(starts, sizes)]
 
 

@@ -41,6 +41,7 @@ def test_each_wait_gives_what_mpi_gives(policy, wait):
     sent = {"from": root, "items": list(range(50))}
     got = waiting.bcast(comm, sent if r == root else None, root)
     assert got == sent and got is not sent            # a copy on the root too, as MPI's
+    assert waiting.gather(comm, mine, root) == comm.gather(mine, root=root)
     waiting.barrier(comm)
     # Point to point: an object, then a probed buffer, from each rank to the next.
     nxt, prv = (r + 1) % n, (r - 1) % n
