@@ -392,8 +392,14 @@ class Engine:
 
     def _report_where(self) -> str:
         """The watchdog's report: where this rank is, and what it waits for."""
-        return (f"{self._where} at instruction {self._instruction_text(probe=True)} of step "
+        text = (f"{self._where} at instruction {self._instruction_text(probe=True)} of step "
                 f"{self.stats.step}")
+        topo = self.topo
+        if waiting.policy() == "spin" and topo.local_size > topo.local_cores:
+            text += (f" (this node runs {topo.local_size} ranks on {topo.local_cores} cores "
+                     f"and they spin while they wait, starving the ranks they wait for: set "
+                     f"wait = 'auto' or 'yield')")
+        return text
 
     def _guarded(self, what: str, fn: Callable[[], Any]) -> Any:
         if what not in ("run", "eval"):

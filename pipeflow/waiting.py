@@ -3,12 +3,11 @@
 MPI implementations (MPICH, Open MPI by default) busy-poll inside a blocking call: the lowest
 latency when every rank has a core of its own, as on a GPU node. Where ranks outnumber cores
 (tests and laptops: 4 ranks on 2 cores), a spinning rank takes the core that the rank it waits
-for needs, and with it the time the kernel needs to deliver loopback TCP (gloo's transport
-for torch.distributed on CPUs): on the project's 2-core machine, 4 ranks exchanging a header
-over MPI and its tensors over gloo stalled for seconds at a time and sometimes for 15 to 35 s,
-TCP's retransmission backoff, which the watchdog then reported as a hang. Testing and
-sleeping instead ran the same exchange 21 times faster, its longest wait 1.1 s -> 0.03 s
-(`benchmarks/bench_waiting.py`).
+for needs. `benchmarks/bench_waiting.py`, 4 ranks on 2 cores: over MPI one step took 65 s
+(median 206 ms, yielding 161 ms, worst 0.2 s); over gloo (torch.distributed on CPUs: headers
+over MPI, tensors over loopback TCP) spinning ranks also starved gloo's threads and the
+kernel's TCP, and steps stalled for 15 to 35 s now and then, which the watchdog reported as a
+hang. At 2 ranks on 2 cores spinning is the faster (1.23x over MPI), so "auto" spins there.
 
 `Config.wait`: "spin" (MPI's own blocking calls), "yield" (test, then sleep with a growing
 nap: 20 us doubling to 1 ms), or "auto": yield where this node runs more of the job's ranks

@@ -27,3 +27,24 @@ def test_use_takes_a_resolved_policy_only():
     with pytest.raises(ValueError, match="'spin' or 'yield', found 'auto'"):
         waiting.use("auto")
     assert waiting.policy() == before
+
+
+def test_a_hang_report_names_spinning_ranks_that_outnumber_cores():
+    import pipeflow as pf
+    from toy import adamw, loss_fn, toy_layers
+
+    before = waiting.policy()
+    engine = pf.Engine(toy_layers(), loss_fn, adamw, pf.Config(wait="spin"))
+    try:
+        assert waiting.policy() == "spin"
+        assert "spin while they wait" not in engine._report_where()
+        engine.topo.local_cores = 0
+        report = engine._report_where()
+        assert (f"this node runs {engine.topo.local_size} ranks on "
+                f"{engine.topo.local_cores} cores") in report
+        assert "set wait = 'auto' or 'yield'" in report
+        waiting.use("yield")
+        assert "spin while they wait" not in engine._report_where()
+    finally:
+        engine.close()
+        waiting.use(before)
