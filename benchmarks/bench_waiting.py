@@ -61,19 +61,22 @@ def main() -> None:
     runs = [(b, w) for b in backends for w in POLICIES]
     times: dict[tuple[str, str], list[float]] = {r: [] for r in runs}
     load_before = load_average()
+    def timed(backend: str, wait: str, batch: int) -> float:
+        """One step on batch `batch`, alone, under `wait`: seconds from a common start."""
+        waiting.use(wait)
+        return time_block(lambda j: engines[backend].train_step(*batches.batch(j)), batch, 1,
+                          True)
+
     for k, (b, w) in enumerate(runs):          # warm-up: one step each
-        waiting.use(w)
-        time_block(lambda i: engines[b].train_step(*batches.batch(i)), k, 1, True)
+        timed(b, w, k)
     for r in range(args.rounds):
         shift = r % len(runs)
         for b, w in runs[shift:] + runs[:shift]:
-            waiting.use(w)
-            for i in range(args.steps):
-                step = lambda j: engines[b].train_step(*batches.batch(j))  # noqa: E731
-                times[(b, w)].append(time_block(step, 100 + r * args.steps + i, 1, True))
+            times[(b, w)] += [timed(b, w, 100 + r * args.steps + i) for i in range(args.steps)]
         if COMM.rank == 0:
-            print(f"round {r}: " + "  ".join(f"{b}/{w} {statistics.median(t[-args.steps:]) * 1e3:.0f} ms"
-                                             for (b, w), t in times.items()), flush=True)
+            print(f"round {r}: " + "  ".join(
+                f"{b}/{w} {statistics.median(t[-args.steps:]) * 1e3:.0f} ms"
+                for (b, w), t in times.items()), flush=True)
     load_after = load_average()
     if COMM.rank == 0:
         report = make_report(args, cfg, topo, auto, times, load_before, load_after)
