@@ -647,10 +647,10 @@ def _split_family(rank_lists: list[list[int]], backend: str, role: str = "") -> 
     `role` (pipeline, forward, backward, data, tie) keeps NCCL families of the same ranks
     apart: NCCL matches by order on one stream per communicator, so a link's two directions
     need a communicator each. gloo matches point-to-point messages by tag, so one gloo group
-    serves every role of the same ranks: a group per role multiplied the gloo groups, and
-    their threads and sockets, in a test process: 4-rank runs of the gloo and interleaved
-    tests of tests/test_data_parallel_mpi.py stalled in 3 of 7 runs, and 0 of 6 with shared
-    groups (cause not found; a stalled rank sat in an MPI collective all ranks had entered).
+    serves every role of the same ranks: a group per role multiplies the gloo groups, each
+    with its threads and sockets (at 4 ranks on 2 cores, the first gloo test, which makes
+    them, took 3-34 s against 2-6 s shared), and more threads for spinning MPI ranks to
+    starve (`pipeflow.waiting`).
     """
     import torch.distributed as dist
 

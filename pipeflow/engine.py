@@ -395,7 +395,8 @@ class Engine:
         text = (f"{self._where} at instruction {self._instruction_text(probe=True)} of step "
                 f"{self.stats.step}")
         topo = self.topo
-        if waiting.policy() == "spin" and topo.local_size > topo.local_cores:
+        if waiting.policy() == "spin" and \
+                waiting.choose("auto", topo.local_size, topo.local_cores) == "yield":
             text += (f" (this node runs {topo.local_size} ranks on {topo.local_cores} cores "
                      f"and they spin while they wait, starving the ranks they wait for: set "
                      f"wait = 'auto' or 'yield')")

@@ -10,10 +10,9 @@ import torch
 from mpi4py import MPI
 
 from pipeflow import waiting
-from pipeflow.waiting import sleeping_barrier
 from pipeflow.config import ConfigError
 
-__all__ = ["Topology", "TopologyError", "rank_of", "sleeping_barrier", "bind_device",
+__all__ = ["Topology", "TopologyError", "rank_of", "bind_device",
            "choose_backend", "grid_communicators"]
 
 STRICT_ENV = "PIPEFLOW_STRICT_COMM"   # =1: the MPI backend runs under NCCL's rules (tests)

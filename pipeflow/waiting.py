@@ -77,10 +77,11 @@ def wait(request: MPI.Request) -> None:
 
 
 def waitall(requests: Sequence[MPI.Request]) -> None:
+    requests = list(requests)
     if _policy[0] == "spin" or not requests:
-        MPI.Request.Waitall(list(requests))
+        MPI.Request.Waitall(requests)
     else:
-        _until(lambda: MPI.Request.Testall(list(requests)))
+        _until(lambda: MPI.Request.Testall(requests))
 
 
 def wait_object(request: MPI.Request) -> Any:
@@ -123,7 +124,7 @@ def allgather(comm: MPI.Comm, obj: Any) -> list[Any]:
     starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     buf = bytearray(int(sizes.sum()))
     wait(comm.Iallgatherv([data, MPI.BYTE], [buf, (sizes, starts), MPI.BYTE]))
-    return [MPI.pickle.loads(bytes(buf[s:s + n])) for s, n in zip(starts, sizes)]
+    return _unpickled(buf, sizes, starts)
 
 
 def gather(comm: MPI.Comm, obj: Any, root: int) -> list[Any] | None:
@@ -138,8 +139,11 @@ def gather(comm: MPI.Comm, obj: Any, root: int) -> list[Any] | None:
     buf = bytearray(int(sizes.sum())) if mine else None
     wait(comm.Igatherv([data, MPI.BYTE], [buf, (sizes, starts), MPI.BYTE] if mine else None,
                        root))
-    if not mine:
-        return None
+    return _unpickled(buf, sizes, starts) if mine else None
+
+
+def _unpickled(buf: bytearray, sizes: np.ndarray, starts: np.ndarray) -> list[Any]:
+    """The objects that (all)gatherv put side by side in `buf`, one per rank."""
     return [MPI.pickle.loads(bytes(buf[s:s + n])) for s, n in zip(starts, sizes)]
 
 
@@ -165,4 +169,4 @@ def barrier(comm: MPI.Comm) -> None:
     if _policy[0] == "spin":
         comm.Barrier()
     else:
-        wait(comm.Ibarrier())
+        sleeping_barrier(comm)

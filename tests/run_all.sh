@@ -16,8 +16,8 @@ python -m pytest -q -p no:cacheprovider -m "not mpi" "$@"
 
 # The multi-rank tests, one mpirun job per file (`--capture=sys` leaves the ranks' own stderr
 # alone: a watchdog's or an abort's report ends the job and must reach the log, which
-# pytest's default fd capture would swallow with the process): a failure or a hang (ended by the test's
-# timeout) ends only that file's job, the other files still run and are reported, and no job
+# pytest's default fd capture would swallow with the process): a failure or a hang (ended
+# by the test's timeout) ends only that file's job, the other files still run and are reported, and no job
 # runs hundreds of engines in one process (the whole 4-rank suite in one job took 14 min on
 # 2 cores, one job per file about 3).
 mapfile -t MPI_FILES < <(grep -l "mark.mpi" tests/test_*.py)

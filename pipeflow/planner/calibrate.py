@@ -11,7 +11,6 @@ from pipeflow.planner.cost import block_forward_flops
 from pipeflow.planner.hardware import Hardware, LayerTimes, fit_relative
 from pipeflow.planner.shapes import Shape
 from pipeflow import waiting
-from pipeflow.waiting import sleeping_barrier
 
 __all__ = ["measure_layer_times", "measure_link", "estimate_shared_memory_link", "calibrate",
            "DEFAULT_MICRO_BATCHES"]
@@ -135,7 +134,7 @@ def measure_link(comm: Any, sizes: Sequence[int] = (1 << 10, 1 << 16, 1 << 20, 1
     for n in sizes:
         buf = np.zeros(n, dtype=np.uint8)
         best = float("inf")
-        sleeping_barrier(comm)
+        waiting.sleeping_barrier(comm)
         # Round trips back to back, both ranks in blocking calls as the engine's waits are;
         # the first two only wake the partner up.
         for i in range(repeats + 2):
@@ -191,7 +190,7 @@ def calibrate(shape: Shape, comm: Any = None, ranks_per_node: int = 1,
     if rank == 0 and layer_times is None:
         layer_times = measure_layer_times(shape, micro_batch_sizes, repeats, log=log)
     if comm is not None and comm.Get_size() > 1:
-        sleeping_barrier(comm)
+        waiting.sleeping_barrier(comm)
         layer_times = waiting.bcast(comm, layer_times, 0)
         bandwidth, latency = measure_link(comm)
         link_note = f"measured by ping-pong between 2 of {comm.Get_size()} MPI ranks"
