@@ -9,10 +9,15 @@ over MPI, tensors over loopback TCP) spinning ranks also starved gloo's threads 
 kernel's TCP, and steps stalled for 15 to 35 s now and then, which the watchdog reported as a
 hang. At 2 ranks on 2 cores spinning is the faster (1.23x over MPI), so "auto" spins there.
 
-`Config.wait`: "spin" (MPI's own blocking calls), "yield" (test, then sleep with a growing
+`Config.wait`: "spin" (MPI's own blocking waits), "yield" (test, then sleep with a growing
 nap: 20 us doubling to 1 ms), or "auto": yield where this node runs more of the job's ranks
 than the cores they may run on, else spin. The choice is process-wide (communicators are
 shared by engines); `PIPEFLOW_WAIT` sets the default for a whole job.
+
+The policy changes how a rank waits, never which operation it issues: collectives are always
+the nonblocking ones (MPI matches a blocking collective with a blocking one only), so ranks
+whose policies differ (nodes with and without spare cores under "auto", a setting on one
+rank only) still meet in every collective.
 """
 
 from __future__ import annotations
@@ -116,8 +121,6 @@ def recv_object(comm: MPI.Comm, source: int, tag: int = 0) -> Any:
 
 def allgather(comm: MPI.Comm, obj: Any) -> list[Any]:
     """`comm.allgather(obj)`, waiting by the policy: the sizes, then the pickled bytes."""
-    if _policy[0] == "spin":
-        return comm.allgather(obj)
     data = MPI.pickle.dumps(obj)
     sizes = np.zeros(comm.size, dtype=np.int64)
     wait(comm.Iallgather(np.array([len(data)], dtype=np.int64), sizes))
@@ -129,8 +132,6 @@ def allgather(comm: MPI.Comm, obj: Any) -> list[Any]:
 
 def gather(comm: MPI.Comm, obj: Any, root: int) -> list[Any] | None:
     """`comm.gather(obj, root=root)`, waiting by the policy."""
-    if _policy[0] == "spin":
-        return comm.gather(obj, root=root)
     data = MPI.pickle.dumps(obj)
     mine = comm.rank == root
     sizes = np.zeros(comm.size if mine else 0, dtype=np.int64)
@@ -149,8 +150,6 @@ def _unpickled(buf: bytearray, sizes: np.ndarray, starts: np.ndarray) -> list[An
 
 def bcast(comm: MPI.Comm, obj: Any, root: int) -> Any:
     """`comm.bcast(obj, root=root)`, waiting by the policy."""
-    if _policy[0] == "spin":
-        return comm.bcast(obj, root=root)
     data = MPI.pickle.dumps(obj) if comm.rank == root else b""
     size = np.array([len(data)], dtype=np.int64)
     wait(comm.Ibcast(size, root=root))
@@ -166,7 +165,4 @@ def sleeping_barrier(comm: MPI.Comm) -> None:
 
 
 def barrier(comm: MPI.Comm) -> None:
-    if _policy[0] == "spin":
-        comm.Barrier()
-    else:
-        sleeping_barrier(comm)
+    wait(comm.Ibarrier())
