@@ -38,6 +38,7 @@ class Batches:
 
     micro: list[MicroBatch]
     items: int | None = None           # valid items (tokens) in the global batch, if counted
+    has_targets: bool = False          # a rank holding the last stage was given targets
 
 
 def _signature(batch: Any) -> Any:
@@ -105,7 +106,8 @@ def prepare(call: str, step: int, inputs: Any, targets: Any, side: Mapping[str, 
     views = waiting.allgather(control, mine)
     _check_agreement(views, mine)
     counted = [v["items"] for v in views if v["items"] is not None]
-    return Batches(micro, sum(counted) if counted else None)
+    return Batches(micro, sum(counted) if counted else None,
+                   has_targets=any(v["targets"] is not None for v in views))
 
 
 def _need(call: str, what: str, batch: Any, where: str, which: str) -> Any:

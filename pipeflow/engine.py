@@ -244,21 +244,21 @@ class Engine:
         """
         with self.watchdog:
             self.module.eval()
-            keep = return_outputs or targets is None
-            st = self._start("eval_step", inputs, targets, side, train=False, keep=keep)
+            st = self._start("eval_step", inputs, targets, side, train=False)
+            # Whether targets were given is the agreed view of the ranks holding the last
+            # stage, never this rank's own: a rank in the middle passes none either way.
+            keep = st.keep_outputs = return_outputs or not st.batches.has_targets
             self._guarded("eval", lambda: self.runner.run(self._stage.eval_program, st))
-            has_targets = self._guarded("loss", lambda: any(
-                waiting.allgather(self._control, bool(st.losses))))
             loss = self._guarded("loss", lambda: self._global_loss(st.losses, st)) \
-                if has_targets else None
+                if st.batches.has_targets else None
             outputs = self._guarded("outputs", lambda: self._gather_outputs(st.outputs)) \
                 if keep else None
         if not keep:
             return loss
         return (loss, outputs) if loss is not None else outputs
 
-    def _start(self, call: str, inputs, targets, side: Mapping[str, Any], train: bool,
-               keep: bool = False) -> StepState:
+    def _start(self, call: str, inputs, targets, side: Mapping[str, Any],
+               train: bool) -> StepState:
         self._instruction = "batch"
         batches = prepare(call, self.stats.step, inputs, targets, side, stage=self._stage,
                           control=self._control, needs_targets=train,
@@ -268,7 +268,7 @@ class Engine:
             mult = 1.0 / max(batches.items, 1)
         else:
             mult = 1.0 / (cfg.microbatches * cfg.data)   # the mean over m and d
-        return StepState(train=train, batches=batches, keep_outputs=keep,
+        return StepState(train=train, batches=batches,
                          loss_multiplier=mult * self.precision.loss_scale)
 
     def _measure(self, run: Callable[[], Any]) -> None:

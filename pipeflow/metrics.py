@@ -41,8 +41,10 @@ def bubble_fraction(events: Sequence[tuple[str, float, float]]) -> float:
 
 def _measured_matmul_flops(trials: int = 8, n: int = 384) -> float:
     """The best of several timed fp32 matmuls: a peak stands in better than an average on a
-    machine whose cores are shared."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    machine whose cores are shared. Its operands come from a private generator: a draw from
+    the global stream would move a resumed run's dropout masks off the uninterrupted run's."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
     a @ b                                   # warm-up: thread pool, caches
     best = 0.0
     for _ in range(trials):
