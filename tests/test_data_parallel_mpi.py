@@ -180,6 +180,32 @@ def _trains_like_one_process(engine, layers, steps, clip, optimizer):
     return reference
 
 
+def _summed_loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                             ignore_index=-100, reduction="sum")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("pipeline,data", [g for g in GRIDS if g[1] > 1])
+def test_counted_items_are_summed_over_every_replica(pipeline, data):
+    # count_items: each replica counts the valid tokens of its own rows, and the loss is
+    # divided by the whole global batch's count. The replicas are padded unequally (the
+    # first replica's rows mostly padding), so a count taken from one replica, or one
+    # replica's count times d, normalises wrongly; plain SGD shows the size of the update.
+    layers = toy_layers()
+    engine = pf.Engine(layers, _summed_loss, plain_sgd,
+                       pf.Config(pipeline=pipeline, data=data, microbatches=3),
+                       count_items=lambda t: (t != -100).sum())
+    steps = []
+    for x, y in batches(3, BATCH):
+        pad = torch.zeros_like(y, dtype=torch.bool)
+        pad[:BATCH // data, 1:] = True            # replica 0: one valid token a row
+        pad[BATCH // data:, -1] = True            # the others: all but the last
+        steps.append((x, y.masked_fill(pad, -100)))
+    _trains_like_one_process(engine, layers, steps, clip=0.0, optimizer=plain_sgd)
+    engine.close()
+
+
 @pytest.mark.mpi(min_size=2)
 def test_batch_must_divide_by_replicas_times_microbatches():
     engine = pf.Engine(toy_layers(), loss_fn, adamw,

@@ -116,3 +116,65 @@ def test_fp16_sgd_update_at_a_large_loss_scale_is_the_fp32_update():
         assert engine.loss_scale == (1024.0 if precision == "fp16" else 1.0)
         engine.close()
     assert_same_update(updates["fp16"], updates["fp32"], rtol=0.02)
+
+
+def test_fp16_clipping_uses_the_unscaled_gradient_norm():
+    # The norm and the clip coefficient belong to the true gradient: computed while the
+    # gradients still carry the loss scale, the norm is 1024 times too large and the clipped
+    # update 1024 times too small.
+    x, y = batches(1, 16)[0]
+    updates, norms = {}, {}
+    for precision in ("fp32", "fp16"):
+        engine = pf.Engine(toy_layers(), loss_fn, sgd,
+                           pf.Config(microbatches=2, precision=precision, loss_scale=1024.0,
+                                     clip=0.05))
+        updates[precision] = update_of(engine, x, y)
+        norms[precision] = engine.last_grad_norm
+        assert engine.skipped_steps == 0
+        engine.close()
+    assert norms["fp32"] > 0.05, "the clip never bit: the test would prove nothing"
+    assert norms["fp16"] == pytest.approx(norms["fp32"], rel=0.02)
+    assert_same_update(updates["fp16"], updates["fp32"], rtol=0.02)
+
+
+class Router(torch.nn.Module):
+    """A module kept in fp32 whose weights live in its children (a gate of an MoE layer)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(width, width)
+        self.inner = torch.nn.Sequential(torch.nn.Linear(width, width), MyRotaryEmbedding(width))
+
+    def forward(self, x):
+        return self.inner(self.gate(x))
+
+
+class RoutedBlock(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.router = Router(width)
+        self.lin = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.lin(self.router(x))
+
+
+def test_fp32_modules_keep_their_children_in_fp32():
+    layers = [pf.LayerSpec(RoutedBlock, 4)]
+    engine = pf.Engine(layers, lambda out, t: (out - t).pow(2).mean(),
+                       lambda ps: torch.optim.SGD(ps, lr=0.1),
+                       pf.Config(precision="bf16", fp32_modules=["Router"]))
+    block = engine.module.get_submodule("0")
+    reference = pf.build_sequential(layers, 0)[0]
+    assert block.lin.weight.dtype == torch.bfloat16
+    kept = dict(block.router.state_dict())
+    assert set(kept) == {"gate.weight", "gate.bias", "inner.0.weight", "inner.0.bias",
+                         "inner.1.inv_freq"}
+    for name, value in reference.router.state_dict().items():
+        assert kept[name].dtype == torch.float32, name          # the children too
+        assert torch.equal(kept[name], value), name             # never rounded
+    # And the router runs in fp32: its output is the fp32 module's, cast once.
+    x = torch.randn(3, 4).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(block.router(x), reference.router(x.float()).bfloat16())
+    engine.close()

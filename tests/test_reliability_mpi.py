@@ -48,6 +48,33 @@ def test_eval_on_one_rank_while_another_trains_fails_on_both():
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("grid", [(2, 1), (1, 2)], ids=["pipeline", "replicas"])
+def test_ranks_a_step_apart_fail_on_both(grid):
+    # One rank a step ahead (a train_step of its own earlier, a step count set on one rank):
+    # the same call with the same batch shapes, so only the step number tells them apart.
+    # Let through, the ranks would pair the wrong steps' micro-batches and data positions.
+    comm = _pair()
+    pipeline, data = grid
+    engine = pf.Engine(toy_layers(), loss_fn, adamw,
+                       pf.Config(pipeline=pipeline, data=data, microbatches=2), comm=comm)
+    x, y = batches(1, 8)[0]
+    engine.train_step(x, y)
+    if comm.rank == 1:
+        engine.step_count += 1
+    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    with pytest.raises(pf.BatchError, match="ranks disagree on the step number: rank . is in "
+                                            "train_step of step [12], rank . in train_step "
+                                            "of step [12]"):
+        engine.train_step(x, y)
+    assert all(torch.equal(before[k], v) for k, v in engine.module.state_dict().items())
+    engine.step_count = 1                  # agreed again: the engine trains on
+    assert math.isfinite(engine.train_step(x, y))
+    engine.close()
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
 def test_replicas_given_different_batches_fail_at_once():
     comm = _pair()
     engine = pf.Engine(toy_layers(), loss_fn, adamw, pf.Config(data=2, microbatches=2),
