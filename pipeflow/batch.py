@@ -78,7 +78,7 @@ def split(what: str, batch: Any, m: int, d: int, replica: int, device: torch.dev
 
 def prepare(call: str, step: int, inputs: Any, targets: Any, side: Mapping[str, Any], *,
             stage: Any, control: MPI.Comm, needs_targets: bool,
-            count_items: Callable[[Any], Any] | None) -> Batches:
+            count_items: Callable[[Any], Any] | None, deadline_s: float = 0.0) -> Batches:
     """Split this rank's share of the batch and agree with every other rank on the call."""
     cfg, topo = stage.config, stage.topo
     m, d, where = cfg.microbatches, cfg.data, stage.describe()
@@ -103,11 +103,26 @@ def prepare(call: str, step: int, inputs: Any, targets: Any, side: Mapping[str, 
             "inputs": _signature(inputs) if stage.holds_first else None,
             "targets": _signature(targets) if stage.holds_last else None,
             "side": sorted((k, _signature(v)) for k, v in side.items())}
-    views = waiting.allgather(control, mine)
-    _check_agreement(views, mine)
+    verdict = agree(control, mine, deadline_s)
+    return Batches(micro, verdict["items"], has_targets=verdict["has_targets"])
+
+
+def agree(control: MPI.Comm, mine: dict, deadline_s: float) -> dict:
+    """The agreement on a call (`mine`: rank, call, step, problem, items, batch signatures)
+    with every rank of `control`; a `BatchError` on every rank where they differ, and
+    `waiting.NotJoined` where not every rank came within `deadline_s` (0: no limit)."""
+    verdict = waiting.agree(control, mine, _verdict, deadline_s)
+    if verdict["problem"]:
+        raise BatchError(verdict["problem"])
+    return verdict
+
+
+def _verdict(views: list[dict]) -> dict:
+    """On the collecting rank: the first disagreement as a message, the global item count
+    and whether targets were given (the ranks holding the last stage say)."""
     counted = [v["items"] for v in views if v["items"] is not None]
-    return Batches(micro, sum(counted) if counted else None,
-                   has_targets=any(v["targets"] is not None for v in views))
+    return {"problem": _disagreement(views), "items": sum(counted) if counted else None,
+            "has_targets": any(v["targets"] is not None for v in views)}
 
 
 def _need(call: str, what: str, batch: Any, where: str, which: str) -> Any:
@@ -124,23 +139,23 @@ def _fill(micro: list[MicroBatch], field: str, batch: Any, m: int, d: int, repli
         setattr(mb, field, part)
 
 
-def _check_agreement(views: list[dict], mine: dict) -> None:
+def _disagreement(views: list[dict]) -> str | None:
     problems = [v["problem"] for v in views if v["problem"]]
     if problems:
-        raise BatchError(problems[0])
+        return problems[0]
+    first = views[0]
     for key, what in (("call", "call"), ("step", "step number")):
-        other = next((v for v in views if v[key] != mine[key]), None)
+        other = next((v for v in views if v[key] != first[key]), None)
         if other is not None:
-            raise BatchError(
-                f"ranks disagree on the {what}: rank {mine['rank']} is in {mine['call']} of "
-                f"step {mine['step']}, rank {other['rank']} in {other['call']} of step "
-                f"{other['step']}; every rank must make the same engine calls in the same "
-                f"order (train_step/eval_step on all ranks alike)")
+            return (f"ranks disagree on the {what}: rank {first['rank']} is in {first['call']} "
+                    f"of step {first['step']}, rank {other['rank']} in {other['call']} of step "
+                    f"{other['step']}; every rank must make the same engine calls in the same "
+                    f"order (train_step/eval_step on all ranks alike)")
     for key in ("inputs", "targets", "side"):
         seen = [v for v in views if key == "side" or v[key] is not None]
         for v in seen[1:]:
             if v[key] != seen[0][key]:
-                raise BatchError(
-                    f"ranks were given different {key}: rank {seen[0]['rank']} has "
-                    f"{seen[0][key]}, rank {v['rank']} has {v[key]}; pass the same global "
-                    f"batch (shapes, dtypes, structure) on every rank")
+                return (f"ranks were given different {key}: rank {seen[0]['rank']} has "
+                        f"{seen[0][key]}, rank {v['rank']} has {v[key]}; pass the same global "
+                        f"batch (shapes, dtypes, structure) on every rank")
+    return None

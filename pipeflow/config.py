@@ -46,7 +46,7 @@ def _env_seconds(name: str, default: float) -> float:
     try:
         return float(raw)
     except ValueError:
-        raise ConfigError(f"{name} must be a number of seconds (0 turns the watchdog off); "
+        raise ConfigError(f"{name} must be a number of seconds (0: no limit); "
                           f"found {raw!r}. Set it to e.g. 600, or unset it for the default "
                           f"{default:g}") from None
 
@@ -100,6 +100,12 @@ class Config:
     # set for every engine of a job by PIPEFLOW_WATCHDOG_S (a site's or a test suite's choice)
     watchdog_s: float = dataclasses.field(
         default_factory=lambda: _env_seconds("PIPEFLOW_WATCHDOG_S", 300.0))
+    # Every engine call that needs all ranks (train_step, eval_step, save, load,
+    # gather_state_dict, close) starts with an agreement; a rank not there within agree_s
+    # seconds (one that skipped the call, `if rank == 0: engine.save(d)`) ends the job, named.
+    # 0: no limit (the watchdog still applies). PIPEFLOW_AGREE_S sets it for a whole job.
+    agree_s: float = dataclasses.field(
+        default_factory=lambda: _env_seconds("PIPEFLOW_AGREE_S", 30.0))
     max_nonfinite_steps: int = 3   # abort after this many non-finite steps in a row
     # How a rank waits on MPI (pipeflow.waiting): "spin" inside MPI, "yield" its core between
     # tests, or "auto": yield where a node runs more ranks than it has cores, else spin.
@@ -136,6 +142,7 @@ class Config:
                 _fail(name, "true or false", getattr(self, name),
                       f"set {name} = true (the default) or false")
         _number("watchdog_s", self.watchdog_s, 0.0, hint="0 turns the watchdog off")
+        _number("agree_s", self.agree_s, 0.0, hint="0 waits without a limit")
         _integer("max_nonfinite_steps", self.max_nonfinite_steps, 0)
         self.wait = _choice("wait", self.wait, WAITS)
 

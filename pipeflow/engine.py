@@ -10,13 +10,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import sys
 import time
 import weakref
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from mpi4py import MPI
@@ -24,10 +25,11 @@ from torch import nn
 
 from pipeflow import tree, waiting
 from pipeflow.schedule import Action
-from pipeflow.batch import BatchError, prepare
+from pipeflow.batch import BatchError, agree, prepare
 from pipeflow.checkpoint import CheckpointState, load_checkpoint, save_checkpoint
 from pipeflow.config import Config, ConfigError
-from pipeflow.failure import Watchdog, install_excepthook, report_and_abort
+from pipeflow.failure import (CollectiveError, Watchdog, abort_world, install_excepthook,
+                              report_and_abort, say)
 from pipeflow.hostmem import keep_freed_memory
 from pipeflow.layers import LayerSpec, _check_layers
 from pipeflow.optim_step import close_step
@@ -260,9 +262,15 @@ class Engine:
     def _start(self, call: str, inputs, targets, side: Mapping[str, Any],
                train: bool) -> StepState:
         self._instruction = "batch"
-        batches = prepare(call, self.stats.step, inputs, targets, side, stage=self._stage,
-                          control=self._control, needs_targets=train,
-                          count_items=self.count_items)
+        if self not in _OPEN:
+            raise ConfigError(f"{self._where}: {call}() on a closed engine; build a new Engine "
+                              f"(close() frees its communicators)")
+        try:
+            batches = prepare(call, self.stats.step, inputs, targets, side, stage=self._stage,
+                              control=self._control, needs_targets=train,
+                              count_items=self.count_items, deadline_s=self.config.agree_s)
+        except waiting.NotJoined as exc:
+            self._not_joined(call, exc)
         cfg = self.config
         if self.count_items is not None and batches.items is not None:
             mult = 1.0 / max(batches.items, 1)
@@ -315,8 +323,11 @@ class Engine:
 
     # -- state ----------------------------------------------------------------------------
     def gather_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The full model's state dict on world rank 0 (keys as in `build_sequential`)."""
-        return self._guarded("gather_state_dict", self._gather_state)
+        """The full model's state dict on world rank 0 (keys as in `build_sequential`). Call
+        it on every rank."""
+        with self.watchdog:
+            self._agree("gather_state_dict")
+            return self._guarded("gather_state_dict", self._gather_state)
 
     def _gather_state(self) -> dict[str, torch.Tensor] | None:
         local = {k: v.to("cpu") for k, v in self.master_state_dict().items()}
@@ -350,12 +361,18 @@ class Engine:
                                      if n in params})
 
     def save(self, directory: str | os.PathLike) -> str:
-        """Write a checkpoint (per-layer shards, atomically, checksummed); returns its folder."""
-        return save_checkpoint(self._checkpoint_state(), directory)
+        """Write a checkpoint (per-layer shards, atomically, checksummed); returns its folder.
+        Call it on every rank."""
+        with self.watchdog:
+            self._agree("save")
+            return save_checkpoint(self._checkpoint_state(), directory)
 
     def load(self, directory: str | os.PathLike) -> None:
-        """Restore the latest checkpoint in `directory`, written on any grid."""
-        self.step_count = load_checkpoint(self._checkpoint_state(), directory)
+        """Restore the latest checkpoint in `directory`, written on any grid. Call it on every
+        rank."""
+        with self.watchdog:
+            self._agree("load")
+            self.step_count = load_checkpoint(self._checkpoint_state(), directory)
 
     def _checkpoint_state(self) -> CheckpointState:
         """What a checkpoint reads and writes: a narrow view, not the engine."""
@@ -373,12 +390,52 @@ class Engine:
         if self not in _OPEN:
             return
         _OPEN.discard(self)
-        self.watchdog.close()
-        with self.watchdog:
-            prepare("close", self.stats.step, None, None, {}, stage=_Closing(self._stage),
-                    control=self._control, needs_targets=False, count_items=None)
+        try:
+            with self.watchdog:         # still armed: a rank that never closes is reported
+                self._agree("close")
+        finally:
+            self.watchdog.close()
         self._control.Free()
         self._stage.close()
+
+    @contextlib.contextmanager
+    def watched(self, what: str) -> Iterator[None]:
+        """A collective of the caller's own (a training loop's stop flag, its metrics) under
+        the engine's watchdog: a rank that never arrives is reported as being in `what`."""
+        self._instruction = what
+        with self.watchdog:
+            yield
+
+    def _agree(self, call: str) -> None:
+        """The agreement a call without a batch starts with: every rank in the same call at
+        the same step, within `Config.agree_s`."""
+        self._instruction = call
+        if self not in _OPEN and call != "close":
+            raise ConfigError(f"{self._where}: {call}() on a closed engine; build a new Engine "
+                              f"(close() frees its communicators)")
+        mine = {"rank": self._control.rank, "call": call, "step": self.stats.step,
+                "problem": None, "items": None, "inputs": None, "targets": None, "side": []}
+        try:
+            agree(self._control, mine, self.config.agree_s)
+        except waiting.NotJoined as exc:
+            self._not_joined(call, exc)
+
+    def _not_joined(self, call: str, exc: waiting.NotJoined) -> None:
+        """Not every rank came to `call` in time: this rank's view, then the end of the job
+        (the agreement's messages are still in flight, so the engine cannot go on)."""
+        who = (f"rank(s) {', '.join(map(str, exc.missing))} did not" if exc.missing else
+               "rank 0, which collects the agreement, gave no verdict: not every rank did")
+        text = (f"{self._where} called {call}() at step {self.stats.step}; {who} within "
+                f"{exc.waited:.0f} s (agree_s = {self.config.agree_s:g}). Call the engine's "
+                f"collective methods (train_step, eval_step, save, load, gather_state_dict, "
+                f"close) on every rank alike, never under `if rank == 0:`; raise agree_s if "
+                f"some rank is legitimately that much later")
+        _OPEN.discard(self)
+        self.watchdog.close()
+        if not self.abort_on_error:
+            raise CollectiveError(f"pipeflow: {text}")
+        say(f"\npipeflow: {text}. Aborting all ranks.\n")
+        abort_world()
 
     # -- failure --------------------------------------------------------------------------
     def _at(self, instruction: str | Action) -> None:
@@ -423,15 +480,6 @@ class Engine:
         if not self.abort_on_error or self._world_size == 1:
             raise RuntimeError(f"pipeflow: {where}: {exc}") from exc
         report_and_abort(where, exc)
-
-
-class _Closing:
-    """A stage as the close check sees it: holding no batch."""
-
-    def __init__(self, stage: Stage) -> None:
-        self.config, self.topo, self.device = stage.config, stage.topo, stage.device
-        self.holds_first = self.holds_last = False
-        self.describe = stage.describe
 
 
 _OPEN: "weakref.WeakSet[Engine]" = weakref.WeakSet()

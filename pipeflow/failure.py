@@ -16,7 +16,12 @@ from typing import Callable
 
 from mpi4py import MPI
 
-__all__ = ["abort_world", "report_and_abort", "install_excepthook", "Watchdog"]
+__all__ = ["abort_world", "report_and_abort", "install_excepthook", "Watchdog", "CollectiveError"]
+
+
+class CollectiveError(RuntimeError):
+    """Not every rank joined an engine call in time (library use with abort_on_error=False;
+    otherwise the job is aborted). The engine cannot be used again."""
 
 
 def say(text: str) -> None:

@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+import traceback
 from typing import Any, Callable
 
 import torch
@@ -20,6 +21,7 @@ from pipeflow._io import atomic_write_bytes
 from pipeflow.config import ConfigError
 from pipeflow.data import Batches, load_corpus, token_file
 from pipeflow.engine import Engine
+from pipeflow.failure import report_and_abort, say
 from pipeflow.metrics import MetricsLog, count_parameters, peak_flops, stage_stats
 from pipeflow.model_table import Model, build_model
 from pipeflow.run_config import DataConfig, RunConfig, TrainConfig, load_run_config
@@ -145,7 +147,8 @@ def _save(engine: Engine, run: RunConfig, position: int) -> str:
                  "batch_size": run.train.batch_size,
                  "train": run.data.train or run.train.corpus or "stdlib"}
         atomic_write_bytes(os.path.join(folder, DATA_STATE), json.dumps(state).encode())
-    waiting.barrier(engine.topo.world)
+    with engine.watched("checkpoint's data position"):
+        waiting.barrier(engine.topo.world)
     return folder
 
 
@@ -251,7 +254,8 @@ def _evaluate(loop: _Loop) -> float | None:
 def _record(loop: _Loop, step: int, loss: float) -> None:
     """The step's metrics: a collective (stage statistics), written on rank 0."""
     engine, t = loop.engine, loop.run.train
-    stages = stage_stats(engine)
+    with engine.watched("metrics"):
+        stages = stage_stats(engine)
     if not loop.rank0:
         return
     dt = engine.last_step_time
@@ -270,8 +274,9 @@ def _record(loop: _Loop, step: int, loss: float) -> None:
 def _report_recompute(loop: _Loop) -> None:
     """"auto" is resolved on each stage's first micro-batch: say what it chose."""
     engine = loop.engine
-    chosen = engine.topo.world.gather((engine.stage, engine.recompute,
-                                       engine.peak_activation_bytes), root=0)
+    with engine.watched("recompute report"):
+        chosen = engine.topo.world.gather((engine.stage, engine.recompute,
+                                           engine.peak_activation_bytes), root=0)
     if loop.rank0:
         per_stage = {s: (p, b) for s, p, b in chosen}
         loop.out.line("pipeflow: recompute per stage: " + ", ".join(
@@ -354,6 +359,19 @@ def train(run: RunConfig, comm: MPI.Comm | None = None, log: Callable = print,
         loop = _start(run, comm, log)
         try:
             return _loop(loop, comm, preemption, trace, on_step)
+        except KeyboardInterrupt as exc:
+            if comm.size == 1:
+                raise
+            # No other rank can be expected at a step boundary: end the job now, named.
+            report_and_abort(f"rank {comm.rank} interrupted at step {loop.engine.step_count}",
+                             exc)
+        except Exception as exc:
+            if not isinstance(exc, ConfigError):    # those are raised on every rank alike
+                say(f"pipeflow: rank {comm.rank} raised at step {loop.engine.step_count}:\n"
+                    + "".join(traceback.format_exception(exc)) + "pipeflow: closing; a rank "
+                    f"that does not close within agree_s = {run.engine.agree_s:g} s ends the "
+                    f"job\n")
+            raise
         finally:
             if loop.out is not None:
                 loop.out.close()
@@ -367,7 +385,8 @@ def _loop(loop: _Loop, comm: MPI.Comm, preemption: Preemption, trace: str | None
         _step(loop, step)
         if on_step is not None:
             on_step(step)
-        signum = preemption.agreed(comm)
+        with loop.engine.watched("stop-signal agreement"):
+            signum = preemption.agreed(comm)
         if signum:
             _stop_early(loop, signum)
             return loop.losses

@@ -30,7 +30,8 @@ import numpy as np
 from mpi4py import MPI
 
 __all__ = ["use", "policy", "choose", "node_cores", "wait", "waitall", "wait_object", "mprobe",
-           "recv_object", "allgather", "gather", "bcast", "barrier", "sleeping_barrier"]
+           "recv_object", "allgather", "gather", "bcast", "barrier", "sleeping_barrier",
+           "agree", "NotJoined"]
 
 _FIRST_NAP, _LONGEST_NAP = 2e-5, 1e-3
 _policy = ["spin"]
@@ -63,15 +64,20 @@ def node_cores(local: MPI.Comm) -> int:
     return len(set().union(*local.allgather(mine)))
 
 
-def _until(done: Callable[[], Any]) -> Any:
-    """Call `done` until it returns something other than None/False, napping in between."""
-    nap = _FIRST_NAP
+def _until(done: Callable[[], Any], deadline: float | None = None,
+           nap: bool = True) -> Any:
+    """Call `done` until it returns something other than None/False, napping in between
+    (unless `nap` is False: spinning). Past `deadline` (a `time.monotonic()` value), None."""
+    pause = _FIRST_NAP
     while True:
         result = done()
         if result is not None and result is not False:
             return result
-        time.sleep(nap)
-        nap = min(2 * nap, _LONGEST_NAP)
+        if deadline is not None and time.monotonic() > deadline:
+            return None
+        if nap:
+            time.sleep(pause)
+            pause = min(2 * pause, _LONGEST_NAP)
 
 
 def wait(request: MPI.Request) -> None:
@@ -166,3 +172,68 @@ def sleeping_barrier(comm: MPI.Comm) -> None:
 
 def barrier(comm: MPI.Comm) -> None:
     wait(comm.Ibarrier())
+
+
+class NotJoined(Exception):
+    """Not every rank joined an agreement within its deadline. `missing` lists the ranks that
+    never arrived where this rank could know them (the collecting rank), else None. The
+    communicator still holds this agreement's messages: the caller must not use it again."""
+
+    def __init__(self, missing: list[int] | None, waited: float) -> None:
+        super().__init__(f"missing {missing}" if missing else "no verdict")
+        self.missing, self.waited = missing, waited
+
+
+_AGREE_TAG = 0x5A6E
+
+
+def agree(comm: MPI.Comm, view: Any, decide: Callable[[list[Any]], Any],
+          deadline_s: float = 0.0) -> Any:
+    """Every rank's `view` to rank 0, which returns `decide(views)` to every rank.
+
+    Point to point through rank 0 (two latencies, small messages: the views go up, only the
+    verdict comes down), so that, unlike a collective, an agreement that not every rank
+    joins can be given up: after `deadline_s` seconds (0: no limit) it raises `NotJoined`,
+    on rank 0 naming the ranks that never arrived. A rank makes its next agreement only
+    after the verdict of this one, so on rank 0 every message of this tag belongs to it.
+    """
+    if comm.size == 1:
+        return decide([view])
+    deadline = time.monotonic() + deadline_s if deadline_s > 0 else None
+    nap, start = _policy[0] != "spin", time.monotonic()
+    if comm.rank == 0:
+        views: list[Any] = [view] + [None] * (comm.size - 1)
+        pending = set(range(1, comm.size))
+        status = MPI.Status()
+
+        def arrived() -> bool:
+            while pending:
+                msg = comm.improbe(source=MPI.ANY_SOURCE, tag=_AGREE_TAG, status=status)
+                if msg is None:
+                    return False
+                views[status.Get_source()] = msg.recv()
+                pending.discard(status.Get_source())
+            return True
+
+        if not _until(arrived, deadline, nap):
+            raise NotJoined(sorted(pending), time.monotonic() - start)
+        verdict = decide(views)
+        waitall_objects([comm.isend(verdict, dest=r, tag=_AGREE_TAG)
+                         for r in range(1, comm.size)])
+        return verdict
+    sent = comm.isend(view, dest=0, tag=_AGREE_TAG)
+    msg = _until(lambda: comm.improbe(source=0, tag=_AGREE_TAG), deadline, nap)
+    if msg is None:
+        raise NotJoined(None, time.monotonic() - start)
+    verdict = msg.recv()
+    sent.wait()
+    return verdict
+
+
+def waitall_objects(requests: Sequence[MPI.Request]) -> None:
+    """Wait for pickled-object requests (`comm.isend`), by the policy."""
+    for request in requests:
+        if _policy[0] == "spin":
+            request.wait()
+        else:
+            _until(lambda: request.test()[0])

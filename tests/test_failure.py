@@ -33,6 +33,15 @@ def _clean_env():
                             "step 2: no progress for"),
     ("stall.py", "extra-step", "ranks disagree on the call"),
     ("stall.py", "build", "failed at instruction setup"),
+    # An engine call made on some ranks only: the agreement it starts with gives up after
+    # agree_s (2 s here), on the collecting rank naming the ranks that never came.
+    ("stall.py", "save-rank0", "called save() at step 3; rank(s) 1 did not within 2 s"),
+    ("stall.py", "close-skipped", "called close() at step 3; rank(s) 1 did not within 2 s"),
+    # The trainer: one rank's exception between steps is printed, and the job ends (its close
+    # gives up while the other rank waits at the stop-signal agreement); Ctrl-C on one rank
+    # ends it at once.
+    ("trainer_fault.py", "raise", "ValueError: user code failed between steps"),
+    ("trainer_fault.py", "interrupt", "rank 1 interrupted at step 2"),
 ])
 def test_a_failed_stalled_or_mismatched_rank_ends_the_job_fast(script, mode, expected):
     start = time.monotonic()
