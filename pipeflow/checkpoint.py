@@ -10,7 +10,10 @@ different grid.
         rng-rank00000.pt      rank 0's random state (torch CPU/CUDA, random, NumPy)
         ...
 
-A crash mid-save leaves `latest` naming the previous whole checkpoint. Every file is checked
+A save is staged in a hidden folder (`.step-00000120.tmp-*`) and published under its step's
+name only once every rank's files are written and verified; a step saved again keeps its old
+copy until the new one is whole. A crash or a failure (a full disk on any rank) mid-save
+leaves `latest` naming the previous whole checkpoint. Every file is checked
 against the sha256 that `engine.json` records before it is read, and read with
 `torch.load(weights_only=True)`. Cleanup keeps the `KEEP` most recently written checkpoints
 (by a sequence number in `engine.json`, not by step), so a run that restarts from step 0 in a
@@ -25,6 +28,7 @@ import io
 import json
 import os
 import shutil
+import tempfile
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -86,29 +90,108 @@ def _split_name(name: str) -> tuple[int, str]:
 # -- save -----------------------------------------------------------------------------------
 
 def save_checkpoint(state: CheckpointState, directory: str | os.PathLike) -> str:
-    """Write this rank's shards and random state; rank 0 writes `engine.json` and `latest`
-    once every rank has written, then removes old checkpoints. Returns the folder."""
+    """Write a checkpoint that either appears whole or not at all; returns its folder.
+
+    Every rank writes its shards and random state into a new temporary folder; rank 0 then
+    writes `engine.json` there, verifies that every file is in place, and only then publishes
+    the folder under its step's name (a checkpoint of the same step is replaced only now) and
+    moves `latest`. A failure on any rank (a full disk, a file size limit, permissions) is
+    agreed: the save is abandoned on every rank, which raise `CheckpointError` naming the rank
+    and the OS error, and the previous checkpoint is left as it was.
+    """
     directory = os.fspath(directory)
     topo = state.topo
-    check_save_dir(directory, topo.describe())
-    folder = os.path.join(directory, f"step-{state.step:08d}")
-    if topo.rank == 0:            # saving a step again: the folder is incomplete until whole
-        _remove_meta(folder)
-    waiting.barrier(topo.world)
-    written: dict[str, str] = {}
-    if topo.replica == 0:         # replicas hold identical copies: one writes
-        for i, shard in _shards(state).items():
-            written[_layer_name(i)] = _write(os.path.join(folder, _layer_name(i)), shard)
-    rng = _rng_name(topo.rank)
-    written[rng] = _write(os.path.join(folder, rng), get_rng_state(state.device))
-    fsync_dir(folder)             # the renames of this rank's files, once
-    parts = topo.world.gather(written, root=0)
+    name = f"step-{state.step:08d}"
+    staging = _agreed(topo, lambda: _make_staging(directory, name, topo.describe()))
+    folder = os.path.join(directory, staging)
+    written: dict[str, tuple[str, int]] = {}
+    problem = None
+    try:
+        if topo.replica == 0:         # replicas hold identical copies: one writes
+            for i, shard in _shards(state).items():
+                written[_layer_name(i)] = _write(os.path.join(folder, _layer_name(i)), shard)
+        rng = _rng_name(topo.rank)
+        written[rng] = _write(os.path.join(folder, rng), get_rng_state(state.device))
+        fsync_dir(folder)             # the renames of this rank's files, once
+    except OSError as exc:
+        problem = f"{topo.describe()} could not write {exc.filename or folder!r}: {exc}"
+    parts = waiting.gather(topo.world, (written, problem), 0)
+    final = _agreed(topo, lambda: _publish(state, directory, folder, name, parts))
+    return os.path.join(directory, final)
+
+
+def _agreed(topo: Topology, decide: Callable[[], str]) -> str:
+    """`decide()` on rank 0, its answer (or its CheckpointError) on every rank."""
+    verdict: tuple[str, str | None] = ("", None)
     if topo.rank == 0:
-        checksums = {name: digest for part in parts for name, digest in part.items()}
-        _write_meta(state, directory, folder, checksums)
-        _remove_old(directory, folder)
-    waiting.barrier(topo.world)
-    return folder
+        try:
+            verdict = (decide(), None)
+        except CheckpointError as exc:
+            verdict = ("", str(exc))
+    answer, problem = waiting.bcast(topo.world, verdict, 0)
+    if problem:
+        raise CheckpointError(problem)
+    return answer
+
+
+def _make_staging(directory: str, name: str, where: str) -> str:
+    check_save_dir(directory, where)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        return os.path.basename(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=directory))
+    except OSError as exc:
+        raise CheckpointError(f"{where}: cannot start a checkpoint in {directory!r}: {exc}; "
+                              f"free space or choose another save directory") from None
+
+
+def _publish(state: CheckpointState, directory: str, staging: str, name: str,
+             parts: list[tuple[dict[str, tuple[str, int]], str | None]]) -> str:
+    """On rank 0: verify the staged checkpoint, give it its step's name, move `latest`."""
+    problems = [p for _, p in parts if p]
+    try:
+        if problems:
+            raise OSError(problems[0])
+        files = {n: f for written, _ in parts for n, f in written.items()}
+        _write_meta(state, directory, staging, {n: digest for n, (digest, _) in files.items()})
+        _verify(staging, files)
+        final = os.path.join(directory, name)
+        old = None
+        if os.path.lexists(final):    # the same step saved again: replaced only now
+            old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=directory)
+            os.replace(final, os.path.join(old, name))
+        os.replace(staging, final)
+        atomic_write_bytes(os.path.join(directory, "latest"), name.encode())
+        fsync_dir(os.path.dirname(os.path.abspath(directory)))   # a save folder made now
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        previous = _latest_name(directory)
+        kept = (f"the previous checkpoint {previous!r} is untouched" if previous else
+                "no earlier checkpoint exists")
+        raise CheckpointError(
+            f"the checkpoint of step {state.step} was not saved: {exc}; {kept}. Free space "
+            f"(or raise the file size limit), or choose another save directory") from None
+    _remove_old(directory, final)
+    return name
+
+
+def _verify(folder: str, files: dict[str, tuple[str, int]]) -> None:
+    """Every file the ranks wrote is there with the size they wrote (a lost rename or a
+    truncation by a full disk fails the save instead of the next load)."""
+    for file, (_, size) in files.items():
+        path = os.path.join(folder, file)
+        found = os.path.getsize(path) if os.path.exists(path) else None
+        if found != size:
+            raise OSError(f"{path!r} holds {found} bytes after the save, {size} were written")
+
+
+def _latest_name(directory: str) -> str:
+    try:
+        with open(os.path.join(directory, "latest"), "rb") as f:
+            return f.read().decode().strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
 
 
 def check_save_dir(directory: str | os.PathLike, where: str = "") -> None:
@@ -151,19 +234,13 @@ def _shards(state: CheckpointState) -> dict[int, dict[str, Any]]:
     return by_layer
 
 
-def _write(path: str, obj: Any) -> str:
+def _write(path: str, obj: Any) -> tuple[str, int]:
+    """Write `obj` to `path` atomically; its sha256 and size."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     data = buffer.getvalue()
     atomic_write_bytes(path, data, sync_dir=False)
-    return hashlib.sha256(data).hexdigest()
-
-
-def _remove_meta(folder: str) -> None:
-    meta = os.path.join(folder, META)
-    if os.path.exists(meta):
-        os.unlink(meta)
-        fsync_dir(folder)
+    return hashlib.sha256(data).hexdigest(), len(data)
 
 
 def _write_meta(state: CheckpointState, directory: str, folder: str,
@@ -178,9 +255,6 @@ def _write_meta(state: CheckpointState, directory: str, folder: str,
             "loss_scaler": dataclasses.asdict(scaler) if scaler is not None else None,
             "checksums": dict(sorted(checksums.items()))}
     atomic_write_bytes(os.path.join(folder, META), json.dumps(meta, indent=2).encode())
-    # Written (and the folder fsynced) last: `latest` names only a whole checkpoint.
-    atomic_write_bytes(os.path.join(directory, "latest"), os.path.basename(folder).encode())
-    fsync_dir(os.path.dirname(os.path.abspath(directory)))    # a save folder made just now
 
 
 def _step_folders(directory: str) -> list[str]:
@@ -210,6 +284,30 @@ def _remove_old(directory: str, new: str) -> None:
     for stale in folders:
         if stale not in keep:
             shutil.rmtree(os.path.join(directory, stale), ignore_errors=True)
+    for left in os.listdir(directory):      # staging folders of saves that never finished
+        if left.startswith(".step-") and (".tmp-" in left or ".old-" in left):
+            _remove_leftover(directory, left)
+
+
+def _remove_leftover(directory: str, left: str) -> None:
+    """A staging folder of a save that never finished, or the replaced copy of a step saved
+    again: removed, but for a replaced copy whose successor never got its name (the one
+    `resolve_checkpoint` then falls back to)."""
+    step = left[1:].split(".", 1)[0]
+    if ".old-" in left and _written(os.path.join(directory, step))[0] == -2:
+        return
+    shutil.rmtree(os.path.join(directory, left), ignore_errors=True)
+
+
+def _replaced_copy(directory: str, name: str) -> str | None:
+    """Where a save of step `name` again, stopped between its two renames, left the previous
+    copy (`.name.old-*/name`), if it is whole."""
+    for left in sorted(os.listdir(directory)):
+        if left.startswith(f".{name}.old-"):
+            folder = os.path.join(directory, left, name)
+            if os.path.exists(os.path.join(folder, META)):
+                return folder
+    return None
 
 
 # -- load -----------------------------------------------------------------------------------
@@ -232,6 +330,8 @@ def resolve_checkpoint(directory: str | os.PathLike) -> str:
         raise CheckpointError(f"cannot read {latest!r} ({e}): load a checkpoint by its folder "
                               f"({_whole_list(directory)})") from None
     folder = os.path.join(directory, name)
+    if name and not os.path.exists(os.path.join(folder, META)):
+        folder = _replaced_copy(directory, name) or folder
     if not name or not os.path.exists(os.path.join(folder, META)):
         raise CheckpointError(
             f"checkpoint {folder!r} named by {latest!r} is incomplete or missing (no {META}); "

@@ -3,6 +3,7 @@ with metrics, checkpoints that carry the data position, and a clean stop on SIGT
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -11,13 +12,14 @@ import signal
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from mpi4py import MPI
 
 from pipeflow import waiting
 from pipeflow._io import atomic_write_bytes
+from pipeflow.checkpoint import CheckpointError, check_save_dir
 from pipeflow.config import ConfigError
 from pipeflow.data import Batches, load_corpus, token_file
 from pipeflow.engine import Engine
@@ -69,12 +71,80 @@ def _check_paths(run: TrainConfig) -> None:
     if run.save_dir and os.path.exists(run.save_dir) and not os.path.isdir(run.save_dir):
         raise ConfigError(f"[train] save_dir = {run.save_dir!r} is a file, expected a folder "
                           f"for checkpoints; choose another path or remove the file")
+    if run.save_dir:              # found now, not at the first save after hours of training
+        try:
+            check_save_dir(run.save_dir)
+        except CheckpointError as exc:
+            raise ConfigError(f"[train] save_dir: {exc}") from None
     if run.resume and not os.path.isfile(os.path.join(run.save_dir, "latest")):
         what = "does not exist" if not os.path.exists(run.save_dir) else \
             "holds no checkpoint (no 'latest' file)"
         raise ConfigError(f"--resume: [train] save_dir = {run.save_dir!r} {what}; expected "
                           f"a folder written by an earlier run's checkpoints. Check the path, "
                           f"or drop --resume (resume = false) to start from step 0")
+
+
+class SaveDirLock:
+    """One run per checkpoint folder: rank 0 holds a lock on `save_dir/.pipeflow.lock` for the
+    whole run (`fcntl.lockf`: released by the OS when the process ends, however it ends, and
+    honoured across NFS clients), and writes its host and PID in it for the refusal."""
+
+    NAME = ".pipeflow.lock"
+
+    def __init__(self, directory: str) -> None:
+        self.path = os.path.join(directory, self.NAME)
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock, or raise ConfigError naming the run that holds it."""
+        import fcntl
+        import socket
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise ConfigError(f"[train] save_dir: cannot create {self.path!r} ({exc}); "
+                              f"choose a writable save_dir") from None
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise ConfigError(
+                f"[train] save_dir = {os.path.dirname(self.path)!r} is in use by another run "
+                f"({holder}, which holds {self.path!r}); two runs saving into one folder would "
+                f"overwrite each other's checkpoints: choose another save_dir, or wait for "
+                f"that run to end") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"host {socket.gethostname()}, pid {os.getpid()}".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)          # closing releases the lock; the file may stay
+            self._fd = None
+
+
+@contextlib.contextmanager
+def _save_dir_locked(run: TrainConfig, comm: MPI.Comm) -> Iterator[None]:
+    """The run holds its save_dir's lock (rank 0 takes it; a refusal is raised on every
+    rank alike)."""
+    if not run.save_dir:
+        yield
+        return
+    lock, problem = SaveDirLock(run.save_dir), None
+    if comm.rank == 0:
+        try:
+            lock.acquire()
+        except ConfigError as exc:
+            problem = str(exc)
+    problem = waiting.bcast(comm, problem, 0)
+    if problem:
+        raise ConfigError(problem)
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 # -- data ------------------------------------------------------------------------------------
@@ -217,7 +287,6 @@ def _build_engine(run: RunConfig, model: Model, batches: Batches, comm: MPI.Comm
 
 def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
     t = run.train
-    _check_paths(t)
     model = build_model(run.model, run.source)
     batches, val, source = _datasets(run, model)
     engine = _build_engine(run, model, batches, comm)
@@ -355,7 +424,8 @@ def train(run: RunConfig, comm: MPI.Comm | None = None, log: Callable = print,
     comm = comm if comm is not None else MPI.COMM_WORLD
     torch.set_num_threads(run.train.threads)
     # Handlers first: a signal while the engine is built still stops at the first step.
-    with Preemption() as preemption:
+    _check_paths(run.train)
+    with Preemption() as preemption, _save_dir_locked(run.train, comm):
         loop = _start(run, comm, log)
         try:
             return _loop(loop, comm, preemption, trace, on_step)

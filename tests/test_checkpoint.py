@@ -3,6 +3,7 @@ parameter groups and the random state come back exactly, and seeding is per rank
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -68,7 +69,8 @@ def test_saving_a_step_again_and_leftovers_of_interrupted_saves(tmp_path):
     folder = engine.save(tmp_path)                  # the same step once more
     assert _steps(tmp_path) == ["step-00000001"]
     meta = json.loads((tmp_path / "step-00000001" / "engine.json").read_text())
-    assert meta["sequence"] == 0 and meta["grid"] == {"pipeline": 1, "data": 1}
+    assert meta["sequence"] == 1 and meta["grid"] == {"pipeline": 1, "data": 1}
+    assert not [d for d in os.listdir(tmp_path) if d.startswith(".")]   # no staging left
     assert sorted(meta["checksums"]) == sorted(set(os.listdir(folder)) - {"engine.json"})
     engine.load(tmp_path)
     assert engine.step_count == 1
@@ -107,7 +109,9 @@ def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_usable(tmp_pat
                           timeout=110, env=env)
     assert proc.returncode == 9, proc.stdout + proc.stderr
     assert (tmp_path / "latest").read_text() == "step-00000001"
-    assert len(os.listdir(tmp_path / "step-00000002")) == 2      # two shards, no engine.json
+    assert not (tmp_path / "step-00000002").exists()              # never published
+    staged, = [d for d in os.listdir(tmp_path) if d.startswith(".step-00000002.tmp-")]
+    assert len(os.listdir(tmp_path / staged)) == 2               # two shards, no engine.json
     engine = _engine()
     engine.load(tmp_path)
     assert engine.step_count == 1
@@ -218,3 +222,80 @@ def test_a_checkpoint_of_format_1_still_loads_without_the_random_state(tmp_path)
                                                            other.named_master_parameters()))
     engine.close()
     other.close()
+
+
+def _failing_writes(monkeypatch, error: int, which: str = "layer-") -> None:
+    """Every write of a file whose name starts with `which` fails with OS error `error`."""
+    import pipeflow.checkpoint as ckpt
+    real = ckpt.atomic_write_bytes
+
+    def failing(path, data, **kwargs):
+        if os.path.basename(path).startswith(which):
+            raise OSError(error, os.strerror(error), path)
+        real(path, data, **kwargs)
+
+    monkeypatch.setattr(ckpt, "atomic_write_bytes", failing)
+
+
+@pytest.mark.parametrize("again", [False, True], ids=["next-step", "same-step-again"])
+def test_a_failed_save_keeps_the_previous_checkpoint_loadable(tmp_path, monkeypatch, again):
+    # A full disk mid-save: the save raises naming the OS error, and the checkpoint before it
+    # (even one of the very step being saved again) still loads, unchanged.
+    engine = _engine()
+    x, y = batches(2, 4)[0]
+    engine.train_step(x, y)
+    engine.save(tmp_path)
+    saved = _masters(engine)
+    if not again:
+        engine.train_step(*batches(2, 4)[1])
+    with monkeypatch.context() as patch:
+        _failing_writes(patch, errno.ENOSPC)
+        with pytest.raises(pf.CheckpointError, match=r"checkpoint of step \d was not saved: "
+                           r".*No space left on device.*the previous checkpoint "
+                           r"'step-00000001' is untouched"):
+            engine.save(tmp_path)
+    assert (tmp_path / "latest").read_text() == "step-00000001"
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000001"]   # nothing half-written
+    other = _engine()
+    other.load(tmp_path)
+    assert other.step_count == 1
+    assert all(torch.equal(a, b) for a, b in zip(_masters(other).values(), saved.values()))
+    # The engine that failed to save goes on and saves once there is room again.
+    assert engine.save(tmp_path).endswith(f"step-{engine.step_count:08d}")
+    for e in (engine, other):
+        e.close()
+
+
+FILE_LIMIT_SAVE = textwrap.dedent("""
+    import os, resource, signal, sys
+    sys.path.insert(0, {here!r})
+    import pipeflow as pf
+    from toy import adamw, batches, loss_fn, toy_layers
+    engine = pf.Engine(toy_layers(), loss_fn, adamw, pf.Config(microbatches=2))
+    engine.train_step(*batches(2, 4)[0])
+    engine.save({folder!r})
+    engine.train_step(*batches(2, 4)[1])
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)       # writes past the limit: EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))
+    try:
+        engine.save({folder!r})
+    except pf.CheckpointError as exc:
+        print("refused:", exc)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_a_save_past_the_file_size_limit_fails_and_the_previous_one_loads(tmp_path):
+    # A real OS error, not a patched one: `ulimit -f 1` (1 KiB) makes every shard too large.
+    script = FILE_LIMIT_SAVE.format(here=HERE, folder=str(tmp_path))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_"))}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=110, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "refused: the checkpoint of step 2 was not saved" in proc.stdout, proc.stdout
+    assert "File too large" in proc.stdout
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000001"]
+    engine = _engine()
+    engine.load(tmp_path)
+    assert engine.step_count == 1
+    engine.close()

@@ -95,3 +95,48 @@ def test_another_grid_loads_the_weights_and_warns_about_the_random_state(tmp_pat
     engine.close()
     other.close()
     comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("grid", [(2, 1), (1, 2)])
+def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank_and_keeps_the_last(grid):
+    # One rank's write fails (ENOSPC): every rank raises, naming that rank and the OS error;
+    # `latest` still names the previous checkpoint, which loads; nothing half-written stays.
+    import errno
+
+    import pipeflow.checkpoint as ckpt
+    comm = _pair()
+    folder = comm.bcast(__import__("tempfile").mkdtemp(prefix="pipeflow-full-")
+                        if comm.rank == 0 else None)
+    engine = _engine(comm, *grid)
+    data = batches(3, 8)
+    engine.train_step(*data[0])
+    engine.save(folder)
+    saved = _masters(engine)
+    engine.train_step(*data[1])
+    real = ckpt.atomic_write_bytes
+
+    def full(path, payload, **kwargs):
+        if comm.rank == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        real(path, payload, **kwargs)
+
+    ckpt.atomic_write_bytes = full
+    try:
+        with pytest.raises(pf.CheckpointError, match=r"step 2 was not saved: rank 1 \(stage "
+                           r".*could not write .*No space left on device.*'step-00000001' is "
+                           r"untouched"):
+            engine.save(folder)
+    finally:
+        ckpt.atomic_write_bytes = real
+    comm.Barrier()
+    assert sorted(os.listdir(folder)) == ["latest", "step-00000001"]
+    other = _engine(comm, *grid)
+    other.load(folder)
+    assert other.step_count == 1
+    assert all(torch.equal(saved[k], v) for k, v in _masters(other).items())
+    engine.train_step(*data[2])                 # the engine goes on, and saves again
+    assert engine.save(folder).endswith("step-00000003")
+    for e in (engine, other):
+        e.close()
+    comm.Free()

@@ -4,6 +4,8 @@ engine: a clear error on every rank, or the right result; never a hang, never ga
 from __future__ import annotations
 
 import math
+import os
+import time
 
 import pytest
 import torch
@@ -177,3 +179,46 @@ def test_outputs_that_change_dtype_or_shape_are_renegotiated_not_misread():
         Switch.mode = "float"
     engine.close()
     comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_a_save_on_rank_0_only_fails_on_both_ranks():
+    # The DDP habit `if rank == 0: engine.save(d)`: rank 1 goes on to the next step, whose
+    # agreement meets rank 0's save; both ranks learn it at once, nothing is written.
+    import tempfile
+    comm = _pair()
+    folder = comm.bcast(tempfile.mkdtemp(prefix="pipeflow-rank0-") if comm.rank == 0 else None)
+    engine = pf.Engine(toy_layers(), loss_fn, adamw, pf.Config(pipeline=2, microbatches=2),
+                       comm=comm)
+    x, y = batches(1, 8)[0]
+    engine.train_step(x, y)
+    with pytest.raises(pf.BatchError, match="ranks disagree on the call: rank 0 is in save of "
+                                            "step 1, rank 1 in train_step of step 1"):
+        if comm.rank == 0:
+            engine.save(folder)
+        else:
+            engine.train_step(x, y)
+    assert os.listdir(folder) == []
+    engine.close()
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_a_call_some_rank_never_makes_names_it_within_agree_s():
+    # Rank 1 never calls gather_state_dict: rank 0 gives up after agree_s, naming rank 1
+    # (library use without aborts: a CollectiveError, and the engine is spent).
+    comm = _pair()
+    engine = pf.Engine(toy_layers(), loss_fn, adamw,
+                       pf.Config(pipeline=2, microbatches=2, agree_s=1.0), comm=comm,
+                       abort_on_error=False)
+    start = time.monotonic()
+    if comm.rank == 0:
+        with pytest.raises(pf.CollectiveError, match=r"called gather_state_dict\(\) at step 0; "
+                                                     r"rank\(s\) 1 did not within 1 s"):
+            engine.gather_state_dict()
+        assert time.monotonic() - start < 10
+        with pytest.raises(pf.ConfigError, match="on a closed engine"):
+            engine.train_step(*batches(1, 8)[0])
+    comm.Barrier()

@@ -286,3 +286,40 @@ def test_hf_model_from_the_config_trains_as_the_same_model_in_a_plain_loop(tmp_p
     model = pf.build_sequential(hf.causal_lm_layers(cfg), seed=0)
     expected = _plain_loop(model, run, steps=3, batch=4, seq=16)
     assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_a_second_run_on_the_same_save_dir_is_refused_naming_the_first(tmp_path):
+    # Two jobs saving into one folder would overwrite each other's checkpoints (and one
+    # crashed on the other's temporary files): the second is refused at start, naming the
+    # host and PID of the first; once the first ends, the folder is free again.
+    import subprocess
+    import sys
+    save = tmp_path / "ck"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pipeflow.train import SaveDirLock; "
+         f"SaveDirLock({str(save)!r}).acquire(); print('locked', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        run = _run(tmp_path, FACTORY, f'train.save_dir="{save}"', "train.steps=1")
+        with pytest.raises(pf.ConfigError, match=rf"is in use by another run \(host .*, pid "
+                                                 rf"{holder.pid}, which holds"):
+            train(run, log=lambda *a, **k: None)
+        assert not [d for d in os.listdir(save) if d.startswith("step-")]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert len(train(run, log=lambda *a, **k: None)) == 1      # free again
+    assert (save / "latest").read_text() == "step-00000001"
+
+
+def test_an_unusable_save_dir_is_found_before_step_0(tmp_path):
+    # A save_dir whose parent is a file (root writes anywhere else, so this is the case CI
+    # can show): refused before any step is trained, not at the first save hours later.
+    (tmp_path / "file").write_text("not a folder")
+    run = _run(tmp_path, FACTORY, f'train.save_dir="{tmp_path / "file" / "ck"}"')
+    trained = []
+    with pytest.raises(pf.ConfigError, match="not a writable folder"):
+        train(run, log=lambda *a, **k: None, on_step=trained.append)
+    assert trained == []
