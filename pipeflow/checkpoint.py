@@ -40,9 +40,9 @@ from pipeflow.rng import get_rng_state, set_rng_state
 from pipeflow.topology import Topology
 
 __all__ = ["CheckpointState", "save_checkpoint", "load_checkpoint", "CheckpointError",
-           "resolve_checkpoint", "check_save_dir"]
+           "resolve_checkpoint", "check_save_dir", "sealed_json", "read_sealed_json"]
 
-FORMAT = 2        # 2: checksums, grid, sequence and per-rank random state
+FORMAT = 3        # 2: checksums, grid, sequence, per-rank random state; 3: sealed, model
 KEEP = 2          # whole checkpoints kept in a folder; older ones are removed
 META = "engine.json"
 
@@ -72,6 +72,7 @@ class CheckpointState:
     optimizer: torch.optim.Optimizer | None = None
     scaler: Any = None            # a precision.LossScaler (a dataclass) under fp16
     device: torch.device | str = "cpu"     # whose CUDA random state is this rank's
+    model: list[str] | None = None         # layers.fingerprint: each layer's class and args
 
 
 def _layer_name(index: int) -> str:
@@ -253,8 +254,9 @@ def _write_meta(state: CheckpointState, directory: str, folder: str,
             "grid": {"pipeline": topo.pipeline, "data": topo.data},
             "config": state.config,
             "loss_scaler": dataclasses.asdict(scaler) if scaler is not None else None,
+            "model": state.model,
             "checksums": dict(sorted(checksums.items()))}
-    atomic_write_bytes(os.path.join(folder, META), json.dumps(meta, indent=2).encode())
+    atomic_write_bytes(os.path.join(folder, META), sealed_json(meta))
 
 
 def _step_folders(directory: str) -> list[str]:
@@ -358,6 +360,7 @@ def load_checkpoint(state: CheckpointState, directory: str | os.PathLike) -> int
         raise CheckpointError(
             f"{where}: checkpoint {folder!r} holds {meta.get('n_layers')} layers, the model has "
             f"{state.n_layers}; load it into the same layer list")
+    _check_model(meta.get("model"), state.model, folder, where)
     checksums = meta.get("checksums")        # None in a checkpoint of format 1
     params: Tensors = {}
     optim: dict[str, dict[str, Any]] = {}
@@ -380,15 +383,50 @@ def load_checkpoint(state: CheckpointState, directory: str | os.PathLike) -> int
     return int(meta["step"])
 
 
+def sealed_json(record: dict[str, Any]) -> bytes:
+    """`record` as JSON with a sha256 of its own content (key "sha256"), so that a changed
+    byte (a step 4 edited to 5) is found on reading, not trusted."""
+    body = json.dumps(record, indent=2, sort_keys=True)
+    digest = hashlib.sha256(body.encode()).hexdigest()
+    return json.dumps({**record, "sha256": digest}, indent=2, sort_keys=True).encode()
+
+
+def read_sealed_json(path: str) -> Any:
+    """A record written by `sealed_json`; ValueError when it was changed (a record without a
+    seal, from an older pipeflow, or JSON that is no record at all, is returned as it is)."""
+    with open(path, "rb") as f:
+        record = json.loads(f.read())
+    if isinstance(record, dict) and "sha256" in record:
+        digest = record.pop("sha256")
+        body = json.dumps(record, indent=2, sort_keys=True)
+        if hashlib.sha256(body.encode()).hexdigest() != digest:
+            raise ValueError("its content does not match its sha256: it was changed after "
+                             "the save")
+    return record
+
+
+def _check_model(saved: list[str] | None, model: list[str] | None, folder: str,
+                 where: str) -> None:
+    """The checkpoint's layers are this model's: same classes, same constructor arguments
+    (a checkpoint of format 2 records none: not checked)."""
+    if not saved or not model:
+        return
+    for i, (a, b) in enumerate(zip(saved, model)):
+        if a != b:
+            raise CheckpointError(
+                f"{where}: checkpoint {folder!r} is of another model: its layer {i} is {a}, "
+                f"this model's is {b}; load it into the layer list that wrote it (or load "
+                f"only its weights with load_state_dict, where the shapes fit)")
+
+
 def _read_meta(folder: str, where: str) -> dict[str, Any]:
     path = os.path.join(folder, META)
     try:
-        with open(path, "rb") as f:
-            meta = json.loads(f.read())
+        meta = read_sealed_json(path)
     except (OSError, ValueError) as e:
         raise CheckpointError(
             f"{where}: cannot read {path!r} ({type(e).__name__}: {e}): the file is truncated or "
-            f"corrupt; load an earlier checkpoint by its folder") from None
+            f"corrupt, or was edited; load an earlier checkpoint by its folder") from None
     if not isinstance(meta, dict) or not {"step", "n_layers"} <= set(meta):
         raise CheckpointError(f"{where}: {path!r} lacks 'step' and 'n_layers': not written by "
                               f"Engine.save, or damaged; load an earlier checkpoint")

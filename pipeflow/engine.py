@@ -31,7 +31,7 @@ from pipeflow.config import Config, ConfigError
 from pipeflow.failure import (CollectiveError, Watchdog, abort_world, install_excepthook,
                               report_and_abort, say)
 from pipeflow.hostmem import keep_freed_memory
-from pipeflow.layers import LayerSpec, _check_layers
+from pipeflow.layers import LayerSpec, _check_layers, fingerprint
 from pipeflow.optim_step import close_step
 from pipeflow.rng import seed_everything
 from pipeflow.runner import Runner, StepState
@@ -104,6 +104,7 @@ class Engine:
         self.config = config = config if config is not None else Config()
         config.validate()
         _check_layers(layers)
+        self._fingerprint = fingerprint(layers)
         self._stage = Stage(layers, config, world, optimizer,
                            torch.device(device) if device is not None else None, sample)
         self._where = self._stage.describe()
@@ -382,7 +383,7 @@ class Engine:
             master_state_dict=self.master_state_dict,
             named_master_parameters=self.named_master_parameters,
             load_params=self._load_params, optimizer=self.optimizer,
-            scaler=self.precision.scaler, device=self.device)
+            scaler=self.precision.scaler, device=self.device, model=self._fingerprint)
 
     def close(self) -> None:
         """Check that every rank made the same calls, then free this engine's communicators

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["LayerSpec", "build_sequential", "layer_seed", "build_layer", "tie_groups",
+__all__ = ["LayerSpec", "build_sequential", "layer_seed", "fingerprint", "build_layer", "tie_groups",
            "get_parameter", "set_parameter"]
 
 
@@ -55,9 +56,26 @@ class LayerSpec:
             module = self.build()
         return sum(p.numel() for p in module.parameters())
 
+    def arguments(self) -> str:
+        """The constructor arguments as written in a call."""
+        return ", ".join([repr(a) for a in self.args]
+                         + [f"{k}={v!r}" for k, v in self.kwargs.items()])
+
     def __repr__(self) -> str:
-        parts = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
-        return f"LayerSpec({self.name}{', ' if parts else ''}{', '.join(parts)})"
+        args = self.arguments()
+        return f"LayerSpec({self.name}{', ' if args else ''}{args})"
+
+
+def fingerprint(layers: Sequence[LayerSpec]) -> list[str]:
+    """Each layer as a checkpoint remembers it: class and constructor arguments (addresses of
+    functions and objects left out: they differ from one process to the next). Two models
+    with the same parameter shapes but other arguments (another `n_heads`) differ here."""
+    return [re.sub(r" at 0x[0-9a-fA-F]+", "", f"{_qualname(spec.cls)}({spec.arguments()})")
+            for spec in layers]
+
+
+def _qualname(cls: Any) -> str:
+    return f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', cls)}"
 
 
 def layer_seed(seed: int, index: int) -> int:

@@ -19,7 +19,8 @@ from mpi4py import MPI
 
 from pipeflow import waiting
 from pipeflow._io import atomic_write_bytes
-from pipeflow.checkpoint import CheckpointError, check_save_dir
+from pipeflow.checkpoint import (CheckpointError, check_save_dir, read_sealed_json,
+                                 resolve_checkpoint, sealed_json)
 from pipeflow.config import ConfigError
 from pipeflow.data import Batches, load_corpus, token_file
 from pipeflow.engine import Engine
@@ -200,14 +201,18 @@ def _batch(batches: Batches, index: int, engine: Engine):
 
 # -- checkpoints with the data position ----------------------------------------------------
 def _saved_position(save_dir: str, default: int) -> int:
-    """The next batch index saved with the latest checkpoint (`default` when absent)."""
+    """The next batch index saved with the latest checkpoint (`default` when it has none: a
+    checkpoint the library wrote)."""
     try:
-        with open(os.path.join(save_dir, "latest")) as f:
-            folder = f.read().strip()
-        with open(os.path.join(save_dir, folder, DATA_STATE)) as f:
-            return int(json.load(f)["next_batch"])
-    except (OSError, KeyError, ValueError):
-        return default
+        folder = os.path.dirname(os.path.join(resolve_checkpoint(save_dir), ""))
+        path = os.path.join(folder, DATA_STATE)
+        if not os.path.exists(path):
+            return default
+        return int(read_sealed_json(path)["next_batch"])
+    except (OSError, KeyError, ValueError, TypeError) as exc:
+        raise ConfigError(f"--resume: cannot read the data position {DATA_STATE!r} of the "
+                          f"checkpoint in {save_dir!r} ({type(exc).__name__}: {exc}); restore "
+                          f"the file or resume from an earlier checkpoint") from None
 
 
 def _save(engine: Engine, run: RunConfig, position: int) -> str:
@@ -216,7 +221,7 @@ def _save(engine: Engine, run: RunConfig, position: int) -> str:
         state = {"next_batch": position, "seed": run.engine.seed,
                  "batch_size": run.train.batch_size,
                  "train": run.data.train or run.train.corpus or "stdlib"}
-        atomic_write_bytes(os.path.join(folder, DATA_STATE), json.dumps(state).encode())
+        atomic_write_bytes(os.path.join(folder, DATA_STATE), sealed_json(state))
     with engine.watched("checkpoint's data position"):
         waiting.barrier(engine.topo.world)
     return folder

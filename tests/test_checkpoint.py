@@ -209,7 +209,7 @@ def test_a_checkpoint_of_format_1_still_loads_without_the_random_state(tmp_path)
     engine.train_step(*batches(1, 4)[0])
     folder = engine.save(tmp_path)
     meta = json.loads(open(os.path.join(folder, "engine.json")).read())
-    for key in ("checksums", "sequence", "grid"):
+    for key in ("checksums", "sequence", "grid", "model", "sha256"):   # what format 1 lacks
         del meta[key]
     meta["format"] = 1
     with open(os.path.join(folder, "engine.json"), "w") as f:
@@ -299,3 +299,44 @@ def test_a_save_past_the_file_size_limit_fails_and_the_previous_one_loads(tmp_pa
     engine.load(tmp_path)
     assert engine.step_count == 1
     engine.close()
+
+
+def test_an_edited_engine_json_is_refused(tmp_path):
+    # One changed value (the step 1 -> 2) in a file without a checksum would resume at the
+    # wrong step; engine.json carries its own sha256.
+    engine = _engine()
+    engine.train_step(*batches(1, 4)[0])
+    folder = engine.save(tmp_path)
+    path = os.path.join(folder, "engine.json")
+    text = open(path).read()
+    assert '"step": 1' in text
+    with open(path, "w") as f:
+        f.write(text.replace('"step": 1', '"step": 2'))
+    with pytest.raises(pf.CheckpointError, match="engine.json.*does not match its sha256"):
+        _engine().load(tmp_path)
+    engine.close()
+
+
+def test_a_checkpoint_of_another_model_with_the_same_shapes_is_refused(tmp_path):
+    # Same layer count and parameter shapes, another constructor argument: the weights would
+    # load without a word and mean something else.
+    engine = pf.Engine([pf.LayerSpec(Scaled, 4, 2.0)], lambda out, t: (out - t).pow(2).mean(),
+                       lambda ps: torch.optim.SGD(ps, lr=0.1), pf.Config())
+    engine.save(tmp_path)
+    other = pf.Engine([pf.LayerSpec(Scaled, 4, 3.0)], lambda out, t: (out - t).pow(2).mean(),
+                      lambda ps: torch.optim.SGD(ps, lr=0.1), pf.Config())
+    with pytest.raises(pf.CheckpointError, match=r"of another model: its layer 0 is "
+                       r".*Scaled\(4, 2.0\), this model's is .*Scaled\(4, 3.0\)"):
+        other.load(tmp_path)
+    for e in (engine, other):
+        e.close()
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self, width: int, scale: float) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+        self.scale = scale
+
+    def forward(self, x):
+        return self.lin(x) * self.scale

@@ -206,7 +206,8 @@ def _truncate(path: Path) -> None:
 def _without_checksums(folder: Path) -> None:
     """Make the checkpoint look like one of format 1 (no checksums to verify)."""
     meta = json.loads((folder / "engine.json").read_text())
-    del meta["checksums"]
+    for key in ("checksums", "sha256", "model"):      # what format 1 lacks
+        del meta[key]
     meta["format"] = 1
     (folder / "engine.json").write_text(json.dumps(meta))
 

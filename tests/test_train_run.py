@@ -156,9 +156,16 @@ def test_resume_continues_with_the_next_batch(tmp_path, monkeypatch):
                  log=lambda *a, **k: None)
     assert [i for _, i in used] == [3, 4, 5]
     assert first + rest == whole          # bit-identical: same batches, same state
-    # The position comes from the checkpoint: move it on and the stream follows.
+    # The position comes from the checkpoint: a hand edit is refused (the record is sealed
+    # with its sha256), a position written as pipeflow writes it is followed.
+    from pipeflow.checkpoint import read_sealed_json, sealed_json
     state = tmp_path / "ck" / "step-00000006" / "data.json"
-    state.write_text(json.dumps({**json.loads(state.read_text()), "next_batch": 40}))
+    record = read_sealed_json(str(state))
+    state.write_text(state.read_text().replace('"next_batch": 6', '"next_batch": 40'))
+    with pytest.raises(pf.ConfigError, match="data.json.*does not match its sha256"):
+        train(_run(tmp_path, FACTORY, *base, save, "train.resume=true", "train.steps=7"),
+              log=lambda *a, **k: None)
+    state.write_bytes(sealed_json({**record, "next_batch": 40}))
     used.clear()
     train(_run(tmp_path, FACTORY, *base, save, "train.resume=true", "train.steps=7"),
           log=lambda *a, **k: None)
