@@ -93,7 +93,14 @@ def prepare(call: str, step: int, inputs: Any, targets: Any, side: Mapping[str, 
                   m, d, topo.replica, stage.device, where)
             if count_items is not None:
                 items = int(sum(int(count_items(mb.targets)) for mb in micro))
+        rows = _rows(inputs if stage.holds_first else None) or \
+            _rows(targets if stage.holds_last else None)
         for name, value in side.items():
+            if rows is not None and _rows(value) not in (None, rows):
+                raise BatchError(
+                    f"{where}: side input {name!r} has {_rows(value)} rows, the batch has "
+                    f"{rows}; a side input holds one row per sample of the global batch "
+                    f"(it is split like the inputs, never broadcast)")
             for mb, part in zip(micro, split(f"side input {name!r}", value, m, d,
                                              topo.replica, stage.device, where)):
                 mb.side[name] = part
@@ -123,6 +130,14 @@ def _verdict(views: list[dict]) -> dict:
     counted = [v["items"] for v in views if v["items"] is not None]
     return {"problem": _disagreement(views), "items": sum(counted) if counted else None,
             "has_targets": any(v["targets"] is not None for v in views)}
+
+
+def _rows(batch: Any) -> int | None:
+    """The batch dimension of the first tensor in `batch` (None: no tensor, or a scalar)."""
+    if batch is None:
+        return None
+    t = next((x for x in tree.flatten(batch)[0] if isinstance(x, torch.Tensor)), None)
+    return int(t.shape[0]) if t is not None and t.dim() else None
 
 
 def _need(call: str, what: str, batch: Any, where: str, which: str) -> Any:

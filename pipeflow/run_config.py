@@ -200,6 +200,10 @@ def _read_toml(path: str | os.PathLike) -> dict[str, Any]:
                           f"file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {os.fspath(path)!r} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {os.fspath(path)!r} is not UTF-8 text (byte "
+                          f"{exc.start}: {exc.reason}); TOML files are UTF-8: save it as "
+                          f"UTF-8") from None
 
 
 def load_run_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RunConfig:

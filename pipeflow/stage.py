@@ -286,6 +286,16 @@ def _make_optimizer(factory: OptimizerFactory, masters: list[nn.Parameter],
             f"{where}: the optimizer factory returned {type(opt).__name__}, expected a "
             f"torch.optim.Optimizer over the parameters it is given (e.g. "
             f"`lambda params: torch.optim.AdamW(params, lr=3e-4)`); did it forget `return`?")
+    held = {id(p) for group in opt.param_groups for p in group["params"]}
+    missing = [p for p in masters if id(p) not in held]
+    foreign = len(held - {id(p) for p in masters})
+    if missing or foreign:
+        raise ConfigError(
+            f"{where}: the optimizer must step exactly the parameters its factory is given "
+            f"({len(masters)} on this stage); it holds {len(held)}, of which {foreign} are "
+            f"other tensors, and misses {len(missing)} (shapes "
+            f"{[tuple(p.shape) for p in missing[:4]]}); build it over the `params` argument "
+            f"(`lambda params: torch.optim.AdamW(params, ...)`), not over a model of your own")
     return opt
 
 

@@ -160,15 +160,41 @@ def _seq_len(data: DataConfig, model: Model) -> int:
     return int(seq)
 
 
-def _check_vocab(path: str, model: Model) -> None:
-    meta = os.path.join(os.path.dirname(os.path.abspath(path)), "meta.json")
-    if model.vocab_size and os.path.isfile(meta):
-        with open(meta) as f:
-            vocab = json.load(f).get("vocab_size", 0)
-        if vocab > model.vocab_size:
-            raise ConfigError(f"[data] train = {path!r} was tokenized with {vocab} token ids "
-                              f"({meta}), more than the model's vocab_size = "
-                              f"{model.vocab_size}; set [model] vocab_size = {vocab}")
+def _check_token_file(path: str, dtype: str, model: Model) -> None:
+    """A token file against the `meta.json` written beside it (`pipeflow prepare`, nanoGPT):
+    its dtype, and a vocabulary that fits the model."""
+    meta_path = os.path.join(os.path.dirname(os.path.abspath(path)), "meta.json")
+    if not os.path.isfile(meta_path):
+        return
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"[data]: cannot read {meta_path!r} ({exc}); fix or remove it") \
+            from None
+    written = meta.get("dtype") if isinstance(meta, dict) else None
+    if written and written != dtype:
+        raise ConfigError(f"[data] train = {path!r} holds {written} tokens ({meta_path}), "
+                          f"[data] dtype = {dtype!r} would read them as garbage; set [data] "
+                          f"dtype = {written!r}")
+    vocab = meta.get("vocab_size", 0) if isinstance(meta, dict) else 0
+    if model.vocab_size and vocab > model.vocab_size:
+        raise ConfigError(f"[data] train = {path!r} was tokenized with {vocab} token ids "
+                          f"({meta_path}), more than the model's vocab_size = "
+                          f"{model.vocab_size}; set [model] vocab_size = {vocab}")
+
+
+def _check_token_ids(batches: Batches, model: Model, what: str) -> None:
+    """The first batch's token ids fit the model's vocabulary (an id past it would fail deep
+    inside the first forward, as an IndexError of the embedding)."""
+    if not model.vocab_size:
+        return
+    x, y = batches.batch(0)
+    top = int(max(x.max(), y.max()))
+    if top >= model.vocab_size:
+        raise ConfigError(f"{what} holds token id {top}, the model's vocab_size is "
+                          f"{model.vocab_size} (ids 0..{model.vocab_size - 1}); set [model] "
+                          f"vocab_size = {top + 1} or more, or check [data] dtype")
 
 
 def _datasets(run: RunConfig, model: Model) -> tuple[Batches, Batches | None, str]:
@@ -177,12 +203,13 @@ def _datasets(run: RunConfig, model: Model) -> tuple[Batches, Batches | None, st
     seq = _seq_len(d, model)
     try:
         if d.train:
-            _check_vocab(d.train, model)
+            _check_token_file(d.train, d.dtype, model)
             tokens = token_file(d.train, d.dtype)
             val = Batches(token_file(d.val, d.dtype), t.batch_size, seq, seed,
                           split="val") if d.val else None
-            return (Batches(tokens, t.batch_size, seq, seed), val,
-                    f"{d.train} ({len(tokens) / 1e6:.2f}M tokens, {d.dtype})")
+            train = Batches(tokens, t.batch_size, seq, seed)
+            _check_token_ids(train, model, f"[data] train = {d.train!r}")
+            return train, val, f"{d.train} ({len(tokens) / 1e6:.2f}M tokens, {d.dtype})"
         corpus = load_corpus(t.corpus or None)
         return (Batches(corpus, t.batch_size, seq, seed),
                 Batches(corpus, t.batch_size, seq, seed, split="val"),

@@ -265,7 +265,50 @@ CHECKPOINT = [
         ("cannot create checkpoints in", "is not a writable folder"), CheckpointError),
 ]
 
-CASES = CONFIG + CHECKPOINT
+# -- engine calls --------------------------------------------------------------------------
+
+def _other_tensors(tmp: Path) -> None:
+    mine = torch.nn.Linear(2, 2)            # a model of the user's own, not the engine's
+    pf.Engine(toy_layers(), loss_fn, lambda params: torch.optim.SGD(mine.parameters(), lr=0.1),
+              pf.Config())
+
+
+def _some_of_them(tmp: Path) -> None:
+    pf.Engine(toy_layers(), loss_fn, lambda params: torch.optim.SGD(list(params)[:3], lr=0.1),
+              pf.Config())
+
+
+def _step(**side: Any) -> Callable[[Path], Any]:
+    def act(tmp: Path) -> None:
+        engine = pf.Engine(toy_layers(), loss_fn, adamw, pf.Config(microbatches=2))
+        try:
+            engine.train_step(*batches(1, 8)[0], **side)
+        finally:
+            engine.close()
+    return act
+
+
+def _after_close(tmp: Path) -> None:
+    engine = _engine()
+    engine.close()
+    engine.train_step(*batches(1, 4)[0])
+
+
+API = [
+    Hostile("optimizer-over-other-tensors", _other_tensors,
+            ("the optimizer must step exactly the parameters its factory is given",
+             "of which 2 are other tensors", "build it over the `params` argument"),
+            pf.ConfigError),
+    Hostile("optimizer-over-some-of-them", _some_of_them,
+            ("the optimizer must step exactly the parameters", "misses"), pf.ConfigError),
+    Hostile("side-input-fewer-rows", _step(mask=torch.ones(2, 5)),
+            ("side input 'mask' has 2 rows", "the batch has 8", "one row per sample"),
+            pf.BatchError),
+    Hostile("call-after-close", _after_close,
+            ("train_step() on a closed engine", "build a new Engine"), pf.ConfigError),
+]
+
+CASES = CONFIG + CHECKPOINT + API
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

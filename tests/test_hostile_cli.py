@@ -165,3 +165,39 @@ def test_plot_of_a_file_without_training_records(tmp_path, capsys):
     path.write_text('{"step": 0, "eval_loss": 1.0}\n')
     _expect_error(["plot", str(path), "--png", str(tmp_path / "x.png")],
                   "has no training records", capsys)
+
+
+def _token_file(tmp_path, ids, dtype: str, meta: dict | None = None) -> str:
+    import json
+
+    import numpy as np
+    path = tmp_path / "tokens" / "train.bin"
+    path.parent.mkdir(exist_ok=True)
+    np.asarray(ids, dtype=dtype).tofile(path)
+    if meta is not None:
+        (path.parent / "meta.json").write_text(json.dumps(meta))
+    return str(path)
+
+
+@pytest.mark.timeout(30)
+def test_a_token_file_read_with_another_dtype_than_its_meta_says(tmp_path, capsys):
+    # uint32 tokens read as uint16 would train on garbage: meta.json says what was written.
+    data = _token_file(tmp_path, list(range(200)) * 10, "uint32",
+                       {"vocab_size": 256, "dtype": "uint32"})
+    _expect_error(["train", _config(tmp_path, ""), "--set", f'data.train="{data}"'],
+                  "holds uint32 tokens", capsys)
+
+
+@pytest.mark.timeout(30)
+def test_token_ids_past_the_vocabulary_are_found_before_step_0(tmp_path, capsys):
+    # No meta.json to say it: the first batch is checked instead of an IndexError in F1.
+    data = _token_file(tmp_path, [300] * 2000, "uint16")
+    _expect_error(["train", _config(tmp_path, ""), "--set", f'data.train="{data}"'],
+                  "holds token id 300, the model's vocab_size is 256", capsys)
+
+
+@pytest.mark.timeout(30)
+def test_a_run_file_that_is_not_utf8(tmp_path, capsys):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(BASE.encode() + "# caf\xe9\n".encode("latin-1"))
+    _expect_error(["train", str(path)], "is not UTF-8 text", capsys)
