@@ -28,6 +28,8 @@ def _train_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def _train(args: argparse.Namespace) -> int:
+    import signal
+
     from mpi4py import MPI
 
     from pipeflow.config import ConfigError
@@ -41,6 +43,9 @@ def _train(args: argparse.Namespace) -> int:
                 print(run.to_toml(), end="")
             return 0
         train(run, trace=args.trace)
+        # Slurm's warning signal may come after the last step: it must not kill a finished
+        # rank (and fail the job) on its way out.
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     except ConfigError as exc:
         # Raised alike on every rank (grid, batch and config checks agree before any
         # message moves): one report from rank 0, a clean exit everywhere.

@@ -180,6 +180,9 @@ def token_file(path: str | os.PathLike, dtype: str = "uint16") -> np.ndarray:
         raise FileNotFoundError(f"token file {path!r} not found; write one with `pipeflow "
                                 f"prepare TEXT... --out DIR`")
     size = np.dtype(TOKEN_DTYPES[dtype]).itemsize
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"token file {path!r} is empty; write it again with `pipeflow "
+                         f"prepare`, or point [data] train at another file")
     if os.path.getsize(path) % size:
         raise ValueError(f"token file {path!r} has {os.path.getsize(path)} bytes, not a "
                          f"multiple of {size} ({dtype}): is [data] dtype right?")

@@ -468,7 +468,7 @@ class Engine:
             result = fn()
         except ConfigError:
             raise                       # agreed on every rank: raised everywhere alike
-        except Exception as exc:  # noqa: BLE001 - any failure mid-step ends the job
+        except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - mid-step: end the job
             self._fail(exc)
         if self.trace and what == "optimizer step":
             self.runner.timeline.append((what, t0, time.perf_counter()))
@@ -479,6 +479,8 @@ class Engine:
         where = f"{self._where} failed at instruction {self._instruction_text()} of step " \
                 f"{self.stats.step}"
         if not self.abort_on_error or self._world_size == 1:
+            if isinstance(exc, KeyboardInterrupt):
+                raise exc               # Ctrl-C stays Ctrl-C where nobody else waits
             raise RuntimeError(f"pipeflow: {where}: {exc}") from exc
         report_and_abort(where, exc)
 

@@ -160,6 +160,21 @@ def _seq_len(data: DataConfig, model: Model) -> int:
     return int(seq)
 
 
+def _check_batch_fits(batch_size: int, seq_len: int) -> None:
+    """One global batch of int64 token windows (inputs and targets) must fit in this
+    machine's memory: a typo of a batch size fails here, not in the allocator."""
+    need = 2 * batch_size * (seq_len + 1) * 8
+    try:
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return
+    if need > have:
+        raise ConfigError(f"[train] batch_size = {batch_size} at seq_len {seq_len} needs "
+                          f"{need / 2**30:.3g} GiB for one batch's tokens, this machine has "
+                          f"{have / 2**30:.3g} GiB; lower batch_size (it is the global batch "
+                          f"in sequences, split into micro-batches and replicas)")
+
+
 def _check_token_file(path: str, dtype: str, model: Model) -> None:
     """A token file against the `meta.json` written beside it (`pipeflow prepare`, nanoGPT):
     its dtype, and a vocabulary that fits the model."""
@@ -201,6 +216,7 @@ def _datasets(run: RunConfig, model: Model) -> tuple[Batches, Batches | None, st
     """Training and validation samplers, and a description for the log."""
     t, d, seed = run.train, run.data, run.engine.seed
     seq = _seq_len(d, model)
+    _check_batch_fits(t.batch_size, seq)
     try:
         if d.train:
             _check_token_file(d.train, d.dtype, model)

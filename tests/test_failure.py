@@ -24,6 +24,9 @@ def _clean_env():
     ("crash.py", "in-layer",
      "rank 1 (stage 1 of 2, replica 0 of 1) failed at instruction F0 of step 2"),
     ("crash.py", "outside", "rank 1 raised an uncaught ValueError; aborting all ranks"),
+    # Ctrl-C to one rank mid-step: named and ended at once, not left to the others' watchdog.
+    ("crash.py", "sigint-in-layer",
+     "rank 1 (stage 1 of 2, replica 0 of 1) failed at instruction F0 of step 2"),
     # A rank stuck in a layer (the watchdog), a rank a step ahead (the close check), a layer
     # constructor failing on one rank (abort from the first line).
     ("stall.py", "sleep", "no progress for"),
@@ -54,6 +57,6 @@ def test_a_failed_stalled_or_mismatched_rank_ends_the_job_fast(script, mode, exp
     assert "finished without failing" not in out
     assert expected in out, out
     if script == "crash.py":
-        assert "boom" in out or "user code failed" in out
+        assert "boom" in out or "user code failed" in out or "KeyboardInterrupt" in out
     # Start-up (python, torch, MPI) takes a few seconds here; the abort itself is immediate.
     assert elapsed < 60, f"the job took {elapsed:.0f} s to end"

@@ -56,6 +56,8 @@ TRAIN_ROWS = [
     ("missing token file", "[data]\ntrain = 'missing.bin'", [],
      "token file 'missing.bin' not found; write one with `pipeflow prepare"),
     ("val without train", "[data]\nval = 'v.bin'", [], "[data] val = 'v.bin' needs [data] train"),
+    ("batch_size that cannot fit", "batch_size = 1000000000000", [],
+     "[train] batch_size = 1000000000000 at seq_len 8 needs"),
     ("seq_len longer than model", "[data]\nseq_len = 64", [],
      "[data] seq_len = 64 is longer than the model's 8 positions"),
     ("unknown table", "[optim]\nlr = 1", [], "unknown table(s) ['optim']"),
@@ -201,3 +203,10 @@ def test_a_run_file_that_is_not_utf8(tmp_path, capsys):
     path = tmp_path / "latin1.toml"
     path.write_bytes(BASE.encode() + "# caf\xe9\n".encode("latin-1"))
     _expect_error(["train", str(path)], "is not UTF-8 text", capsys)
+
+
+@pytest.mark.timeout(30)
+def test_an_empty_token_file_is_named(tmp_path, capsys):
+    data = _token_file(tmp_path, [], "uint16")
+    _expect_error(["train", _config(tmp_path, ""), "--set", f'data.train="{data}"'],
+                  f"token file '{data}' is empty", capsys)

@@ -1,8 +1,11 @@
-"""A 2-rank job where rank 1 fails at step 2: `mpirun -n 2 python crash.py in-layer|outside`.
+"""A 2-rank job where rank 1 fails at step 2:
+`mpirun -n 2 python crash.py in-layer|outside|sigint-in-layer`.
 
 The whole job must end within seconds, naming the rank (and stage, when inside the engine).
 """
 
+import os
+import signal
 import sys
 
 from torch import nn
@@ -22,6 +25,8 @@ class Bomb(nn.Module):
         Bomb.calls += 1
         if Bomb.calls == 5 and MODE == "in-layer":
             raise RuntimeError("boom: a layer failed")
+        if Bomb.calls == 5 and MODE == "sigint-in-layer":     # Ctrl-C to this rank alone
+            os.kill(os.getpid(), signal.SIGINT)
         return x
 
 
