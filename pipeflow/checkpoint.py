@@ -40,7 +40,7 @@ from pipeflow.rng import get_rng_state, set_rng_state
 from pipeflow.topology import Topology
 
 __all__ = ["CheckpointState", "save_checkpoint", "load_checkpoint", "CheckpointError",
-           "resolve_checkpoint", "check_save_dir", "sealed_json", "read_sealed_json"]
+           "resolve_checkpoint", "check_save_dir", "sealed_json", "read_sealed_json", "saved_plan"]
 
 FORMAT = 3        # 2: checksums, grid, sequence, per-rank random state; 3: sealed, model
 KEEP = 2          # whole checkpoints kept in a folder; older ones are removed
@@ -73,6 +73,8 @@ class CheckpointState:
     scaler: Any = None            # a precision.LossScaler (a dataclass) under fp16
     device: torch.device | str = "cpu"     # whose CUDA random state is this rank's
     model: list[str] | None = None         # layers.fingerprint: each layer's class and args
+    plan: dict[str, Any] | None = None     # what ran: schedule ("auto" resolved), chunks,
+                                           # boundaries ("time" resolved), for a resume
 
 
 def _layer_name(index: int) -> str:
@@ -254,7 +256,7 @@ def _write_meta(state: CheckpointState, directory: str, folder: str,
             "grid": {"pipeline": topo.pipeline, "data": topo.data},
             "config": state.config,
             "loss_scaler": dataclasses.asdict(scaler) if scaler is not None else None,
-            "model": state.model,
+            "model": state.model, "plan": state.plan,
             "checksums": dict(sorted(checksums.items()))}
     atomic_write_bytes(os.path.join(folder, META), sealed_json(meta))
 
@@ -403,6 +405,14 @@ def read_sealed_json(path: str) -> Any:
             raise ValueError("its content does not match its sha256: it was changed after "
                              "the save")
     return record
+
+
+def saved_plan(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """The schedule, chunks per rank and stage boundaries the latest checkpoint in
+    `directory` ran with (None for a checkpoint that does not record them)."""
+    folder = resolve_checkpoint(directory)
+    plan = _read_meta(folder, "").get("plan")
+    return plan if isinstance(plan, dict) else None
 
 
 def _check_model(saved: list[str] | None, model: list[str] | None, folder: str,

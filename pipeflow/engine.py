@@ -383,7 +383,9 @@ class Engine:
             master_state_dict=self.master_state_dict,
             named_master_parameters=self.named_master_parameters,
             load_params=self._load_params, optimizer=self.optimizer,
-            scaler=self.precision.scaler, device=self.device, model=self._fingerprint)
+            scaler=self.precision.scaler, device=self.device, model=self._fingerprint,
+            plan={"schedule": self.schedule, "virtual_stages": self._stage.num_chunks,
+                  "boundaries": list(self.boundaries)})
 
     def close(self) -> None:
         """Check that every rank made the same calls, then free this engine's communicators

@@ -20,7 +20,7 @@ from mpi4py import MPI
 from pipeflow import waiting
 from pipeflow._io import atomic_write_bytes
 from pipeflow.checkpoint import (CheckpointError, check_save_dir, read_sealed_json,
-                                 resolve_checkpoint, sealed_json)
+                                 resolve_checkpoint, saved_plan, sealed_json)
 from pipeflow.config import ConfigError
 from pipeflow.data import Batches, load_corpus, token_file
 from pipeflow.engine import Engine
@@ -321,6 +321,30 @@ class _Loop:
         return self.out is not None
 
 
+def _pin_measured_plan(run: RunConfig) -> str:
+    """A resumed run keeps what the first one measured: schedule "auto" and partition "time"
+    are taken from the checkpoint (measuring again may choose otherwise, and the run would
+    no longer continue bit for bit). The text says what was kept."""
+    c = run.engine
+    if c.schedule != "auto" and c.partition != "time":
+        return ""
+    try:
+        plan = saved_plan(run.train.save_dir)
+    except CheckpointError:
+        return ""                     # load reports the checkpoint's problem
+    if plan is None:
+        return ""
+    kept = []
+    if c.schedule == "auto":
+        c.schedule, c.virtual_stages = plan["schedule"], plan["virtual_stages"]
+        kept.append(f"schedule {c.schedule}")
+    if c.partition == "time":
+        c.partition = list(plan["boundaries"])
+        kept.append(f"stages {c.partition}")
+    c.validate()
+    return f"; kept the measured {' and '.join(kept)}"
+
+
 def _build_engine(run: RunConfig, model: Model, batches: Batches, comm: MPI.Comm) -> Engine:
     config = run.engine
     # partition = "time" and schedule = "auto" measure the layers on one micro-batch of the
@@ -335,6 +359,7 @@ def _build_engine(run: RunConfig, model: Model, batches: Batches, comm: MPI.Comm
 
 def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
     t = run.train
+    pinned = _pin_measured_plan(run) if t.resume else ""
     model = build_model(run.model, run.source)
     batches, val, source = _datasets(run, model)
     engine = _build_engine(run, model, batches, comm)
@@ -356,7 +381,7 @@ def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
                  f"({peak[1]})" + (f"; metrics in {metrics}" if metrics else ""))
         if t.resume:
             out.line(f"pipeflow: resumed at step {engine.step_count}, batch {position}, "
-                     f"from {t.save_dir}")
+                     f"from {t.save_dir}{pinned}")
     return _Loop(run, engine, batches, val, out, position, t.batch_size * batches.seq_len,
                  flops, peak[0], first_step=engine.step_count)
 
