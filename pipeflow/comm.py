@@ -158,9 +158,15 @@ def _outgoing(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def _incoming(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A receive's buffer: on the GPU for a CUDA-aware MPI, else pinned host memory for GPU
-    tensors (copied up by the caller) and plain host memory for CPU ones."""
+    tensors (copied up by the caller) and plain host memory for CPU ones.
+
+    The caching allocator hands out a block as soon as its last owner's kernels are queued,
+    which is safe for kernels on the same stream but not for MPI, which writes at once: the
+    stream is drained first, so no queued kernel still reads the block's old contents."""
     if _device_aware(device):
-        return torch.empty(shape, dtype=dtype, device=device)
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        torch.cuda.current_stream(device).synchronize()
+        return buf
     return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
 
 

@@ -1,5 +1,6 @@
-"""GPU tensors over MPI: device buffers handed to a CUDA-aware MPI, else reused pinned staging;
-and NCCL's data-parallel all-reduce on a stream of its own.
+"""GPU tensors over MPI: reductions through reused pinned host staging (point-to-point alone
+hands device buffers to a CUDA-aware MPI, in `comm`); and NCCL's data-parallel all-reduce on a
+stream of its own.
 
 Only CUDA tensors come here; CPU tensors keep `comm.mpi_iallreduce_`'s host path. Nothing in
 this module touches CUDA until a CUDA tensor is reduced, so it imports on any machine.
@@ -83,38 +84,32 @@ def side_stream(device: torch.device) -> Any:
 
 
 class _DeviceAllreduce(Request):
-    """An MPI all-reduce of a device tensor; `wait()` lands the sum in the target."""
+    """An MPI all-reduce of a device tensor through pinned host memory; `wait()` lands the
+    sum in the target."""
 
-    def __init__(self, request: MPI.Request, buf: torch.Tensor, target: torch.Tensor,
-                 staged: bool) -> None:
-        self._request, self._buf, self._target, self._staged = request, buf, target, staged
+    def __init__(self, request: MPI.Request, host: torch.Tensor, target: torch.Tensor) -> None:
+        self._request, self._host, self._target = request, host, target
 
     def test(self) -> bool:
         return self._request.Test()
 
     def wait(self) -> None:
         waiting.wait(self._request)
-        if self._buf is self._target:
-            return
         # On the current (compute) stream: it waits for the sum only where it needs it.
-        self._target.copy_(self._buf.view(self._target.shape), non_blocking=True)
-        if self._staged:
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self._target.device))
-            _PINNED.give(self._buf, done)
+        self._target.copy_(self._host.view(self._target.shape), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self._target.device))
+        _PINNED.give(self._host, done)
 
 
 def iallreduce_cuda_(comm: MPI.Comm, tensor: torch.Tensor) -> Request:
-    """Start summing a CUDA tensor over `comm` in place: the device buffer itself where MPI
-    is CUDA-aware, else a pinned host copy made on a side stream."""
+    """Start summing a CUDA tensor over `comm` in place, through a pinned host copy made on
+    a side stream. Always through the host, even where MPI is CUDA-aware: CUDA-aware MPIs
+    take device memory in point-to-point calls and blocking collectives, and Open MPI
+    documents its nonblocking collectives (`Iallreduce`, what overlaps the backward here) as
+    not CUDA-aware."""
     target = tensor.detach()
     _typed_check(target)
-    if cuda_aware_mpi():
-        buf = target if target.is_contiguous() else target.contiguous()
-        # MPI reads device memory outside CUDA's stream order: the values must be there.
-        torch.cuda.current_stream(target.device).synchronize()
-        req = comm.Iallreduce(MPI.IN_PLACE, buf.view(-1), op=MPI.SUM)
-        return _DeviceAllreduce(req, buf, target, staged=False)
     host = _PINNED.take(target.numel(), target.dtype)
     side = side_stream(target.device)
     side.wait_stream(torch.cuda.current_stream(target.device))
@@ -125,7 +120,7 @@ def iallreduce_cuda_(comm: MPI.Comm, tensor: torch.Tensor) -> Request:
     target.record_stream(side)
     copied.synchronize()       # this thread waits for the copy; the compute stream does not
     req = comm.Iallreduce(MPI.IN_PLACE, _typed(host), op=MPI.SUM)
-    return _DeviceAllreduce(req, host, target, staged=True)
+    return _DeviceAllreduce(req, host, target)
 
 
 class _SideStreamWork(Request):

@@ -70,7 +70,7 @@ class Stage:
         # How this process waits on MPI from here on (process-wide: see pipeflow.waiting).
         waiting.use(waiting.choose(config.wait, topo.local_size, topo.local_cores))
         self.index, self.stages = topo.stage, topo.pipeline
-        self.device = device if device is not None else default_device(topo)
+        self.device = default_device(topo, device)
         bind_device(self.device)      # before CUDA's first use: layer building forks its RNG
         self.n_layers = len(layers)
         # The schedule that runs (schedule "auto" resolved) and its model chunks per rank.
@@ -299,7 +299,15 @@ def _make_optimizer(factory: OptimizerFactory, masters: list[nn.Parameter],
     return opt
 
 
-def default_device(topo: Topology) -> torch.device:
+def default_device(topo: Topology, requested: torch.device | None = None) -> torch.device:
+    """The device this rank runs on: `requested`, where a bare "cuda" (no index) means this
+    rank's own GPU (its local rank modulo the node's GPUs), not GPU 0 for every rank; by
+    default that GPU where there is one, else the CPU."""
+    if requested is not None and (requested.type != "cuda" or requested.index is not None):
+        return requested
     if torch.cuda.is_available():
         return torch.device("cuda", topo.local_rank % torch.cuda.device_count())
+    if requested is not None:
+        raise ConfigError(f"{topo.describe()}: device 'cuda' asked for, and this rank sees no "
+                          f"GPU (torch.cuda.is_available() is False); use device='cpu'")
     return torch.device("cpu")

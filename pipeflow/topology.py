@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from typing import Any
 
 import torch
@@ -98,18 +99,49 @@ def choose_backend(name: str, topo: Topology, device: torch.device) -> str:
     PIPEFLOW_STRICT_COMM=1, MPI becomes `strict` (NCCL's rules checked on CPUs).
     """
     bind_device(device)
+    unfit = None
     if name == "nccl" and not (device.type == "cuda" and _nccl_available()):
+        unfit = (f"{topo.describe()}: backend 'nccl' needs CUDA tensors and torch built with "
+                 f"NCCL; this rank runs on {device}. Use backend = 'mpi' or 'auto'")
+    if name == "gloo" and device.type == "cuda":
         raise ConfigError(
-            f"{topo.describe()}: backend 'nccl' needs CUDA tensors and torch built with "
-            f"NCCL; this rank runs on {device}. Use backend = 'mpi' or 'auto'")
-    if name == "auto":
+            f"{topo.describe()}: backend 'gloo' sends no CUDA tensors point to point, and "
+            f"this rank runs on {device}; use backend = 'nccl' (one GPU per rank), 'mpi' or "
+            f"'auto'")
+    if name in ("auto", "nccl"):
         gpu = _gpu_identity(device) if device.type == "cuda" and _nccl_available() else None
-        gpus = topo.world.allgather(gpu)          # collective: every rank decides alike
-        own = None not in gpus and len(set(gpus)) == len(gpus)
-        name = "nccl" if own else "mpi"
+        views = topo.world.allgather((gpu, unfit))   # collective: every rank decides alike
+        unfit = next((u for _, u in views if u), None)
+        if unfit:
+            raise ConfigError(unfit)
+        gpus = [g for g, _ in views]
+        shared = _shared_gpus(gpus)
+        if name == "nccl" and shared:
+            raise ConfigError(
+                f"{topo.describe()}: backend 'nccl' needs a GPU of its own for every rank, "
+                f"and {shared}: NCCL refuses that ('Duplicate GPU detected'). Start one rank "
+                f"per GPU (or set CUDA_VISIBLE_DEVICES per rank), or use backend = 'mpi'")
+        if name == "auto" and None not in gpus and shared:
+            if topo.world.rank == 0:     # GPUs everywhere, yet not NCCL: say why
+                print(f"pipeflow: backend 'auto' chose MPI, not NCCL: {shared} (NCCL needs "
+                      f"one GPU per rank)", file=sys.stderr, flush=True)
+        if name == "auto":
+            name = "nccl" if None not in gpus and not shared else "mpi"
     if name == "mpi" and os.environ.get(STRICT_ENV, "") not in ("", "0"):
         name = "strict"
     return name
+
+
+def _shared_gpus(gpus: list[tuple[str, str] | None]) -> str:
+    """Which ranks share a GPU, as a report says it ("" when none do)."""
+    holders: dict[tuple[str, str], list[int]] = {}
+    for rank, gpu in enumerate(gpus):
+        if gpu is not None:
+            holders.setdefault(gpu, []).append(rank)
+    for (host, gpu), ranks in holders.items():
+        if len(ranks) > 1:
+            return f"ranks {ranks} share GPU {gpu} on {host}"
+    return ""
 
 
 def _gpu_identity(device: torch.device) -> tuple[str, str]:
