@@ -227,8 +227,9 @@ class Engine:
             self._measure(lambda: self.runner.run(self._stage.program, st))
             loss = self._guarded("loss", lambda: self._global_loss(st.losses, st))
             self._guarded("optimizer step", lambda: close_step(self._stage, loss, self.stats))
-        if cuda:     # device time, not the host's enqueue time
-            torch.cuda.synchronize(self.device)
+            if cuda:     # device time, not the host's enqueue time; watched: a stuck link
+                self._guarded("device synchronize", lambda: torch.cuda.synchronize(self.device))
+        if cuda:
             self.stats.peak_memory_bytes = torch.cuda.max_memory_allocated(self.device)
         self.stats.loss = loss
         self.stats.step += 1
@@ -465,15 +466,15 @@ class Engine:
     def _guarded(self, what: str, fn: Callable[[], Any]) -> Any:
         if what not in ("run", "eval"):
             self._at(what)
-        t0 = time.perf_counter()
+        t0 = self.runner.clock.mark() if self.trace and what == "optimizer step" else None
         try:
             result = fn()
         except ConfigError:
             raise                       # agreed on every rank: raised everywhere alike
         except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - mid-step: end the job
             self._fail(exc)
-        if self.trace and what == "optimizer step":
-            self.runner.timeline.append((what, t0, time.perf_counter()))
+        if t0 is not None:
+            self.runner.note(what, t0, self.runner.clock.mark())
         return result
 
     def _fail(self, exc: BaseException) -> None:

@@ -39,19 +39,28 @@ def bubble_fraction(events: Sequence[tuple[str, float, float]]) -> float:
     return max(0.0, 1.0 - busy / span) if span > 0 else 0.0
 
 
-def _measured_matmul_flops(trials: int = 8, n: int = 384) -> float:
-    """The best of several timed fp32 matmuls: a peak stands in better than an average on a
+def _measured_matmul_flops(device: torch.device | None = None, trials: int = 8) -> float:
+    """The best of several timed matmuls on `device`: fp32 on a CPU, bf16 on a GPU (the
+    precision its tensor cores are rated in). A peak stands in better than an average on a
     machine whose cores are shared. Its operands come from a private generator: a draw from
     the global stream would move a resumed run's dropout masks off the uninterrupted run's."""
+    device = device if device is not None else torch.device("cpu")
+    cuda = device.type == "cuda"
+    n, dtype = (4096, torch.bfloat16) if cuda else (384, torch.float32)
     g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
-    a @ b                                   # warm-up: thread pool, caches
-    best = 0.0
-    for _ in range(trials):
+    a, b = (torch.randn(n, n, generator=g).to(device, dtype) for _ in range(2))
+
+    def timed() -> float:
+        if cuda:
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
         a @ b
-        best = max(best, 2 * n**3 / max(time.perf_counter() - start, 1e-9))
-    return best
+        if cuda:
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    timed()                                 # warm-up: thread pool, caches, cuBLAS handles
+    return max(2 * n**3 / max(timed(), 1e-9) for _ in range(trials))
 
 
 def peak_flops(device: torch.device, tflops: float = 0.0) -> tuple[float, str]:
@@ -63,16 +72,27 @@ def peak_flops(device: torch.device, tflops: float = 0.0) -> tuple[float, str]:
         for key, flops in GPU_PEAK_FLOPS.items():
             if key in name:
                 return flops, f"{name} bf16 data sheet"
-    # No data sheet: a float32 matmul's measured rate stands in for the peak.
-    return _measured_matmul_flops(), f"measured fp32 matmul on {device.type}"
+        # Not in the table: the GPU's own bf16 matmul (never the host's: MFU would read
+        # thousands of percent).
+        return _measured_matmul_flops(device), f"measured bf16 matmul on {name}"
+    return _measured_matmul_flops(device), f"measured fp32 matmul on {device.type}"
 
 
 def count_parameters(engine: "Engine") -> int:
-    """Parameters summed over the stages (replica 0 of each): the `N` of `6 N` FLOPs per
-    token for models without a formula. A weight tied across stages counts on each holder."""
-    unique = {id(p): p.numel() for _, p in engine.named_master_parameters()}
-    local = sum(unique.values()) if engine.topo.replica == 0 else 0
+    """The `N` of `6 N` FLOPs per token for models without a formula: the parameters a
+    token's forward multiplies, summed over the stages (replica 0 of each). An embedding
+    table is looked up, not multiplied, so it does not count; a weight tied between an
+    embedding and the output head (two stages hold copies) counts once, as the head."""
+    local = _multiplied_parameters(engine.module) if engine.topo.replica == 0 else 0
     return engine.topo.world.allreduce(local)
+
+
+def _multiplied_parameters(module: torch.nn.Module) -> int:
+    """Trainable parameters some module other than an embedding uses, each once."""
+    used = {id(p): p.numel() for sub in module.modules()
+            if not isinstance(sub, torch.nn.Embedding)
+            for p in sub._parameters.values() if p is not None and p.requires_grad}
+    return sum(used.values())
 
 
 def _peak_memory(engine: "Engine") -> tuple[int, str]:

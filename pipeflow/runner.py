@@ -61,6 +61,54 @@ class StepState:
     peak_stash: int = 0
 
 
+class HostClock:
+    """A traced step's times on the CPU: the host's own clock."""
+
+    def start(self) -> None:
+        pass
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, mark: Any) -> float:
+        return mark
+
+
+class CudaClock:
+    """A traced step's times on a GPU: a CUDA event recorded on the compute stream at each
+    instruction's start and end (device time, not the host's enqueue time), converted to
+    seconds only when read, after the step. Never a device synchronize inside the step: one
+    after a send waits for the peer's receive, and two stages each syncing after a send
+    (1F1B's `SA1, RG0` against `SG0, RA1`) wait for each other once NCCL stops buffering."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._origin: Any = None
+        self._host0 = 0.0
+
+    def start(self) -> None:
+        self._origin = self._event()
+        self._host0 = time.perf_counter()
+
+    def _event(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def mark(self) -> Any:
+        return self._event()
+
+    def seconds(self, mark: Any) -> float:
+        if isinstance(mark, float):
+            return mark
+        mark.synchronize()             # after the step: waits for this event alone
+        return self._host0 + self._origin.elapsed_time(mark) / 1e3
+
+
+def clock_for(device: torch.device) -> HostClock | CudaClock:
+    return CudaClock(device) if device.type == "cuda" else HostClock()
+
+
 class Runner:
     """Interprets a stage's instructions. Headers per link persist across steps, so a
     message's structure is announced only when it changes."""
@@ -73,7 +121,8 @@ class Runner:
         self.measure_activations = False
         self.activation_meter = SavedTensorMeter()
         self.trace = False
-        self.timeline: list[tuple[str, float, float]] = []
+        self.clock = clock_for(stage.device)
+        self._timeline: list[tuple[str, Any, Any]] = []
         self.pending_sends: list = []
         # Megatron-Core's deallocate_output_tensor: once an activation is sent, its storage
         # goes; the stash keeps only its graph (grad_fn) for the backward.
@@ -86,25 +135,35 @@ class Runner:
                           sched.SEND_GRAD: self.send_gradient, sched.WEIGHT: self.weight}
 
     # -- the loop -------------------------------------------------------------------------
+    @property
+    def timeline(self) -> list[tuple[str, float, float]]:
+        """The last step's (instruction, start, end) in seconds; on a GPU read from the
+        instructions' CUDA events, here, once a step: reading them waits for the step's
+        kernels, so nothing inside the step ever does."""
+        self._timeline = [(name, self.clock.seconds(a), self.clock.seconds(b))
+                          for name, a, b in self._timeline]
+        return self._timeline
+
+    def note(self, what: str, start: Any, end: Any) -> None:
+        """A span of the engine's own (the optimizer step) in the timeline."""
+        self._timeline.append((what, start, end))
+
     def run(self, program: list[sched.Action], st: StepState) -> StepState:
-        self.timeline = []
+        self._timeline = []
         self.pending_sends = st.sends      # for hang reports
-        # Traced on a GPU, each instruction's end waits for its kernels: the timeline shows
-        # device time, not the host's enqueue time (a slower run, for looking only).
-        sync = self.trace and self.stage.device.type == "cuda"
+        if self.trace:
+            self.clock.start()
         for act in program:
             self.on_instruction(act)     # described only if a report needs it
-            t0 = time.perf_counter() if self.trace else 0.0
+            t0 = self.clock.mark() if self.trace else None
             self._handlers[act.op](act, st)
-            if sync:
-                torch.cuda.synchronize(self.stage.device)
             # Let finished sends go and reductions in flight progress, without blocking.
             st.sends[:] = [s for s in st.sends if not _finished(s)]
             reducer = self.stage.reducer
             if reducer is not None and reducer.armed:
                 reducer.poll()
             if self.trace:
-                self.timeline.append((repr(act), t0, time.perf_counter()))
+                self._timeline.append((repr(act), t0, self.clock.mark()))
         for s in st.sends:
             s.wait()
             _finished(s)

@@ -177,3 +177,78 @@ def test_a_cuda_aware_receive_drains_the_stream_before_mpi_writes(monkeypatch):
                                                                            "pin_memory": False}))
     comm._incoming((2, 3), torch.float32, torch.device("cuda", 0))
     assert log == []
+
+
+def test_tracing_on_a_gpu_records_events_and_never_synchronizes_inside_the_step(monkeypatch):
+    # The tracer used to end every instruction with torch.cuda.synchronize(): after a send
+    # that waits for the peer's receive, and in 1F1B two stages doing so wait for each other.
+    # On a GPU it records CUDA events and reads them once, after the step.
+    from pipeflow.runner import CudaClock
+    from toy import adamw, batches, loss_fn, toy_layers
+
+    ticks = iter(range(1, 10_000))
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.at = None
+
+        def record(self, stream=None):
+            self.at = next(ticks)            # device milliseconds, in order of recording
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return float(other.at - self.at)
+
+    def synchronize(device=None):
+        raise AssertionError("the device was synchronized inside a step")
+
+    engine = pf.Engine(toy_layers(), loss_fn, adamw, pf.Config(microbatches=2), trace=True)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    engine.runner.clock = CudaClock(torch.device("cuda", 0))
+    engine.train_step(*batches(1, 4)[0])
+    timeline = engine.timeline
+    names = [name for name, _, _ in timeline]
+    assert names == ["F0", "B0", "F1", "B1", "optimizer step"], names
+    starts = [t0 for _, t0, _ in timeline]
+    assert starts == sorted(starts) and all(t1 > t0 for _, t0, t1 in timeline)
+    # Event times: 1 ms apart in recording order, from the step's start.
+    assert timeline[1][1] - timeline[0][1] == pytest.approx(2e-3)
+    assert engine.timeline == timeline                # read once, then plain seconds
+    engine.close()
+
+
+def test_mfu_on_a_gpu_missing_from_the_table_is_measured_on_that_gpu(monkeypatch):
+    # It was a timed fp32 matmul on the host's CPU: MFU of thousands of percent on a GPU.
+    from pipeflow import metrics
+    measured = []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B999")
+    monkeypatch.setattr(metrics, "_measured_matmul_flops",
+                        lambda device=None, trials=8: measured.append(device) or 1.5e15)
+    flops, source = metrics.peak_flops(torch.device("cuda", 1))
+    assert (flops, source) == (1.5e15, "measured bf16 matmul on NVIDIA B999")
+    assert measured == [torch.device("cuda", 1)]
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 SXM")
+    assert metrics.peak_flops(torch.device("cuda", 0)) == (989e12, "NVIDIA H100 SXM bf16 "
+                                                                    "data sheet")
+
+
+def test_flops_count_a_tied_weight_once_and_no_embedding_lookups():
+    # 6 N FLOPs a token: N counts what a token multiplies. Tied embedding and head (GPT-2)
+    # on one stage or two: the head's matmul once; the position table not at all.
+    from pipeflow.metrics import count_parameters
+    from toy import adamw, loss_fn, toy_layers
+    engine = pf.Engine(toy_layers(tied=True), loss_fn, adamw, pf.Config())
+    layers = engine.module
+    embedding = sum(p.numel() for n, p in layers.named_parameters() if "emb" in n)
+    every = sum(p.numel() for p in layers.parameters())        # each tensor once
+    assert count_parameters(engine) == every                   # the tied table, as the head
+    engine.close()
+    untied = pf.Engine(toy_layers(tied=False), loss_fn, adamw, pf.Config())
+    everything = sum(p.numel() for p in untied.module.parameters())
+    assert count_parameters(untied) == everything - embedding  # the lookup table left out
+    untied.close()
