@@ -203,10 +203,12 @@ def _time_layer(layer: torch.nn.Module, x: Any, device: Any) -> tuple[list[float
 
 
 def measure_layer_costs(layers: Sequence, sample: Any, seed: int = 0, repeats: int = 3,
-                        device: torch.device | str = "cpu") -> LayerCosts:
+                        device: torch.device | str = "cpu", precision: str = "fp32",
+                        fp32_modules: Sequence[Any] = ()) -> LayerCosts:
     """F, whole backward, B and W seconds and saved bytes of each layer on `sample` (a
-    micro-batch of inputs), layer by layer as `partition.each_layer` runs them."""
+    micro-batch of inputs), layer by layer as `partition.each_layer` runs them, in the run's
+    `precision` (bf16 halves the bytes a layer saves, and changes its times)."""
     rows = each_layer(layers, sample, lambda layer, x: _time_layer(layer, x, device), seed,
-                      repeats, device)
+                      repeats, device, precision, fp32_modules)
     columns = [[seconds[k] for seconds, _ in rows] for k in range(4)]
     return LayerCosts(*columns, saved_bytes=[saved for _, saved in rows])

@@ -94,8 +94,10 @@ def partition_layers(layers: Sequence, stages: int, method: str | Sequence[int],
 
 
 def measure_layer_times(layers: Sequence, sample: Any, seed: int = 0, repeats: int = 3,
-                        device: torch.device | str = "cpu") -> list[float]:
-    """Forward + backward seconds of each layer on `sample` (a micro-batch of inputs)."""
+                        device: torch.device | str = "cpu", precision: str = "fp32",
+                        fp32_modules: Sequence[Any] = ()) -> list[float]:
+    """Forward + backward seconds of each layer on `sample` (a micro-batch of inputs), in
+    the run's `precision`."""
     def run(layer: torch.nn.Module, x: Any) -> tuple[list[float], None, Any]:
         inputs = tree.map_tensors(lambda t: leaf_input(t, device), x)
         start = clock(device)
@@ -105,12 +107,14 @@ def measure_layer_times(layers: Sequence, sample: Any, seed: int = 0, repeats: i
             torch.autograd.backward(floats, grads)
         return [clock(device) - start], None, out
 
-    return [seconds[0] for seconds, _ in each_layer(layers, sample, run, seed, repeats, device)]
+    return [seconds[0] for seconds, _ in each_layer(layers, sample, run, seed, repeats, device,
+                                                     precision, fp32_modules)]
 
 
 def each_layer(layers: Sequence, sample: Any,
                run: Callable[[torch.nn.Module, Any], tuple[list[float], Any, Any]],
-               seed: int = 0, repeats: int = 3, device: torch.device | str = "cpu"
+               seed: int = 0, repeats: int = 3, device: torch.device | str = "cpu",
+               precision: str = "fp32", fp32_modules: Sequence[Any] = ()
                ) -> list[tuple[list[float], Any]]:
     """`run(layer, x) -> (seconds, extra, output)` on each layer, fed the previous layer's
     output (the first gets `sample`); per layer, the elementwise minimum of the seconds of
@@ -118,14 +122,18 @@ def each_layer(layers: Sequence, sample: Any,
     last run's `extra`.
 
     Layers are built one at a time (with their real seeds) and freed, so this needs the memory
-    of one layer, not the model.
+    of one layer, not the model. Under bf16/fp16 each runs as in training (`Precision`: the
+    working dtype, `fp32_modules` kept, inputs cast): an fp32 layer's times are not those.
     """
     from pipeflow.layers import build_layer
+    from pipeflow.precision import Precision
 
     x = sample
     rows: list[tuple[list[float], Any]] = []
     for i, spec in enumerate(layers):
         layer = build_layer(spec, seed, i).to(device)
+        if precision != "fp32":
+            x = Precision(layer, precision, fp32_modules).cast_input(x)
         best: list[float] | None = None
         for attempt in range(repeats + 1):
             seconds, extra, out = run(layer, x)

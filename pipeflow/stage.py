@@ -237,7 +237,9 @@ def _measure_times(layers: Sequence[LayerSpec], config: Config, world: MPI.Comm,
         return None
     times = None
     if world.rank == 0 and sample is not None:
-        times = measure_layer_times(layers, sample, config.seed, device=device)
+        times = measure_layer_times(layers, sample, config.seed, device=device,
+                                    precision=config.precision,
+                                    fp32_modules=config.fp32_modules)
     return waiting.bcast(world, times, 0)
 
 
@@ -252,7 +254,9 @@ def _resolve_schedule(layers: Sequence[LayerSpec], config: Config, world: MPI.Co
                 _measure_times(layers, config, world, sample, device), "")
     costs = None
     if world.rank == 0 and sample is not None:
-        costs = measure_layer_costs(layers, sample, config.seed, device=device)
+        costs = measure_layer_costs(layers, sample, config.seed, device=device,
+                                    precision=config.precision,
+                                    fp32_modules=config.fp32_modules)
     costs = waiting.bcast(world, costs, 0)
     if costs is None:
         raise ConfigError(

@@ -252,3 +252,28 @@ def test_flops_count_a_tied_weight_once_and_no_embedding_lookups():
     everything = sum(p.numel() for p in untied.module.parameters())
     assert count_parameters(untied) == everything - embedding  # the lookup table left out
     untied.close()
+
+
+@pytest.mark.parametrize("precision,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_auto_and_partition_time_measure_layers_in_the_runs_precision(precision, dtype):
+    # They measured fp32 layers for bf16/fp16 runs: other times (on a GPU's tensor cores,
+    # several-fold) and twice the saved bytes the run will really stash.
+    from pipeflow.auto_schedule import measure_layer_costs
+    seen: list = []
+
+    class Probe(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            seen.append((self.lin.weight.dtype, x.dtype))
+            return self.lin(x)
+
+    layers = [pf.LayerSpec(Probe), pf.LayerSpec(Probe)]
+    fp32 = measure_layer_costs(layers, torch.randn(8, 4), repeats=1)
+    assert set(seen) == {(torch.float32, torch.float32)}
+    seen.clear()
+    low = measure_layer_costs(layers, torch.randn(8, 4), repeats=1, precision=precision)
+    assert set(seen) == {(dtype, dtype)}
+    assert low.saved_bytes[1] * 2 == fp32.saved_bytes[1]          # half the stash
