@@ -71,6 +71,10 @@ class Communicator(abc.ABC):
     rank: int
     size: int
     device: torch.device     # where this group's tensors live for its collectives and p2p
+    # Whether an all-reduce may be issued from a thread other than the engine's: autograd's
+    # CUDA device thread, where gradient hooks run (NCCL, ordered by streams, as DDP does);
+    # not MPI, whose calls stay on the engine's thread.
+    launch_from_any_thread: bool = False
 
     @abc.abstractmethod
     def isend(self, tensors: Sequence[torch.Tensor], dest: int, tag: int) -> Request:
@@ -517,6 +521,8 @@ class TorchDistCommunicator(HeadersFirst, Communicator):
             comm.Get_group(), list(range(comm.size)), MPI.COMM_WORLD.Get_group())
         self.group = group
         self.links = links or {}
+        # NCCL on a GPU: buckets launch from autograd's hooks, on the side stream.
+        self.launch_from_any_thread = self.device.type == "cuda"
 
     def isend(self, tensors: Sequence[torch.Tensor], dest: int, tag: int) -> Request:
         group = self.links[(self.rank, dest)]

@@ -31,11 +31,14 @@ class GradReducer:
     through the earlier layers. Gradients arrive pre-scaled (the loss carries 1 / (m · d)), so
     the sum is the global mean.
 
-    Communication is issued from the engine's thread only (the one that built the reducer):
-    on CUDA, autograd runs gradient hooks on its device thread, where MPI (without
-    MPI_THREAD_MULTIPLE) and NCCL's issue order must not be entered. There a hook only marks
-    its bucket ready, and `poll()` (called by the engine after each instruction) or
-    `finish()` launches it. On the engine's own thread (CPU) the hook launches directly.
+    Where a reduction is issued from: on the engine's own thread (CPU) the hook launches its
+    bucket directly. On CUDA, autograd runs gradient hooks on its device thread while the
+    engine's thread waits in `backward()`: with NCCL (`comm.launch_from_any_thread`) the
+    hook launches the bucket there, on the communication stream ordered after the gradient
+    by the stream (as DDP does; every replica's backward makes buckets final in the same
+    order, so NCCL's issue order agrees); with MPI (not entered from two threads) the hook
+    only marks its bucket ready, and `poll()` (after each instruction) or `finish()`
+    launches it from the engine's thread.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], comm: Communicator,
@@ -95,6 +98,8 @@ class GradReducer:
                 self._ready.append(bucket)
         if threading.get_ident() == self.thread:
             self.poll()
+        elif self.comm.launch_from_any_thread:
+            self._launch_ready()
 
     def _launch_ready(self) -> None:
         with self._lock:

@@ -277,3 +277,52 @@ def test_auto_and_partition_time_measure_layers_in_the_runs_precision(precision,
     low = measure_layer_costs(layers, torch.randn(8, 4), repeats=1, precision=precision)
     assert set(seen) == {(dtype, dtype)}
     assert low.saved_bytes[1] * 2 == fp32.saved_bytes[1]          # half the stash
+
+
+@pytest.mark.parametrize("nccl", [True, False], ids=["nccl-from-hooks", "mpi-polled"])
+def test_buckets_start_before_the_last_backward_ends_when_hooks_run_off_thread(nccl):
+    # On CUDA, gradient hooks run on autograd's device thread while the engine's thread waits
+    # in backward(): with NCCL a bucket launches from its hook, so reductions overlap the
+    # rest of the backward; with MPI (one thread) the hook marks it, the engine launches.
+    import threading
+    import time
+
+    from pipeflow.comm import Request
+    from pipeflow.data_parallel import GradReducer
+
+    timeline: list[tuple[str, float]] = []
+
+    class Done(Request):
+        def test(self):
+            return True
+
+        def wait(self):
+            return None
+
+    class Comm:
+        launch_from_any_thread = nccl
+
+        def iallreduce_(self, tensor):
+            timeline.append((f"launch on {threading.current_thread().name}", time.monotonic()))
+            return Done()
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 5, 2, 4)]
+    reducer = GradReducer(params, Comm(), bucket_bytes=16)
+    reducer.arm()
+
+    def backward():                       # autograd's device thread, in backward's order
+        for p in reversed(params):
+            reducer._on_grad(p)
+            time.sleep(0.01)              # the rest of this layer's backward
+        timeline.append(("backward ends", time.monotonic()))
+
+    worker = threading.Thread(target=backward, name="autograd")
+    worker.start()
+    worker.join()
+    reducer.finish()
+    names = [name for name, _ in timeline]
+    if nccl:
+        end = names.index("backward ends")
+        assert names[:end] == ["launch on autograd"] * len(reducer.buckets), names
+    else:
+        assert names == ["backward ends"] + ["launch on MainThread"] * len(reducer.buckets)
