@@ -67,18 +67,24 @@ def _fixed_batches(cfg: GPTConfig, batch: int, n: int) -> list[tuple[torch.Tenso
 
 def _measure(step: Callable, data: list, steps: int, device: torch.device) -> tuple[float, int]:
     """Median seconds a step over `steps` steps after 2 warm-up ones (the GPU synchronised
-    around each), and the allocator's peak over all of them (the optimizer step included)."""
-    if device.type == "cuda":
+    around each), and the allocator's peak over all of them (the optimizer step included),
+    taken step by step the same way for every system: pipeflow's train_step resets the
+    allocator's peak at its start, so one reading after the loop would show pipeflow's last
+    step against the plain loop's every step."""
+    cuda = device.type == "cuda"
+    if cuda:
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
+    times, peak = [], 0
     for k in range(steps + 2):
         _sync(device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         step(*data[k % len(data)])
         _sync(device)
         times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+        if cuda:
+            peak = max(peak, torch.cuda.max_memory_allocated(device))
     return statistics.median(times[2:]), peak
 
 

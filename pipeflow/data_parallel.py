@@ -67,8 +67,14 @@ class GradReducer:
                 group, size = [], 0
         if group:
             self._add_bucket(group, watched)
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._on_grad)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def close(self) -> None:
+        """Remove the gradient hooks: they hold the reducer, which holds the parameters, a
+        cycle that kept a closed engine's weights until the garbage collector ran."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def _add_bucket(self, params: list[nn.Parameter], watched: dict[int, nn.Parameter]) -> None:
         dtype, device = params[0].dtype, params[0].device

@@ -109,7 +109,9 @@ class Engine:
                            torch.device(device) if device is not None else None, sample)
         self._where = self._stage.describe()
         self.loss_fn = loss_fn
-        self.runner = Runner(self._stage, loss_fn, self._at)
+        # Callbacks hold the engine weakly: a cycle would keep a dropped engine's weights and
+        # optimizer state (on the GPU) alive until the garbage collector happens to run.
+        self.runner = Runner(self._stage, loss_fn, _weak(self._at))
         if config.keep_host_memory and self._stage.split_backward \
                 and self._stage.device.type == "cpu":
             keep_freed_memory()     # B to W keeps more graphs alive: no page faults each step
@@ -117,7 +119,7 @@ class Engine:
         # Dropout and other random draws: reproducible from Config.seed, different per rank
         # (replicas must not draw the same masks). Layers were built under their own seeds.
         seed_everything(config.seed, world.rank)
-        self.watchdog = Watchdog(config.watchdog_s, self._report_where)
+        self.watchdog = Watchdog(config.watchdog_s, _weak(self._report_where))
         _OPEN.add(self)
 
     # -- what this rank holds -------------------------------------------------------------
@@ -489,6 +491,16 @@ class Engine:
 
 
 _OPEN: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+def _weak(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` of an object, called through a weak reference to the object."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        return bound(*args) if bound is not None else None
+    return call
 
 
 def _key_order(key: str) -> int:

@@ -129,10 +129,13 @@ class Runner:
         self.free_sent_outputs = stage.config.free_sent_outputs
         self._announced: dict[tuple[int, int], Header] = {}   # (peer, chunk) -> last sent
         self._heard: dict[tuple[int, int], Header] = {}       # (peer, chunk) -> last received
-        self._handlers = {sched.RECV_ACT: self.recv_activation, sched.FORWARD: self.forward,
-                          sched.SEND_ACT: self.send_activation,
-                          sched.RECV_GRAD: self.recv_gradient, sched.BACKWARD: self.backward,
-                          sched.SEND_GRAD: self.send_gradient, sched.WEIGHT: self.weight}
+        # The class's functions, not bound methods: a runner holding its own methods is a
+        # cycle, which keeps a dropped engine's stage alive until the garbage collector runs.
+        cls = type(self)
+        self._handlers = {sched.RECV_ACT: cls.recv_activation, sched.FORWARD: cls.forward,
+                          sched.SEND_ACT: cls.send_activation,
+                          sched.RECV_GRAD: cls.recv_gradient, sched.BACKWARD: cls.backward,
+                          sched.SEND_GRAD: cls.send_gradient, sched.WEIGHT: cls.weight}
 
     # -- the loop -------------------------------------------------------------------------
     @property
@@ -156,7 +159,7 @@ class Runner:
         for act in program:
             self.on_instruction(act)     # described only if a report needs it
             t0 = self.clock.mark() if self.trace else None
-            self._handlers[act.op](act, st)
+            self._handlers[act.op](self, act, st)
             # Let finished sends go and reductions in flight progress, without blocking.
             st.sends[:] = [s for s in st.sends if not _finished(s)]
             reducer = self.stage.reducer

@@ -204,6 +204,8 @@ class Stage:
                 tie.dist = dist
 
     def close(self) -> None:
+        if self.reducer is not None:
+            self.reducer.close()
         self.pipe_comm.free()
         if self.data_comm is not None:
             self.data_comm.free()

@@ -279,3 +279,25 @@ def test_hooks_off_the_engine_thread_only_mark_buckets_ready(where):
             assert torch.equal(p.grad, want.float()), (k, p.grad, want)
         reducer.zero_grad()
     comm.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_a_closed_replicated_engine_frees_its_weights_without_the_garbage_collector():
+    # The reducer's gradient hooks hold the reducer, which holds the parameters: until close
+    # removed them, a dropped engine's weights (on a GPU) waited for gc.collect().
+    import gc
+    import weakref
+    engine = pf.Engine(toy_layers(), loss_fn, adamw,
+                       pf.Config(pipeline=1, data=WORLD.size, microbatches=2))
+    engine.train_step(*batches(1, 4 * WORLD.size)[0])
+    weights = weakref.ref(next(engine.module.parameters()))
+    engine.close()
+    gc.collect()
+    gc.disable()
+    try:
+        del engine
+        freed = weights() is None
+    finally:
+        gc.enable()
+    assert WORLD.allgather(freed) == [True] * WORLD.size

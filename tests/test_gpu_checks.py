@@ -326,3 +326,23 @@ def test_buckets_start_before_the_last_backward_ends_when_hooks_run_off_thread(n
         assert names[:end] == ["launch on autograd"] * len(reducer.buckets), names
     else:
         assert names == ["backward ends"] + ["launch on MainThread"] * len(reducer.buckets)
+
+
+def test_a_closed_engine_frees_its_weights_without_the_garbage_collector():
+    # Reference cycles (the runner's and the watchdog's callbacks) kept a closed engine's
+    # weights and optimizer state alive until gc.collect(): on a GPU, a benchmark's next
+    # engine ran out of memory, or its peak counted the last one's.
+    import gc
+    import weakref
+
+    from toy import adamw, batches, loss_fn, toy_layers
+    engine = pf.Engine(toy_layers(), loss_fn, adamw, pf.Config(microbatches=2))
+    engine.train_step(*batches(1, 4)[0])
+    weights = weakref.ref(next(engine.module.parameters()))
+    engine.close()
+    gc.disable()
+    try:
+        del engine
+        assert weights() is None, gc.get_referrers(weights())[:3]
+    finally:
+        gc.enable()
