@@ -258,8 +258,11 @@ class MpiCommunicator(Communicator):
     """mpi4py over host memory; runs anywhere. GPU tensors are staged through the host, or
     handed to MPI as they are where MPI is CUDA-aware (`cuda_mpi.cuda_aware_mpi`)."""
 
-    def __init__(self, comm: MPI.Comm) -> None:
+    def __init__(self, comm: MPI.Comm, synchronous: bool = False) -> None:
+        """`synchronous`: a tensor send completes only once the peer has matched it with a
+        receive (`MPI_Issend`), as NCCL's do, instead of when MPI has buffered it."""
         self.comm = comm
+        self._isend = comm.Issend if synchronous else comm.Isend
         # Objects travel on their own context, so they can never match a tensor receive.
         self.control = comm.Dup()
         self.rank = comm.rank
@@ -272,7 +275,7 @@ class MpiCommunicator(Communicator):
         # them in order into the receiver's receives, posted in the same order.
         host = _outgoing(tensors)
         self.bytes_sent += sum(t.numel() * t.element_size() for t in host)
-        reqs = [self.comm.Isend(_bytes(t), dest=dest, tag=tag) for t in host]
+        reqs = [self._isend(_bytes(t), dest=dest, tag=tag) for t in host]
         return _MpiSend(reqs, host)
 
     def irecv(self, metas: Sequence[TensorMeta], source: int, tag: int,
@@ -293,7 +296,7 @@ class MpiCommunicator(Communicator):
             keep.append(raw)
         host = _outgoing(tensors)
         self.bytes_sent += sum(t.numel() * t.element_size() for t in host)
-        reqs += [self.comm.Isend(_bytes(t), dest=dest, tag=2 * tag) for t in host]
+        reqs += [self._isend(_bytes(t), dest=dest, tag=2 * tag) for t in host]
         return _MpiSend(reqs, host + keep)
 
     def recv_message(self, source: int, tag: int, header: Header | None,

@@ -20,6 +20,7 @@ from pipeflow import schedule as sched
 from pipeflow import tree
 from pipeflow.batch import Batches
 from pipeflow.recompute import SavedTensorMeter, auto_policy, stage_forward
+from pipeflow.strict_comm import no_device_sync
 from pipeflow.tree import Header
 from pipeflow.zero_bubble import backward_input, backward_weight
 
@@ -152,6 +153,12 @@ class Runner:
         self._timeline.append((what, start, end))
 
     def run(self, program: list[sched.Action], st: StepState) -> StepState:
+        if self.stage.backend == "strict":        # NCCL's rules: no device sync in a step
+            with no_device_sync(self.stage.describe):
+                return self._run(program, st)
+        return self._run(program, st)
+
+    def _run(self, program: list[sched.Action], st: StepState) -> StepState:
         self._timeline = []
         self.pending_sends = st.sends      # for hang reports
         if self.trace:

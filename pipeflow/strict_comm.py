@@ -10,6 +10,11 @@ refuses
   shapes), and the receiver compares it with what it asked for;
 - a collective that the ranks of the group do not all issue as their next one (same op, same
   shape and dtype): NCCL would hang or sum unrelated buffers;
+- a send that completes before the peer has posted its receive: NCCL's sends do not finish
+  until the peer receives (no buffering to hide an order that only works with it), so every
+  tensor here is sent synchronously (`MPI_Issend`);
+- a device synchronize inside a step (`torch.cuda.synchronize`, see `no_device_sync`): after
+  a send it waits for the peer's receive, and two stages doing so wait for each other;
 - a tensor off the group's device;
 - any call from another thread than the one that built the communicator (on CUDA, autograd
   runs gradient hooks on its device thread).
@@ -17,8 +22,9 @@ refuses
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from mpi4py import MPI
@@ -27,11 +33,30 @@ from pipeflow import waiting
 from pipeflow.comm import (Communicator, HeadersFirst, MpiCommunicator, Request, TensorMeta,
                            check_on_device, meta_of)
 
-__all__ = ["StrictCommunicator", "StrictCommError"]
+__all__ = ["StrictCommunicator", "StrictCommError", "no_device_sync"]
 
 
 class StrictCommError(RuntimeError):
     """A use of a communicator that MPI tolerates but NCCL would not."""
+
+
+@contextlib.contextmanager
+def no_device_sync(where: Callable[[], str]) -> Iterator[None]:
+    """Within a step under the strict backend, `torch.cuda.synchronize` is an error (on a CPU
+    nothing else would show that the engine calls it, as the tracer once did)."""
+    real = torch.cuda.synchronize
+
+    def refuse(device: Any = None) -> None:
+        raise StrictCommError(
+            f"{where()}: torch.cuda.synchronize() inside a step: after a send it waits for "
+            f"the peer's receive, and two stages doing so wait for each other under NCCL. "
+            f"Record a CUDA event and read it after the step instead")
+
+    torch.cuda.synchronize = refuse
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = real
 
 
 class _StrictSend(Request):
@@ -84,7 +109,7 @@ class StrictCommunicator(HeadersFirst, Communicator):
     """Host-staged MPI with NCCL's rules checked on every call (see the module's docstring)."""
 
     def __init__(self, comm: MPI.Comm, device: torch.device | str = "cpu") -> None:
-        self.inner = MpiCommunicator(comm)
+        self.inner = MpiCommunicator(comm, synchronous=True)
         self.headers = comm.Dup()       # one header per message, matched by order
         self.checks = comm.Dup()        # each collective's signature, compared across ranks
         self.rank, self.size = comm.rank, comm.size

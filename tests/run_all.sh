@@ -35,6 +35,24 @@ for n in 2 4; do
     if [[ $rc -ne 0 ]]; then failed+=("mpirun -n $n $f (exit $rc)"); fi
   done
 done
+# Strict mode: the MPI backend under NCCL's rules (synchronous sends, order-matched links,
+# agreed collectives, no device synchronize in a step, one thread): the equivalence, trainer
+# and checkpoint tests again, so CPU CI fails where a GPU run with NCCL would.
+STRICT_FILES=(tests/test_engine_mpi.py tests/test_data_parallel_mpi.py tests/test_trainer_mpi.py
+              tests/test_checkpoint_mpi.py)
+for n in 2 4; do
+  files=("${STRICT_FILES[@]}")
+  if [[ $n -eq 4 ]]; then files=(tests/test_trainer_mpi.py); fi   # 2x2: ties, fp16, clip
+  echo "== strict mode (PIPEFLOW_STRICT_COMM=1), mpirun -n $n: ${files[*]}"
+  for f in "${files[@]}"; do
+    rc=0
+    PIPEFLOW_STRICT_COMM=1 timeout -k 15 900 "$MPIRUN" $OVERSUB -n "$n" \
+      python -m pytest -q -p no:cacheprovider --capture=sys --with-mpi -m "mpi and not gpu" \
+      "$f" "$@" || rc=$?
+    if [[ $rc -eq 5 && $# -gt 0 ]]; then rc=0; fi
+    if [[ $rc -ne 0 ]]; then failed+=("strict mpirun -n $n $f (exit $rc)"); fi
+  done
+done
 if [[ ${#failed[@]} -gt 0 ]]; then
   printf 'FAILED: %s\n' "${failed[@]}" >&2
   exit 1
