@@ -57,5 +57,5 @@ if [[ ${#failed[@]} -gt 0 ]]; then
   printf 'FAILED: %s\n' "${failed[@]}" >&2
   exit 1
 fi
-echo "== the GPU tests' dry run on the CPU"
-bash tests/gpu/run.sh --device cpu
+echo "== the first GPU run's script, dry run on the CPU"
+bash tests/gpu/first_run.sh --device cpu --out "${TMPDIR:-/tmp}/pipeflow-first-run.$$"
