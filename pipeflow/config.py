@@ -106,6 +106,10 @@ class Config:
     # 0: no limit (the watchdog still applies). PIPEFLOW_AGREE_S sets it for a whole job.
     agree_s: float = dataclasses.field(
         default_factory=lambda: _env_seconds("PIPEFLOW_AGREE_S", 30.0))
+    # Deterministic kernels (torch.use_deterministic_algorithms, and cuBLAS's workspace set
+    # for it): on a GPU, bit-for-bit claims (resume, recompute, replicas) need it; some ops
+    # get slower, and one without a deterministic kernel raises. CPUs are deterministic.
+    deterministic: bool = False
     max_nonfinite_steps: int = 3   # abort after this many non-finite steps in a row
     # How a rank waits on MPI (pipeflow.waiting): "spin" inside MPI, "yield" its core between
     # tests, or "auto": yield where a node runs more ranks than it has cores, else spin.
@@ -137,7 +141,7 @@ class Config:
         _number("bucket_mb", self.bucket_mb, 0.0, strict=True)
         _number("clip", self.clip, 0.0, hint="0 turns clipping off", what="a norm")
         _integer("seed", self.seed, None)
-        for name in ("free_sent_outputs", "keep_host_memory"):
+        for name in ("free_sent_outputs", "keep_host_memory", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, "true or false", getattr(self, name),
                       f"set {name} = true (the default) or false")

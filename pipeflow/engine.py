@@ -119,6 +119,8 @@ class Engine:
         # Dropout and other random draws: reproducible from Config.seed, different per rank
         # (replicas must not draw the same masks). Layers were built under their own seeds.
         seed_everything(config.seed, world.rank)
+        if config.deterministic:
+            use_deterministic_algorithms()
         self.watchdog = Watchdog(config.watchdog_s, _weak(self._report_where))
         _OPEN.add(self)
 
@@ -491,6 +493,13 @@ class Engine:
 
 
 _OPEN: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+def use_deterministic_algorithms() -> None:
+    """Deterministic kernels for this process (`Config.deterministic`). cuBLAS needs its
+    workspace fixed for that, before its first use: set here unless the user set it."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
 
 
 def _weak(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -346,3 +346,20 @@ def test_a_closed_engine_frees_its_weights_without_the_garbage_collector():
         assert weights() is None, gc.get_referrers(weights())[:3]
     finally:
         gc.enable()
+
+
+def test_deterministic_runs_ask_torch_for_deterministic_kernels(monkeypatch):
+    # Bit-for-bit claims on a GPU (resume, recompute) hold only with deterministic kernels:
+    # Config.deterministic asks for them, and fixes cuBLAS's workspace unless already set.
+    from toy import adamw, loss_fn, toy_layers
+    asked = []
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda on: asked.append(on))
+    pf.Engine(toy_layers(), loss_fn, adamw, pf.Config()).close()
+    assert asked == []
+    pf.Engine(toy_layers(), loss_fn, adamw, pf.Config(deterministic=True)).close()
+    assert asked == [True]
+    import os
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    with pytest.raises(pf.ConfigError, match="deterministic"):
+        pf.Config(deterministic="yes")

@@ -118,7 +118,7 @@ def _gpt(precision: str, recompute: str = "none", dropout: float = 0.0, steps: i
         torch.cuda.manual_seed(1000 + WORLD.rank)
     engine = pf.Engine(gpt_layers(cfg), gpt_loss, lambda ps: torch.optim.AdamW(ps, lr=3e-3),
                        pf.Config(pipeline=WORLD.size, microbatches=4, precision=precision,
-                                 recompute=recompute), device=_device())
+                                 recompute=recompute, deterministic=ON_GPU), device=_device())
     data = Batches(load_corpus(), 8, cfg.seq_len, seed=0)
     losses = [engine.train_step(*data.batch(i)) for i in range(steps)]
     state = {k: v.cpu() for k, v in engine.master_state_dict().items()}
