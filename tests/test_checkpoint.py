@@ -101,12 +101,18 @@ KILLED_SAVE = textwrap.dedent("""
 """)
 
 
+def _run_script(template: str, folder) -> subprocess.CompletedProcess:
+    """`template` (formatted with the tests' folder and `folder`) in a fresh process, outside
+    any MPI launch."""
+    script = template.format(here=HERE, folder=str(folder))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_"))}
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=110, env=env)
+
+
 @pytest.mark.timeout(120)
 def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_usable(tmp_path):
-    script = KILLED_SAVE.format(here=HERE, folder=str(tmp_path))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_"))}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=110, env=env)
+    proc = _run_script(KILLED_SAVE, tmp_path)
     assert proc.returncode == 9, proc.stdout + proc.stderr
     assert (tmp_path / "latest").read_text() == "step-00000001"
     assert not (tmp_path / "step-00000002").exists()              # never published
@@ -287,10 +293,7 @@ FILE_LIMIT_SAVE = textwrap.dedent("""
 @pytest.mark.timeout(120)
 def test_a_save_past_the_file_size_limit_fails_and_the_previous_one_loads(tmp_path):
     # A real OS error, not a patched one: `ulimit -f 1` (1 KiB) makes every shard too large.
-    script = FILE_LIMIT_SAVE.format(here=HERE, folder=str(tmp_path))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_"))}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=110, env=env)
+    proc = _run_script(FILE_LIMIT_SAVE, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "refused: the checkpoint of step 2 was not saved" in proc.stdout, proc.stdout
     assert "File too large" in proc.stdout

@@ -15,14 +15,9 @@ from mpi4py import MPI
 import pipeflow as pf
 from pipeflow.rng import seed_everything
 
-from toy import adamw, batches, dropout_layers, loss_fn
+from toy import adamw, batches, dropout_layers, loss_fn, pair
 
-WORLD = MPI.COMM_WORLD
 pytestmark = pytest.mark.timeout(120)
-
-
-def _pair() -> MPI.Comm:
-    return WORLD.Split(color=WORLD.rank // 2, key=WORLD.rank)
 
 
 def _engine(comm: MPI.Comm, pipeline: int, data: int, schedule: str = "1f1b",
@@ -45,7 +40,7 @@ def _masters(engine: pf.Engine) -> dict[str, torch.Tensor]:
     ((2, 1), "zb-h1", "bf16"), ((2, 1), "zbv", "fp16")])
 def test_a_dropout_run_resumes_bit_identically_on_every_rank(grid, schedule, precision,
                                                               tmp_path_factory):
-    comm = _pair()
+    comm = pair()
     folder = comm.bcast(str(tmp_path_factory.mktemp("ckpt")) if comm.rank == 0 else None)
     data = batches(3, 8)
     seed_everything(0, comm.rank)        # each rank (each replica) draws its own masks
@@ -73,7 +68,7 @@ def test_a_dropout_run_resumes_bit_identically_on_every_rank(grid, schedule, pre
 
 @pytest.mark.mpi(min_size=2)
 def test_another_grid_loads_the_weights_and_warns_about_the_random_state(tmp_path_factory):
-    comm = _pair()
+    comm = pair()
     folder = comm.bcast(str(tmp_path_factory.mktemp("ckpt")) if comm.rank == 0 else None)
     engine = _engine(comm, 2, 1)
     engine.train_step(*batches(1, 8)[0])
@@ -105,7 +100,7 @@ def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank_and_keeps_the_last
     import errno
 
     import pipeflow.checkpoint as ckpt
-    comm = _pair()
+    comm = pair()
     folder = comm.bcast(__import__("tempfile").mkdtemp(prefix="pipeflow-full-")
                         if comm.rank == 0 else None)
     engine = _engine(comm, *grid)

@@ -9,19 +9,13 @@ import time
 
 import pytest
 import torch
-from mpi4py import MPI
 from torch import nn
 
 import pipeflow as pf
 from pipeflow.optim_step import NonFiniteError
 
-from toy import adamw, batches, loss_fn, toy_layers
+from toy import adamw, batches, loss_fn, pair, toy_layers
 
-WORLD = MPI.COMM_WORLD
-
-
-def _pair() -> MPI.Comm:
-    return WORLD.Split(color=WORLD.rank // 2, key=WORLD.rank)
 
 
 def sgd(params):
@@ -31,7 +25,7 @@ def sgd(params):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 def test_eval_on_one_rank_while_another_trains_fails_on_both():
-    comm = _pair()
+    comm = pair()
     engine = pf.Engine(toy_layers(), loss_fn, adamw, pf.Config(pipeline=2, microbatches=2),
                        comm=comm)
     x, y = batches(1, 8)[0]
@@ -55,7 +49,7 @@ def test_ranks_a_step_apart_fail_on_both(grid):
     # One rank a step ahead (a train_step of its own earlier, a step count set on one rank):
     # the same call with the same batch shapes, so only the step number tells them apart.
     # Let through, the ranks would pair the wrong steps' micro-batches and data positions.
-    comm = _pair()
+    comm = pair()
     pipeline, data = grid
     engine = pf.Engine(toy_layers(), loss_fn, adamw,
                        pf.Config(pipeline=pipeline, data=data, microbatches=2), comm=comm)
@@ -78,7 +72,7 @@ def test_ranks_a_step_apart_fail_on_both(grid):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 def test_replicas_given_different_batches_fail_at_once():
-    comm = _pair()
+    comm = pair()
     engine = pf.Engine(toy_layers(), loss_fn, adamw, pf.Config(data=2, microbatches=2),
                        comm=comm)
     x, y = batches(1, 8 if comm.rank == 0 else 12)[0]
@@ -91,7 +85,7 @@ def test_replicas_given_different_batches_fail_at_once():
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 def test_an_optimizer_factory_returning_none_is_refused():
-    comm = _pair()
+    comm = pair()
     with pytest.raises(pf.ConfigError, match="optimizer factory returned NoneType"):
         pf.Engine(toy_layers(), loss_fn, lambda params: None, pf.Config(pipeline=2),
                   comm=comm)
@@ -112,7 +106,7 @@ class Poison(nn.Module):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_non_finite_step_is_skipped_everywhere_then_the_run_stops(precision):
-    comm = _pair()
+    comm = pair()
     layers = toy_layers()
     layers.insert(1, pf.LayerSpec(Poison))
     config = pf.Config(pipeline=2, microbatches=2, precision=precision, max_nonfinite_steps=2)
@@ -163,7 +157,7 @@ def _trimmed_loss(logits, targets):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 def test_outputs_that_change_dtype_or_shape_are_renegotiated_not_misread():
-    comm = _pair()
+    comm = pair()
     layers = toy_layers(blocks=2)
     layers[2:2] = [pf.LayerSpec(Switch), pf.LayerSpec(Back)]    # Switch ends stage 0
     engine = pf.Engine(layers, _trimmed_loss, adamw,
@@ -187,7 +181,7 @@ def test_a_save_on_rank_0_only_fails_on_both_ranks():
     # The DDP habit `if rank == 0: engine.save(d)`: rank 1 goes on to the next step, whose
     # agreement meets rank 0's save; both ranks learn it at once, nothing is written.
     import tempfile
-    comm = _pair()
+    comm = pair()
     folder = comm.bcast(tempfile.mkdtemp(prefix="pipeflow-rank0-") if comm.rank == 0 else None)
     engine = pf.Engine(toy_layers(), loss_fn, adamw, pf.Config(pipeline=2, microbatches=2),
                        comm=comm)
@@ -209,7 +203,7 @@ def test_a_save_on_rank_0_only_fails_on_both_ranks():
 def test_a_call_some_rank_never_makes_names_it_within_agree_s():
     # Rank 1 never calls gather_state_dict: rank 0 gives up after agree_s, naming rank 1
     # (library use without aborts: a CollectiveError, and the engine is spent).
-    comm = _pair()
+    comm = pair()
     engine = pf.Engine(toy_layers(), loss_fn, adamw,
                        pf.Config(pipeline=2, microbatches=2, agree_s=1.0), comm=comm,
                        abort_on_error=False)

@@ -15,7 +15,8 @@ import pipeflow as pf
 from pipeflow.comm import CommDeviceError
 from pipeflow.strict_comm import StrictCommError, StrictCommunicator
 
-from toy import adamw, assert_same_parameters, batches, loss_fn, toy_layers, train_reference
+from toy import (adamw, assert_same_parameters, batches, loss_fn, pair, toy_layers,
+                 train_reference)
 
 WORLD = MPI.COMM_WORLD
 # Representative grids: (pipeline, data, schedule, tied, clip); only those the world holds.
@@ -132,32 +133,28 @@ def test_calls_off_the_owning_thread_and_tensors_off_the_device_are_refused():
     meta.free()
 
 
-def _pair() -> MPI.Comm:
-    return WORLD.Split(color=WORLD.rank // 2, key=WORLD.rank)
-
-
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 def test_a_strict_send_completes_only_once_the_peer_receives():
     # NCCL's sends do not finish into a buffer: an order that works only because MPI
     # buffered a small message must fail under strict mode as it would hang under NCCL.
     import time
-    pair = _pair()
-    comm = StrictCommunicator(pair)
-    if pair.rank == 0:
+    group = pair()
+    comm = StrictCommunicator(group)
+    if group.rank == 0:
         request = comm.isend([torch.ones(4)], dest=1, tag=3)
         time.sleep(0.3)
         early = request.test()
-        pair.Barrier()                       # only now does rank 1 post its receive
+        group.Barrier()                       # only now does rank 1 post its receive
         request.wait()
         assert not early, "the send completed before any receive was posted"
     else:
-        pair.Barrier()
+        group.Barrier()
         got = comm.irecv([((4,), torch.float32)], source=0, tag=3,
                          device=torch.device("cpu")).wait()
         assert torch.equal(got[0], torch.ones(4))
     comm.free()
-    pair.Free()
+    group.Free()
 
 
 class SyncsTheDevice(torch.nn.Module):
@@ -169,15 +166,15 @@ class SyncsTheDevice(torch.nn.Module):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 def test_a_device_synchronize_inside_a_step_fails_under_strict_mode():
-    pair = _pair()
+    group = pair()
     layers = toy_layers()
     layers.insert(1, pf.LayerSpec(SyncsTheDevice))
     # Replicas: each rank meets the synchronize in its own first forward.
     engine = pf.Engine(layers, loss_fn, adamw,
-                       pf.Config(data=2, microbatches=2, backend="strict"), comm=pair,
+                       pf.Config(data=2, microbatches=2, backend="strict"), comm=group,
                        abort_on_error=False)
     with pytest.raises(RuntimeError, match=r"torch.cuda.synchronize\(\) inside a step"):
         engine.train_step(*batches(1, 8)[0])
     assert torch.cuda.synchronize is not None and \
         torch.cuda.synchronize.__name__ == "synchronize"      # put back after the step
-    pair.Free()
+    group.Free()

@@ -8,18 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mpi4py import MPI
 from torch import nn
 
 import pipeflow as pf
 from pipeflow.tree import tensors as tree_tensors
 
-WORLD = MPI.COMM_WORLD
+from toy import pair
+
 VOCAB, WIDTH, SEQ, BATCH, M = 11, 6, 7, 8, 4
-
-
-def _pair() -> MPI.Comm:
-    return WORLD.Split(color=WORLD.rank // 2, key=WORLD.rank)
 
 
 def sgd(params):
@@ -154,7 +150,7 @@ def _check(engine, comm, model, losses, ref_losses):
 @pytest.mark.parametrize("form", ["int-first", "dict", "mask", "ragged", "plain"])
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_any_structure_between_stages_trains_like_one_process(form, schedule):
-    comm = _pair()
+    comm = pair()
     layers = layers_for(form)
     engine = pf.Engine(layers, loss_fn, sgd,
                        pf.Config(pipeline=2, microbatches=M, schedule=schedule), comm=comm)
@@ -173,7 +169,7 @@ def test_any_structure_between_stages_trains_like_one_process(form, schedule):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 def test_a_float_mask_made_without_grad_crosses_forward_only():
-    comm = _pair()
+    comm = pair()
     engine = pf.Engine(layers_for("mask"), loss_fn, sgd, pf.Config(pipeline=2, microbatches=M),
                        comm=comm)
     x, y, _ = data(1)[0]
@@ -190,7 +186,7 @@ def test_a_float_mask_made_without_grad_crosses_forward_only():
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 def test_side_inputs_reach_every_stage_and_never_cross():
-    comm = _pair()
+    comm = pair()
     layers = layers_for("plain")
     engine = pf.Engine(layers, loss_fn, sgd, pf.Config(pipeline=2, microbatches=M), comm=comm)
     batches = data()
@@ -210,7 +206,7 @@ def test_side_inputs_reach_every_stage_and_never_cross():
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 def test_frozen_parameters_stay_put_and_save_and_gather(tmp_path_factory):
-    comm = _pair()
+    comm = pair()
     layers = layers_for("plain", frozen=True)
     engine = pf.Engine(layers, loss_fn, sgd,
                        pf.Config(pipeline=2, microbatches=M, precision="bf16", clip=1.0),
@@ -240,7 +236,7 @@ def test_frozen_parameters_stay_put_and_save_and_gather(tmp_path_factory):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 def test_load_state_dict_and_outputs_from_eval():
-    comm = _pair()
+    comm = pair()
     layers = layers_for("dict")
     engine = pf.Engine(layers, loss_fn, sgd, pf.Config(pipeline=2, microbatches=M), comm=comm)
     other = pf.build_sequential(layers, seed=7)
@@ -262,7 +258,7 @@ def test_load_state_dict_and_outputs_from_eval():
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 def test_token_count_normalisation_equals_the_one_process_token_mean():
-    comm = _pair()
+    comm = pair()
     layers = layers_for("plain")
 
     def summed(logits, targets):
@@ -310,7 +306,7 @@ def test_sent_activations_are_freed_and_training_is_unchanged(form, monkeypatch)
         return original(self, act, st)
 
     monkeypatch.setattr(Runner, "backward", watching)
-    comm = _pair()
+    comm = pair()
     layers = layers_for(form)
     states = {}
     for free in (False, True):

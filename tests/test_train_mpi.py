@@ -20,13 +20,8 @@ from pipeflow.run_config import load_run_config
 from pipeflow.train import train
 
 from factory_models import RUN_TOML
+from toy import pair
 
-WORLD = MPI.COMM_WORLD
-
-
-
-def _pair() -> MPI.Comm:
-    return WORLD.Split(color=WORLD.rank // 2, key=WORLD.rank)
 
 
 def _shared_folder(comm: MPI.Comm) -> str:
@@ -49,7 +44,7 @@ def _quiet(*args, **kwargs):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 def test_sigterm_on_one_rank_saves_on_every_rank_and_resume_continues():
-    comm = _pair()
+    comm = pair()
     folder = _shared_folder(comm)
     comm.Barrier()
     whole = train(_run(folder), comm=comm, log=_quiet)
@@ -72,7 +67,7 @@ def test_sigterm_on_one_rank_saves_on_every_rank_and_resume_continues():
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 def test_replicas_reading_their_shards_train_as_one_process():
-    comm = _pair()
+    comm = pair()
     folder = _shared_folder(comm)
     if comm.rank == 0:
         (np.arange(30_000) * 7 % 256).astype(np.uint16).tofile(os.path.join(folder, "t.bin"))

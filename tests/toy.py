@@ -77,6 +77,13 @@ def toy_layers(blocks: int = 5, tied: bool = False) -> list[pf.LayerSpec]:
     return layers
 
 
+def pair():
+    """The world as pairs of ranks (0-1, 2-3, ...): a 2-rank test runs side by side on 4."""
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    return world.Split(color=world.rank // 2, key=world.rank)
+
+
 def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
