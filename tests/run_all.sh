@@ -4,12 +4,7 @@
 # ends its rank, and so the whole job, so a hang fails fast instead of stalling CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1
-# Open MPI refuses root without these; MPICH ignores them.
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-MPIRUN=${MPIRUN:-mpirun}
-OVERSUB=""
-if "$MPIRUN" --version 2>&1 | grep -q "Open MPI"; then OVERSUB="--oversubscribe"; fi
+source tests/mpi_env.sh
 
 echo "== serial tests"
 python -m pytest -q -p no:cacheprovider -m "not mpi" "$@"
@@ -22,17 +17,25 @@ python -m pytest -q -p no:cacheprovider -m "not mpi" "$@"
 # 2 cores, one job per file about 3).
 mapfile -t MPI_FILES < <(grep -l "mark.mpi" tests/test_*.py)
 failed=()
+
+run_file() {   # run_file N FILE [pytest args]: one mpirun job; a failure is recorded
+  local n="$1" f="$2" rc=0
+  shift 2
+  timeout -k 15 900 "$MPIRUN" $OVERSUB -n "$n" \
+    python -m pytest -q -p no:cacheprovider --capture=sys --with-mpi -m "mpi and not gpu" \
+    "$f" "$@" || rc=$?
+  # Exit 5 (no test collected) is a failure unless the caller's own -k or -m chose none here.
+  if [[ $rc -eq 5 && $# -gt 0 ]]; then rc=0; fi
+  if [[ $rc -ne 0 ]]; then
+    failed+=("${PIPEFLOW_STRICT_COMM:+strict }mpirun -n $n $f (exit $rc)")
+  fi
+}
+
 for n in 2 4; do
   echo "== mpirun -n $n: ${#MPI_FILES[@]} files"
   for f in "${MPI_FILES[@]}"; do
     echo "-- $f"
-    rc=0
-    timeout -k 15 900 "$MPIRUN" $OVERSUB -n "$n" \
-      python -m pytest -q -p no:cacheprovider --capture=sys --with-mpi -m "mpi and not gpu" \
-      "$f" "$@" || rc=$?
-    # Exit 5 (no test collected) is a failure unless the caller's own -k or -m chose none here.
-    if [[ $rc -eq 5 && $# -gt 0 ]]; then rc=0; fi
-    if [[ $rc -ne 0 ]]; then failed+=("mpirun -n $n $f (exit $rc)"); fi
+    run_file "$n" "$f" "$@"
   done
 done
 # Strict mode: the MPI backend under NCCL's rules (synchronous sends, order-matched links,
@@ -40,19 +43,16 @@ done
 # and checkpoint tests again, so CPU CI fails where a GPU run with NCCL would.
 STRICT_FILES=(tests/test_engine_mpi.py tests/test_data_parallel_mpi.py tests/test_trainer_mpi.py
               tests/test_checkpoint_mpi.py)
+export PIPEFLOW_STRICT_COMM=1
 for n in 2 4; do
   files=("${STRICT_FILES[@]}")
   if [[ $n -eq 4 ]]; then files=(tests/test_trainer_mpi.py); fi   # 2x2: ties, fp16, clip
   echo "== strict mode (PIPEFLOW_STRICT_COMM=1), mpirun -n $n: ${files[*]}"
   for f in "${files[@]}"; do
-    rc=0
-    PIPEFLOW_STRICT_COMM=1 timeout -k 15 900 "$MPIRUN" $OVERSUB -n "$n" \
-      python -m pytest -q -p no:cacheprovider --capture=sys --with-mpi -m "mpi and not gpu" \
-      "$f" "$@" || rc=$?
-    if [[ $rc -eq 5 && $# -gt 0 ]]; then rc=0; fi
-    if [[ $rc -ne 0 ]]; then failed+=("strict mpirun -n $n $f (exit $rc)"); fi
+    run_file "$n" "$f" "$@"
   done
 done
+unset PIPEFLOW_STRICT_COMM
 if [[ ${#failed[@]} -gt 0 ]]; then
   printf 'FAILED: %s\n' "${failed[@]}" >&2
   exit 1

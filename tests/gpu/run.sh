@@ -13,11 +13,8 @@ while [[ $# -gt 0 ]]; do
     *) echo "usage: $0 [--device cuda|cpu]" >&2; exit 2 ;;
   esac
 done
-export PIPEFLOW_TEST_DEVICE="$DEVICE" OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1   # Open MPI as root
-MPIRUN=${MPIRUN:-mpirun}
-OVERSUB=""
-if "$MPIRUN" --version 2>&1 | grep -q "Open MPI"; then OVERSUB="--oversubscribe"; fi
+export PIPEFLOW_TEST_DEVICE="$DEVICE"
+source tests/mpi_env.sh
 if [[ "$DEVICE" == cuda* ]]; then
   python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else \
     'tests/gpu/run.sh: no CUDA device; use --device cpu for the dry run')"
