@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import pickle
+import time
 from typing import Any, Sequence
 
 import torch
@@ -129,6 +130,13 @@ class Communicator(abc.ABC):
         """For a hang report, from any thread: what has arrived from `source` and not been
         received yet, or None where the transport cannot tell (torch.distributed)."""
         return None
+
+    def in_flight(self) -> list[str]:
+        """For a hang report, from any thread: the operations issued to the device that have
+        not completed (NCCL's waits never block the host, so a stuck link shows only here;
+        the host blocks later, at the loss or the optimizer step). Empty where every wait
+        blocks the host (MPI)."""
+        return []
 
 
 def _bytes(t: torch.Tensor) -> Any:
@@ -442,6 +450,10 @@ def _hostname() -> str:
     return socket.gethostname()
 
 
+def _completed(works: list) -> bool:
+    return all(w.is_completed() for w in works)
+
+
 class _DistWork(Request):
     def __init__(self, works: list, result: Any = None) -> None:
         self._works = works
@@ -526,6 +538,7 @@ class TorchDistCommunicator(HeadersFirst, Communicator):
         self.links = links or {}
         # NCCL on a GPU: buckets launch from autograd's hooks, on the side stream.
         self.launch_from_any_thread = self.device.type == "cuda"
+        self._flight: list[tuple[str, list, float]] = []    # (what, works, issued at)
 
     def isend(self, tensors: Sequence[torch.Tensor], dest: int, tag: int) -> Request:
         group = self.links[(self.rank, dest)]
@@ -535,7 +548,8 @@ class TorchDistCommunicator(HeadersFirst, Communicator):
         # One batch for the message's tensors: NCCL runs them as one grouped operation.
         ops = [self._dist.P2POp(self._dist.isend, t, self.global_ranks[dest], group, tag)
                for t in ts]
-        return _DistWork(self._dist.batch_isend_irecv(ops), ts)
+        return self._issued(f"send of message {tag} to rank {self.global_ranks[dest]}",
+                            _DistWork(self._dist.batch_isend_irecv(ops), ts))
 
     def irecv(self, metas: Sequence[TensorMeta], source: int, tag: int,
               device: torch.device) -> Request:
@@ -544,7 +558,21 @@ class TorchDistCommunicator(HeadersFirst, Communicator):
         self._check("irecv", ts)
         ops = [self._dist.P2POp(self._dist.irecv, t, self.global_ranks[source], group, tag)
                for t in ts]
-        return _DistWork(self._dist.batch_isend_irecv(ops), ts)
+        return self._issued(f"receive of message {tag} from rank {self.global_ranks[source]}",
+                            _DistWork(self._dist.batch_isend_irecv(ops), ts))
+
+    def _issued(self, what: str, work: "_DistWork") -> "_DistWork":
+        """Track a device operation for `in_flight` (completed ones are dropped as new ones
+        come, so the list stays as short as what is really outstanding)."""
+        if self.device.type == "cuda":
+            self._flight = [f for f in self._flight if not _completed(f[1])]
+            self._flight.append((what, work._works, time.monotonic()))
+        return work
+
+    def in_flight(self) -> list[str]:
+        now = time.monotonic()
+        return [f"{what} (issued {now - t0:.0f} s ago, not completed on the device)"
+                for what, works, t0 in list(self._flight) if not _completed(works)]
 
     def _header_link(self, tag: int) -> tuple[MPI.Comm, int]:
         return self.objects.comm, tag

@@ -459,6 +459,10 @@ class Engine:
         """The watchdog's report: where this rank is, and what it waits for."""
         text = (f"{self._where} at instruction {self._instruction_text(probe=True)} of step "
                 f"{self.stats.step}")
+        stuck = [op for comm in (self._stage.pipe_comm, self._stage.data_comm)
+                 if comm is not None for op in comm.in_flight()]
+        if stuck:     # NCCL: the host waits at a later point than the link that is stuck
+            text += "; on the device, still waiting: " + "; ".join(stuck[:4])
         topo = self.topo
         if waiting.policy() == "spin" and \
                 waiting.choose("auto", topo.local_size, topo.local_cores) == "yield":

@@ -363,3 +363,35 @@ def test_deterministic_runs_ask_torch_for_deterministic_kernels(monkeypatch):
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     with pytest.raises(pf.ConfigError, match="deterministic"):
         pf.Config(deterministic="yes")
+
+
+def test_a_stuck_nccl_link_is_named_in_the_hang_report():
+    # NCCL's waits never block the host: a receive that never completes shows up later, as a
+    # host stuck at "loss" or "optimizer step" with no peer. The report now lists what is
+    # still outstanding on the device, with its peer.
+    from pipeflow.comm import TorchDistCommunicator, _DistWork
+    from toy import adamw, loss_fn, toy_layers
+
+    class Work:
+        done = False
+
+        def is_completed(self):
+            return self.done
+
+    comm = TorchDistCommunicator.__new__(TorchDistCommunicator)
+    comm.device, comm._flight = torch.device("cuda", 0), []
+    stuck, sent = Work(), Work()
+    comm._issued("send of message 4 to rank 2", _DistWork([sent]))
+    comm._issued("receive of message 7 from rank 1", _DistWork([stuck]))
+    sent.done = True
+    flight = comm.in_flight()
+    assert len(flight) == 1 and flight[0].startswith("receive of message 7 from rank 1 (issued")
+    engine = pf.Engine(toy_layers(), loss_fn, adamw, pf.Config())
+    engine._stage.pipe_comm.in_flight = comm.in_flight
+    engine._instruction = "loss"
+    report = engine._report_where()
+    assert "at instruction loss" in report
+    assert "on the device, still waiting: receive of message 7 from rank 1" in report
+    stuck.done = True
+    assert comm.in_flight() == [] and "still waiting" not in engine._report_where()
+    engine.close()
