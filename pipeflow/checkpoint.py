@@ -40,7 +40,8 @@ from pipeflow.rng import get_rng_state, set_rng_state
 from pipeflow.topology import Topology
 
 __all__ = ["CheckpointState", "save_checkpoint", "load_checkpoint", "CheckpointError",
-           "resolve_checkpoint", "check_save_dir", "sealed_json", "read_sealed_json", "saved_plan"]
+           "resolve_checkpoint", "check_save_dir", "sealed_json", "read_sealed_json", "saved_plan",
+           "step_name"]
 
 FORMAT = 3        # 2: checksums, grid, sequence, per-rank random state; 3: sealed, model
 KEEP = 2          # whole checkpoints kept in a folder; older ones are removed
@@ -104,7 +105,7 @@ def save_checkpoint(state: CheckpointState, directory: str | os.PathLike) -> str
     """
     directory = os.fspath(directory)
     topo = state.topo
-    name = f"step-{state.step:08d}"
+    name = step_name(state.step)
     staging = _agreed(topo, lambda: _make_staging(directory, name, topo.describe()))
     folder = os.path.join(directory, staging)
     written: dict[str, tuple[str, int]] = {}
@@ -121,6 +122,11 @@ def save_checkpoint(state: CheckpointState, directory: str | os.PathLike) -> str
     parts = waiting.gather(topo.world, (written, problem), 0)
     final = _agreed(topo, lambda: _publish(state, directory, folder, name, parts))
     return os.path.join(directory, final)
+
+
+def step_name(step: int) -> str:
+    """The folder a checkpoint of `step` is published as."""
+    return f"step-{step:08d}"
 
 
 def _agreed(topo: Topology, decide: Callable[[], str]) -> str:

@@ -20,7 +20,7 @@ from mpi4py import MPI
 from pipeflow import waiting
 from pipeflow._io import atomic_write_bytes
 from pipeflow.checkpoint import (CheckpointError, check_save_dir, read_sealed_json,
-                                 resolve_checkpoint, saved_plan, sealed_json)
+                                 resolve_checkpoint, saved_plan, sealed_json, step_name)
 from pipeflow.config import ConfigError
 from pipeflow.data import Batches, load_corpus, token_file
 from pipeflow.engine import Engine
@@ -456,7 +456,11 @@ def _stop_early(loop: _Loop, signum: int) -> None:
     t, step = loop.run.train, loop.engine.step_count
     name = signal.Signals(signum).name
     if t.save_dir:
-        folder = _save(loop.engine, loop.run, loop.position)
+        # The periodic save may have just written this very step: a second write would only
+        # spend the time a preemption warning leaves.
+        just_saved = t.save_every and step % t.save_every == 0
+        folder = os.path.join(t.save_dir, step_name(step)) if just_saved else \
+            _save(loop.engine, loop.run, loop.position)
         what = f"checkpoint of step {step} in {folder}; continue with --resume"
     else:
         what = "no [train] save_dir, so nothing was saved"

@@ -330,3 +330,25 @@ def test_an_unusable_save_dir_is_found_before_step_0(tmp_path):
     with pytest.raises(pf.ConfigError, match="not a writable folder"):
         train(run, log=lambda *a, **k: None, on_step=trained.append)
     assert trained == []
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_right_after_a_periodic_save_does_not_save_again(tmp_path):
+    # SIGUSR1 just after the periodic save of the same step: the checkpoint is already there;
+    # writing it again would only spend the time a preemption warning leaves.
+    import signal
+    save = tmp_path / "ck"
+    run = _run(tmp_path, FACTORY, f'train.save_dir="{save}"', "train.save_every=2",
+               "train.steps=6")
+
+    def on_step(step):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    assert len(train(run, log=lambda *a, **k: None, on_step=on_step)) == 2
+    assert (save / "latest").read_text() == "step-00000002"
+    meta = json.loads((save / "step-00000002" / "engine.json").read_text())
+    assert meta["sequence"] == 0                  # written once
+    rest = train(_run(tmp_path, FACTORY, f'train.save_dir="{save}"', "train.save_every=2",
+                      "train.steps=6", "train.resume=true"), log=lambda *a, **k: None)
+    assert len(rest) == 4
