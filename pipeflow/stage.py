@@ -189,8 +189,14 @@ class Stage:
     def _tie_groups(self) -> None:
         """Under torch.distributed, a group per spanning tie and replica, made on every rank
         in the same order, so a tied gradient is summed on the device (not staged through
-        the host by MPI). MPI backends keep the MPI communicators of `_tie`."""
-        if self.backend in ("mpi", "strict"):
+        the host by MPI). MPI keeps the MPI communicators of `_tie`; under `strict` each is
+        wrapped like every other group, so a tie's sum is checked by NCCL's rules too."""
+        if self.backend == "mpi":
+            return
+        if self.backend == "strict":
+            from pipeflow.strict_comm import StrictCommunicator
+            for tie in self.ties:
+                tie.dist = StrictCommunicator(tie.comm, self.device)
             return
         from pipeflow.comm import torch_family_communicators
 

@@ -178,3 +178,20 @@ def test_a_device_synchronize_inside_a_step_fails_under_strict_mode():
     assert torch.cuda.synchronize is not None and \
         torch.cuda.synchronize.__name__ == "synchronize"      # put back after the step
     group.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_tied_gradients_are_summed_through_the_strict_communicator():
+    # Ties bypassed strict mode (a raw MPI all-reduce): a tie summed out of order would have
+    # passed on CPUs and hung under NCCL. Each step's tie sum is now an agreed collective.
+    group = pair()
+    engine = pf.Engine(toy_layers(tied=True), loss_fn, adamw,
+                       pf.Config(pipeline=2, microbatches=2, backend="strict"), comm=group)
+    for x, y in batches(2, 8):
+        engine.train_step(x, y)
+    tie, = engine._stage.ties
+    assert isinstance(tie.dist, StrictCommunicator)
+    assert tie.dist.collectives == 2                  # one agreed sum a step
+    engine.close()
+    group.Free()
