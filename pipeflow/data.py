@@ -7,7 +7,7 @@ import dataclasses
 import functools
 import os
 import sysconfig
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -135,6 +135,7 @@ class Batches:
     def rows(self, step: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows `lo:hi` of batch `step`, reading only their windows."""
         index = self.starts(step)[lo:hi, None] + self._window
+        _check_not_truncated(self.data)
         if isinstance(self.data, np.ndarray):
             windows = torch.from_numpy(self.data[index.numpy()].astype(np.int64))
         else:
@@ -169,6 +170,20 @@ class Batches:
 
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+def _check_not_truncated(data: Any) -> None:
+    """A memory-mapped token file cut short under a running job (rewritten, a full disk)
+    would kill the process with a bus error at the first read past its new end: one stat a
+    batch names the file instead."""
+    path = getattr(data, "filename", None)
+    if not isinstance(data, np.memmap) or not path:
+        return
+    size = os.path.getsize(path) if os.path.exists(path) else 0
+    if size < data.nbytes + data.offset:
+        raise ValueError(f"token file {path!r} shrank to {size} bytes while in use "
+                         f"({data.nbytes + data.offset} when opened): it was truncated or "
+                         f"rewritten under the run; restore it, then resume")
 
 
 def token_file(path: str | os.PathLike, dtype: str = "uint16") -> np.ndarray:

@@ -75,3 +75,17 @@ def test_validation_split_and_windows_stay_inside():
         Batches(corpus, 2, 20, split="val")
     with pytest.raises(ValueError, match="'train' or 'val'"):
         Batches(corpus, 2, 4, split="test")
+
+
+def test_a_token_file_truncated_under_a_run_is_named_not_a_bus_error(tmp_path):
+    import numpy as np
+
+    from pipeflow.data import token_file
+    path = tmp_path / "train.bin"
+    np.arange(5000, dtype=np.uint16).tofile(path)
+    batches = Batches(token_file(str(path)), 4, 16, seed=0)
+    batches.batch(0)
+    with open(path, "r+b") as f:
+        f.truncate(100)                      # rewritten by another job, a full disk...
+    with pytest.raises(ValueError, match=r"train.bin' shrank to 100 bytes while in use"):
+        batches.batch(1)
