@@ -1,10 +1,12 @@
 """The global batch (and its side inputs) into micro-batches, agreed across every rank.
 
-Every call of `train_step` / `eval_step` starts with one allgather over the engine's ranks:
-each rank says which call it is making, at which step, what batch it was given (the global
-batch's structure, shapes and dtypes) and whether splitting it failed. A bad batch anywhere,
-replicas given different batches, or ranks in different calls (one in `eval_step` while
-another trains, one a step ahead) fail at once on every rank with both sides named.
+Every call of `train_step` / `eval_step` (and `save`, `load`, `gather_state_dict`, `close`)
+starts with one agreement over the engine's ranks, through rank 0 (`waiting.agree`): each rank
+says which call it is making, at which step, what batch it was given (the global batch's
+structure, shapes and dtypes) and whether splitting it failed. A bad batch anywhere, replicas
+given batches of different shapes, or ranks in different calls (one in `eval_step` while
+another trains, one a step ahead) fail at once on every rank with both sides named; a rank
+that does not come within the deadline is named by rank 0 (`waiting.NotJoined`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from mpi4py import MPI
 from pipeflow import tree, waiting
 from pipeflow.config import ConfigError
 
-__all__ = ["BatchError", "MicroBatch", "Batches", "prepare"]
+__all__ = ["BatchError", "MicroBatch", "Batches", "prepare", "agree", "agree_call"]
 
 
 class BatchError(ConfigError):
@@ -112,6 +114,13 @@ def prepare(call: str, step: int, inputs: Any, targets: Any, side: Mapping[str, 
             "side": sorted((k, _signature(v)) for k, v in side.items())}
     verdict = agree(control, mine, deadline_s)
     return Batches(micro, verdict["items"], has_targets=verdict["has_targets"])
+
+
+def agree_call(control: MPI.Comm, call: str, step: int, deadline_s: float) -> dict:
+    """The agreement of a call without a batch (save, load, gather_state_dict, close)."""
+    mine = {"rank": control.rank, "call": call, "step": step, "problem": None, "items": None,
+            "inputs": None, "targets": None, "side": []}
+    return agree(control, mine, deadline_s)
 
 
 def agree(control: MPI.Comm, mine: dict, deadline_s: float) -> dict:

@@ -25,7 +25,7 @@ from torch import nn
 
 from pipeflow import tree, waiting
 from pipeflow.schedule import Action
-from pipeflow.batch import BatchError, agree, prepare
+from pipeflow.batch import BatchError, agree_call, prepare
 from pipeflow.checkpoint import CheckpointState, load_checkpoint, save_checkpoint
 from pipeflow.config import Config, ConfigError
 from pipeflow.failure import (CollectiveError, Watchdog, abort_world, install_excepthook,
@@ -268,9 +268,7 @@ class Engine:
     def _start(self, call: str, inputs, targets, side: Mapping[str, Any],
                train: bool) -> StepState:
         self._instruction = "batch"
-        if self not in _OPEN:
-            raise ConfigError(f"{self._where}: {call}() on a closed engine; build a new Engine "
-                              f"(close() frees its communicators)")
+        self._check_open(call)
         try:
             batches = prepare(call, self.stats.step, inputs, targets, side, stage=self._stage,
                               control=self._control, needs_targets=train,
@@ -418,15 +416,17 @@ class Engine:
         """The agreement a call without a batch starts with: every rank in the same call at
         the same step, within `Config.agree_s`."""
         self._instruction = call
-        if self not in _OPEN and call != "close":
-            raise ConfigError(f"{self._where}: {call}() on a closed engine; build a new Engine "
-                              f"(close() frees its communicators)")
-        mine = {"rank": self._control.rank, "call": call, "step": self.stats.step,
-                "problem": None, "items": None, "inputs": None, "targets": None, "side": []}
+        if call != "close":            # close() took itself off the open engines already
+            self._check_open(call)
         try:
-            agree(self._control, mine, self.config.agree_s)
+            agree_call(self._control, call, self.stats.step, self.config.agree_s)
         except waiting.NotJoined as exc:
             self._not_joined(call, exc)
+
+    def _check_open(self, call: str) -> None:
+        if self not in _OPEN:
+            raise ConfigError(f"{self._where}: {call}() on a closed engine; build a new Engine "
+                              f"(close() frees its communicators)")
 
     def _not_joined(self, call: str, exc: waiting.NotJoined) -> None:
         """Not every rank came to `call` in time: this rank's view, then the end of the job
