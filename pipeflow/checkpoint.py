@@ -157,14 +157,13 @@ def _publish(state: CheckpointState, directory: str, staging: str, name: str,
              parts: list[tuple[dict[str, tuple[str, int]], str | None]]) -> str:
     """On rank 0: verify the staged checkpoint, give it its step's name, move `latest`."""
     problems = [p for _, p in parts if p]
+    final, old = os.path.join(directory, name), None
     try:
         if problems:
             raise OSError(problems[0])
         files = {n: f for written, _ in parts for n, f in written.items()}
         _write_meta(state, directory, staging, {n: digest for n, (digest, _) in files.items()})
         _verify(staging, files)
-        final = os.path.join(directory, name)
-        old = None
         if os.path.lexists(final):    # the same step saved again: replaced only now
             old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=directory)
             os.replace(final, os.path.join(old, name))
@@ -174,6 +173,9 @@ def _publish(state: CheckpointState, directory: str, staging: str, name: str,
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except OSError as exc:
+        if old is not None and not os.path.exists(final):     # put the replaced copy back
+            os.replace(os.path.join(old, name), final)
+            shutil.rmtree(old, ignore_errors=True)
         shutil.rmtree(staging, ignore_errors=True)
         previous = _latest_name(directory)
         kept = (f"the previous checkpoint {previous!r} is untouched" if previous else

@@ -247,8 +247,7 @@ def _saved_position(save_dir: str, default: int) -> int:
     """The next batch index saved with the latest checkpoint (`default` when it has none: a
     checkpoint the library wrote)."""
     try:
-        folder = os.path.dirname(os.path.join(resolve_checkpoint(save_dir), ""))
-        path = os.path.join(folder, DATA_STATE)
+        path = os.path.join(resolve_checkpoint(save_dir), DATA_STATE)
         if not os.path.exists(path):
             return default
         return int(read_sealed_json(path)["next_batch"])
