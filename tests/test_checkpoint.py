@@ -343,3 +343,30 @@ class Scaled(torch.nn.Module):
 
     def forward(self, x):
         return self.lin(x) * self.scale
+
+
+def test_a_step_saved_again_that_fails_between_its_renames_keeps_the_old_copy(tmp_path,
+                                                                               monkeypatch):
+    # The old copy is moved aside only once the new one is whole; if publishing the new one
+    # then fails, the old copy goes back under its name and loads.
+    engine = _engine()
+    engine.train_step(*batches(1, 4)[0])
+    engine.save(tmp_path)
+    saved = _masters(engine)
+    real = os.replace
+
+    def failing(src, dst):
+        if os.path.basename(os.fspath(src)).startswith(".step-00000001.tmp-"):  # publish
+            raise OSError(errno.EIO, "I/O error", os.fspath(src))
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing)
+    with pytest.raises(pf.CheckpointError, match="step 1 was not saved: .*I/O error"):
+        engine.save(tmp_path)
+    monkeypatch.setattr(os, "replace", real)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000001"]
+    other = _engine()
+    other.load(tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(_masters(other).values(), saved.values()))
+    for e in (engine, other):
+        e.close()
