@@ -352,3 +352,23 @@ def test_a_stop_right_after_a_periodic_save_does_not_save_again(tmp_path):
     rest = train(_run(tmp_path, FACTORY, f'train.save_dir="{save}"', "train.save_every=2",
                       "train.steps=6", "train.resume=true"), log=lambda *a, **k: None)
     assert len(rest) == 4
+
+
+@pytest.mark.timeout(60)
+def test_sigusr1_after_pipeflow_train_finished_does_not_kill_the_rank(tmp_path):
+    # Slurm's warning may come after the last step: the finished rank must not die of it
+    # (a default SIGUSR1 kills the process, and mpirun then reports the job failed).
+    import signal
+    import subprocess
+    import sys
+    path = tmp_path / "run.toml"
+    path.write_text(FACTORY.replace("steps = 4", "steps = 1"))
+    script = ("import os, signal, sys, time; sys.path.insert(0, sys.argv[2]); "
+              "from pipeflow.cli import main; rc = main(['train', sys.argv[1]]); "
+              "os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.2); print('alive', rc)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_"))}
+    proc = subprocess.run([sys.executable, "-c", script, str(path),
+                           os.path.dirname(os.path.abspath(__file__))],
+                          capture_output=True, text=True, timeout=50, env=env)
+    assert proc.returncode != -signal.SIGUSR1, "killed by SIGUSR1 after the run"
+    assert proc.returncode == 0 and "alive 0" in proc.stdout, proc.stdout + proc.stderr
