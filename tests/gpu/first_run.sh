@@ -27,9 +27,8 @@ while [[ $# -gt 0 ]]; do
 done
 export PIPEFLOW_TEST_DEVICE="$DEVICE"
 source tests/mpi_env.sh
+require_device "$DEVICE" first_run.sh || exit 2
 if [[ "$DEVICE" == cuda* ]]; then
-  python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else \
-    'first_run.sh: no CUDA device; use --device cpu for the dry run')" || exit 2
   TINY=""
 else
   export CUDA_VISIBLE_DEVICES=""       # the CPU, even on a machine with a GPU

@@ -15,10 +15,7 @@ while [[ $# -gt 0 ]]; do
 done
 export PIPEFLOW_TEST_DEVICE="$DEVICE"
 source tests/mpi_env.sh
-if [[ "$DEVICE" == cuda* ]]; then
-  python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else \
-    'tests/gpu/run.sh: no CUDA device; use --device cpu for the dry run')"
-fi
+require_device "$DEVICE" tests/gpu/run.sh
 
 # The CPU dry run checks the script and the tests with 2 ranks only (the main suite already
 # runs every grid on 4 CPU ranks); on a GPU, 2 and 4 ranks share it.
