@@ -98,9 +98,10 @@ def prepare(call: str, step: int, inputs: Any, targets: Any, side: Mapping[str, 
         rows = _rows(inputs if stage.holds_first else None) or \
             _rows(targets if stage.holds_last else None)
         for name, value in side.items():
-            if rows is not None and _rows(value) not in (None, rows):
+            found = _rows(value)
+            if rows is not None and found not in (None, rows):
                 raise BatchError(
-                    f"{where}: side input {name!r} has {_rows(value)} rows, the batch has "
+                    f"{where}: side input {name!r} has {found} rows, the batch has "
                     f"{rows}; a side input holds one row per sample of the global batch "
                     f"(it is split like the inputs, never broadcast)")
             for mb, part in zip(micro, split(f"side input {name!r}", value, m, d,

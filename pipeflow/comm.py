@@ -460,7 +460,7 @@ class _DistWork(Request):
         self._result = result
 
     def test(self) -> bool:
-        return all(w.is_completed() for w in self._works)
+        return _completed(self._works)
 
     def wait(self) -> Any:
         for w in self._works:

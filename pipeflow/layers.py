@@ -9,8 +9,8 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
-__all__ = ["LayerSpec", "build_sequential", "layer_seed", "fingerprint", "build_layer", "tie_groups",
-           "get_parameter", "set_parameter"]
+__all__ = ["LayerSpec", "build_sequential", "layer_seed", "fingerprint", "build_layer",
+           "tie_groups", "get_parameter", "set_parameter"]
 
 
 class LayerSpec:
