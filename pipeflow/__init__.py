@@ -1,5 +1,6 @@
 """pipeflow: pipeline-parallel training of PyTorch models across MPI ranks."""
 
+from pipeflow.aux_loss import add_aux_loss, collect_aux_losses
 from pipeflow.checkpoint import CheckpointError
 from pipeflow.config import Config, ConfigError
 from pipeflow.engine import BatchError, CollectiveError, Engine
@@ -7,7 +8,8 @@ from pipeflow.layers import LayerSpec, build_sequential, layer_seed
 from pipeflow.schedule import ScheduleError
 
 __all__ = ["Config", "ConfigError", "BatchError", "CheckpointError", "CollectiveError", "Engine",
-           "LayerSpec", "ScheduleError", "build_sequential", "layer_seed"]
+           "LayerSpec", "ScheduleError", "add_aux_loss", "build_sequential", "collect_aux_losses",
+           "layer_seed"]
 __version__ = "0.1.0"
 
 
