@@ -19,7 +19,7 @@ from typing import Callable, Iterable
 import torch
 from mpi4py import MPI
 
-from pipeflow.waiting import sleeping_barrier
+from pipeflow.comm.waiting import sleeping_barrier
 
 __all__ = ["REPO", "DEFAULT_OUTPUT", "add_model_args", "sync", "time_block", "cpu_model", "cpu_flags",
            "load_average", "command_line", "header", "write_section", "busy", "busy_note",
@@ -40,7 +40,7 @@ def add_model_args(parser, layers: int = 8, width: int = 256, heads: int = 8,
 
 
 def sync(comm: MPI.Comm = MPI.COMM_WORLD) -> None:
-    """`pipeflow.waiting.sleeping_barrier` over `comm` (the world by default)."""
+    """`pipeflow.comm.waiting.sleeping_barrier` over `comm` (the world by default)."""
     sleeping_barrier(comm)
 
 

@@ -18,9 +18,9 @@ from mpi4py import MPI
 
 import pipeflow as pf
 from pipeflow import tree
-from pipeflow.data import Batches, load_corpus
+from pipeflow.train.data import Batches, load_corpus
 from pipeflow.models import GPTConfig, gpt_layers, gpt_loss
-from pipeflow.runner import Runner
+from pipeflow.runtime.runner import Runner
 
 from _common import add_model_args, cpu_model, write_section  # noqa: E402
 

@@ -23,7 +23,7 @@ from _common import (DEFAULT_OUTPUT, add_model_args, busy_note, header,  # noqa:
                      load_average, run_main, sync, time_block, write_section)
 
 import pipeflow as pf  # noqa: E402
-from pipeflow.data import Batches, load_corpus  # noqa: E402
+from pipeflow.train.data import Batches, load_corpus  # noqa: E402
 from pipeflow.models import GPTConfig, gpt_layers, gpt_loss, num_parameters  # noqa: E402
 
 __all__ = ["main", "Grid", "parse_grid"]

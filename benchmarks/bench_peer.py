@@ -24,12 +24,12 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleI
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 import pipeflow as pf
-from pipeflow.data import Batches, load_corpus
-from pipeflow.hostmem import keep_freed_memory
+from pipeflow.train.data import Batches, load_corpus
+from pipeflow.runtime.hostmem import keep_freed_memory
 from pipeflow.layers import build_layer
 from pipeflow.models import GPTConfig, gpt_layers, gpt_loss, num_parameters
-from pipeflow.partition import partition_uniform
-from pipeflow.schedule import build_schedule, simulate, stage_layout
+from pipeflow.runtime.partition import partition_uniform
+from pipeflow.schedules import build_schedule, simulate, stage_layout
 
 from _common import (add_model_args, busy_note, header, load_average,  # noqa: E402 (benchmarks/
                      sync, time_block, write_section)                 # is the script folder)
@@ -45,7 +45,7 @@ GRAD_TOL = 1e-4
 @dataclasses.dataclass(frozen=True)
 class Kind:
     """One pipeline schedule under test: its label, its model chunks a rank, its layout name
-    (`pipeflow.schedule.stage_layout`) and the bound it is judged against."""
+    (`pipeflow.schedules.stage_layout`) and the bound it is judged against."""
 
     label: str
     chunks: int
@@ -435,7 +435,7 @@ def report(times, stash, checks, ref: Reference, cfg: GPTConfig, args, load,
         f"forwarded and not yet input-backwarded (F→B) or not yet weight-backwarded too "
         f"(F→W, the autograd graphs alive), per rank, counted in chunks (with 2 chunks a rank "
         f"each holds about half a stage's activations); pipeflow's from "
-        f"`pipeflow.schedule.simulate`, the peer's from its own `pipeline_order`.",
+        f"`pipeflow.schedules.simulate`, the peer's from its own `pipeline_order`.",
         *(["", f"`auto`'s log line: {AUTO_WHY[0].removeprefix('pipeflow: ')}."] if AUTO_WHY
           else []),
         "",
@@ -465,7 +465,7 @@ def main() -> None:
         raise SystemExit(f"the 2-chunk schedules need --microbatches ({m}) divisible by the "
                          f"ranks ({p}) and at least {2 * p} layers, found {args.layers + 2}")
     init_gloo()
-    # What pipeflow's zero-bubble engines set on CPUs (pipeflow.hostmem), process-wide: set
+    # What pipeflow's zero-bubble engines set on CPUs (pipeflow.runtime.hostmem), process-wide: set
     # first, so every system, the peer's included, is timed under the same malloc.
     kept = keep_freed_memory()
     seed = 0

@@ -27,12 +27,12 @@ from _common import (DEFAULT_OUTPUT, add_model_args, busy, busy_note, cpu_flags,
                      header, load_average, run_main, sync, time_block, write_section)
 
 import pipeflow as pf  # noqa: E402
-from pipeflow.data import Batches, load_corpus  # noqa: E402
+from pipeflow.train.data import Batches, load_corpus  # noqa: E402
 from pipeflow.models import GPTConfig, gpt_layers, gpt_loss, num_parameters  # noqa: E402
-from pipeflow.precision import DTYPES  # noqa: E402
+from pipeflow.runtime.precision import DTYPES  # noqa: E402
 
 try:
-    from pipeflow.recompute import SavedTensorMeter
+    from pipeflow.runtime.recompute import SavedTensorMeter
 except ImportError:          # a pipeflow without the meter: count with autograd's hooks
     SavedTensorMeter = None
 
@@ -512,7 +512,7 @@ def make_report(args, cfg: GPTConfig, precisions: list[str], systems: list[Syste
               "Optimizer state: AdamW's tensors. Activations: the bytes one micro-batch saves "
               "for backward (the forward of `engine.module`, and the fp32 loss on the last "
               "stage), metered with "
-              + ("`pipeflow.recompute.SavedTensorMeter`" if SavedTensorMeter is not None
+              + ("`pipeflow.runtime.recompute.SavedTensorMeter`" if SavedTensorMeter is not None
                  else "`torch.autograd.graph.saved_tensors_hooks`")
               + "; the stash holds that many bytes per micro-batch in flight, at most the "
               "1F1B peak shown, and the engine's own meter "

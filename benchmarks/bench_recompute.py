@@ -20,11 +20,11 @@ import torch
 
 from pipeflow.layers import build_layer
 from pipeflow.models import GPTConfig, gpt_layers, gpt_loss, num_parameters
-from pipeflow.partition import partition_uniform
+from pipeflow.runtime.partition import partition_uniform
 from pipeflow.planner.cost import activation_bytes_per_layer
-from pipeflow.recompute import (SavedTensorMeter, choose_auto, estimate_stash_bytes,
+from pipeflow.runtime.recompute import (SavedTensorMeter, choose_auto, estimate_stash_bytes,
                                 measure_layers, stage_forward)
-from pipeflow.schedule import build_schedule, simulate
+from pipeflow.schedules import build_schedule, simulate
 
 from _common import add_model_args, cpu_model, write_section  # noqa: E402 (benchmarks/ is the script folder)
 

@@ -14,9 +14,9 @@ import time
 import torch
 from torch import nn
 
-from pipeflow.hostmem import keep_freed_memory
+from pipeflow.runtime.hostmem import keep_freed_memory
 from pipeflow.models.gpt import Block, GPTConfig
-from pipeflow.zero_bubble import backward_input, backward_weight
+from pipeflow.schedules.split_backward import backward_input, backward_weight
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (DEFAULT_OUTPUT, add_model_args, busy_note, header,  # noqa: E402
@@ -78,7 +78,7 @@ def main() -> None:
             f"{args.layers} GPT blocks (width {args.width}, {args.heads} heads, sequence "
             f"{args.seq}), micro-batch {args.batch}, {args.rounds} alternated rounds under "
             f"glibc malloc's defaults, then {args.rounds} with freed memory kept for reuse "
-            f"(`pipeflow.hostmem`: B keeps each graph alive until W, and with the defaults "
+            f"(`pipeflow.runtime.hostmem`: B keeps each graph alive until W, and with the defaults "
             f"malloc returns large freed blocks to the kernel, so every step faults them in "
             f"again).\n\n"
             + "\n".join(rows) + f"\n\n{busy_note(before, after, 1)}")

@@ -7,7 +7,7 @@
 # yields in. One pipeline over every rank of the job (interleaved, two chunks a rank) trains
 # a small GPT, once over MPI and once over gloo (torch.distributed's CPU transport, the NCCL
 # code path: headers over MPI, tensors over TCP). Both policies run on the same engine
-# (`pipeflow.waiting.use` switches them between steps), alternated within every round, in an
+# (`pipeflow.comm.waiting.use` switches them between steps), alternated within every round, in an
 # order rotated each round. Each step is timed alone, from a common start to a common end.
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from _common import (DEFAULT_OUTPUT, add_model_args, busy_note, header,  # noqa:
 
 import pipeflow as pf  # noqa: E402
 from pipeflow import waiting  # noqa: E402
-from pipeflow.data import Batches, load_corpus  # noqa: E402
+from pipeflow.train.data import Batches, load_corpus  # noqa: E402
 from pipeflow.models import GPTConfig, gpt_layers, gpt_loss, num_parameters  # noqa: E402
 
 COMM = MPI.COMM_WORLD

@@ -31,7 +31,7 @@ from pipeflow.planner.cost import PLANNED_SCHEDULES, Grid, estimate, schedule_ch
 from pipeflow.planner.hardware import Cluster
 from pipeflow.planner.search import divisors, search
 from pipeflow.planner.shapes import Shape
-from pipeflow.waiting import sleeping_barrier
+from pipeflow.comm.waiting import sleeping_barrier
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import add_model_args, write_section  # noqa: E402

@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from pipeflow.schedule import build_schedule, simulate
+from pipeflow.schedules import build_schedule, simulate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import write_section  # noqa: E402

@@ -12,9 +12,9 @@ import torch
 from mpi4py import MPI
 
 import pipeflow as pf
-from pipeflow.data import Batches, load_corpus
+from pipeflow.train.data import Batches, load_corpus
 from pipeflow.models import GPTConfig, gpt_layers, gpt_loss, num_parameters
-from pipeflow.train import weight_decay_groups
+from pipeflow.train.loop import weight_decay_groups
 
 if sys.version_info >= (3, 11):
     import tomllib

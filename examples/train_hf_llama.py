@@ -22,7 +22,7 @@ import torch
 from mpi4py import MPI
 
 import pipeflow as pf
-from pipeflow.data import Batches, load_corpus
+from pipeflow.train.data import Batches, load_corpus
 from pipeflow.models import hf
 
 

@@ -33,7 +33,7 @@ def _train(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     from pipeflow.config import ConfigError
-    from pipeflow.train import load_run_config, train
+    from pipeflow.train.loop import load_run_config, train
 
     rank0 = MPI.COMM_WORLD.rank == 0
     try:
@@ -60,10 +60,14 @@ def _positive(name: str, value: int) -> str | None:
 
 
 def _schedule(args: argparse.Namespace) -> int:
-    from pipeflow.schedule import ScheduleError, build_schedule, format_table, simulate
+    from pipeflow.schedules import (SCHEDULES, ScheduleError, build_schedule, format_table,
+                                    simulate)
 
-    p, m = args.stages, args.microbatches
-    v = args.chunks if args.chunks is not None else (2 if args.schedule == "interleaved" else None)
+    if args.list:
+        for name, spec in SCHEDULES.items():
+            print(f"{name:12} {spec.summary}")
+        return 0
+    p, m, v = args.stages, args.microbatches, args.chunks
     for problem in (_positive("--stages/-p (pipeline stages)", p),
                     _positive("--microbatches/-m", m),
                     _positive("--chunks/-v", v) if v is not None else None):
@@ -88,7 +92,7 @@ def _schedule(args: argparse.Namespace) -> int:
               f"{(p - 1) / (v * m + p - 1):.3f}); peak stash per stage {result.peak_stash}"
               f"{chunks}")
     if args.png:
-        from pipeflow import plot
+        from pipeflow.train import plot
         title = f"{args.schedule}, p={p}, m={m}" + (f", v={v}" if v > 1 else "")
         return _picture(lambda: plot.schedule_png(programs, args.png, title=title), args.png)
     return 0
@@ -104,17 +108,17 @@ def _picture(draw, path: str) -> int:
 
 
 def _trace(args: argparse.Namespace) -> int:
-    from pipeflow import plot
+    from pipeflow.train import plot
     return _picture(lambda: plot.trace_png(args.trace, args.png), args.png)
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from pipeflow import plot
+    from pipeflow.train import plot
     return _picture(lambda: plot.metrics_png(args.metrics, args.png), args.png)
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from pipeflow.prepare import prepare
+    from pipeflow.train.prepare import prepare
     try:
         meta = prepare(args.texts, args.out, args.tokenizer, args.val_fraction)
     except (OSError, ValueError) as exc:
@@ -149,9 +153,11 @@ def _add_pictures(sub) -> None:
     show.add_argument("--stages", "-p", type=int, default=4)
     show.add_argument("--microbatches", "-m", type=int, default=8)
     show.add_argument("--schedule", "-s", default="1f1b",
-                      help="1f1b, gpipe, interleaved, zb-h1 or zbv")
+                      help="a registered schedule (--list shows them)")
     show.add_argument("--chunks", "-v", type=int, default=None,
-                      help="model chunks per rank (interleaved; default 2; zbv: 2)")
+                      help="model chunks per rank where the schedule lets you choose "
+                           "(interleaved; default 2)")
+    show.add_argument("--list", action="store_true", help="list the schedules and stop")
     show.add_argument("--png", metavar="OUT.png", help="also draw it (needs matplotlib)")
     show.set_defaults(func=_schedule)
     trace = sub.add_parser("trace", help="draw a measured timeline (pipeflow train --trace)")

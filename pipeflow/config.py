@@ -15,10 +15,12 @@ else:  # pragma: no cover
     import tomli as tomllib
 import tomli_w
 
+from pipeflow.schedules import registry as schedule_registry
+
 __all__ = ["Config", "ConfigError", "SCHEDULES", "PARTITIONS", "POLICIES", "parse_policy",
            "normalise_policy"]
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv", "auto")
+SCHEDULES = (*schedule_registry.names(), "auto")
 PARTITIONS = ("uniform", "parameters", "time")
 PRECISIONS = ("fp32", "bf16", "fp16")
 BACKENDS = ("mpi", "nccl", "gloo", "auto", "strict")
@@ -64,7 +66,7 @@ class Config:
     pipeline: int = 1          # pipeline stages
     data: int = 1              # data-parallel replicas of every stage
     microbatches: int = 1      # micro-batches per step: the gradient accumulation
-    # "1f1b", "gpipe", "interleaved", "zb-h1", "zbv", or "auto": the fastest that fits
+    # a registered schedule (`pipeflow schedule --list`), or "auto": the fastest that fits
     # activation_budget_mb, simulated from F, B and W measured on the Engine's `sample`
     schedule: str = "1f1b"
     virtual_stages: int = 1    # model chunks per rank; >= 2 with schedule "interleaved"
@@ -91,7 +93,7 @@ class Config:
     free_sent_outputs: bool = True   # free an activation's storage once it is sent; the
                                      # stash keeps its graph (Megatron-Core's deallocation)
     # On CPUs under a split-backward (zero-bubble) schedule, keep what malloc frees for
-    # reuse instead of faulting it in again every step (pipeflow.hostmem); glibc only
+    # reuse instead of faulting it in again every step (pipeflow.runtime.hostmem); glibc only
     keep_host_memory: bool = True
     bucket_mb: float = 25.0    # gradient all-reduce bucket size, MiB
     clip: float = 0.0          # clip gradients to this global norm; 0 turns clipping off
@@ -111,7 +113,7 @@ class Config:
     # get slower, and one without a deterministic kernel raises. CPUs are deterministic.
     deterministic: bool = False
     max_nonfinite_steps: int = 3   # abort after this many non-finite steps in a row
-    # How a rank waits on MPI (pipeflow.waiting): "spin" inside MPI, "yield" its core between
+    # How a rank waits on MPI (pipeflow.comm.waiting): "spin" inside MPI, "yield" its core between
     # tests, or "auto": yield where a node runs more ranks than it has cores, else spin.
     # PIPEFLOW_WAIT sets the default for every engine of a job.
     wait: str = dataclasses.field(
@@ -151,35 +153,19 @@ class Config:
         self.wait = _choice("wait", self.wait, WAITS)
 
     def _check_schedule(self) -> None:
+        """The schedule's own constraints (`ScheduleSpec.problem`), and its chunks per rank."""
         v = self.virtual_stages
-        if self.schedule == "zbv" and v in (1, 2):
-            self.virtual_stages = v = 2         # the V: two chunks a rank, implied
-        elif self.schedule == "zbv":
-            raise ConfigError(f"schedule 'zbv' runs exactly 2 model chunks per rank (a V), "
-                              f"found virtual_stages = {v}; set 2 or leave it out")
-        if self.schedule == "auto" and v != 1:
-            raise ConfigError(f"schedule 'auto' chooses the model chunks per rank with the "
-                              f"schedule, found virtual_stages = {v}; leave virtual_stages = 1 "
-                              f"or name a schedule ('interleaved' with {v})")
-        if self.schedule == "interleaved" and v < 2:
-            raise ConfigError(f"schedule 'interleaved' runs several model chunks per rank: "
-                              f"set virtual_stages >= 2 (2 halves the bubble), found "
-                              f"virtual_stages = {v}")
-        if self.schedule not in ("interleaved", "zbv", "auto") and v != 1:
-            raise ConfigError(f"virtual_stages = {v} needs schedule 'interleaved'; "
-                              f"{self.schedule!r} runs one model chunk per rank: set "
-                              f"virtual_stages = 1 or schedule = 'interleaved'")
-        if self.schedule == "interleaved" and self.pipeline < 2:
-            raise ConfigError(
-                f"schedule 'interleaved' passes model chunks between pipeline stages and needs "
-                f"Config.pipeline >= 2, found pipeline = {self.pipeline}: one stage has no "
-                f"bubble to shrink; use schedule '1f1b' (or 'gpipe') with virtual_stages = 1")
-        if self.schedule == "interleaved" and self.microbatches % self.pipeline:
-            raise ConfigError(
-                f"schedule 'interleaved' runs micro-batches in groups of the {self.pipeline} "
-                f"stages: microbatches must be a multiple of {self.pipeline}, found "
-                f"{self.microbatches}; set microbatches = "
-                f"{-(-self.microbatches // self.pipeline) * self.pipeline}")
+        if self.schedule == "auto":
+            if v != 1:
+                raise ConfigError(f"schedule 'auto' chooses the model chunks per rank with the "
+                                  f"schedule, found virtual_stages = {v}; leave virtual_stages "
+                                  f"= 1 or name a schedule ('interleaved' with {v})")
+            return
+        spec = schedule_registry.get(self.schedule)
+        problem = spec.problem(self.pipeline, self.microbatches, v)
+        if problem:
+            raise ConfigError(problem)
+        self.virtual_stages = spec.resolve_chunks(v)
 
     def _check_partition(self) -> None:
         if isinstance(self.partition, str):

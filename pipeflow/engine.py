@@ -23,19 +23,20 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from pipeflow import tree, waiting
-from pipeflow.schedule import Action
-from pipeflow.batch import BatchError, agree_call, prepare
-from pipeflow.checkpoint import CheckpointState, load_checkpoint, save_checkpoint
+from pipeflow import tree
+from pipeflow.comm import waiting
+from pipeflow.schedules import Action
+from pipeflow.runtime.batch import BatchError, agree_call, prepare
+from pipeflow.runtime.checkpoint import CheckpointState, load_checkpoint, save_checkpoint
 from pipeflow.config import Config, ConfigError
-from pipeflow.failure import (CollectiveError, Watchdog, abort_world, install_excepthook,
+from pipeflow.runtime.failure import (CollectiveError, Watchdog, abort_world, install_excepthook,
                               report_and_abort, say)
-from pipeflow.hostmem import keep_freed_memory
+from pipeflow.runtime.hostmem import keep_freed_memory
 from pipeflow.layers import LayerSpec, _check_layers, fingerprint
-from pipeflow.optim_step import close_step
-from pipeflow.rng import seed_everything
-from pipeflow.runner import Runner, StepState
-from pipeflow.stage import Stage, StageModule
+from pipeflow.runtime.optim_step import close_step
+from pipeflow.runtime.rng import seed_everything
+from pipeflow.runtime.runner import Runner, StepState
+from pipeflow.runtime.stage import Stage, StageModule
 
 __all__ = ["Engine", "StageModule", "BatchError", "StepStats"]
 
@@ -308,7 +309,7 @@ class Engine:
 
     def _last_rank(self) -> int:
         """The pipeline rank holding the last virtual stage."""
-        return self._stage.where[self._stage.last_virtual][0]
+        return self._stage.plan.owner(self._stage.last_virtual)[0]
 
     def _gather_outputs(self, outputs: list[Any]) -> Any:
         """The last stage's outputs of every micro-batch and replica, in global batch order,

@@ -3,13 +3,13 @@
 import pytest
 
 import pipeflow as pf
-from pipeflow.auto_schedule import (LayerCosts, choose_schedule, measure_layer_costs,
+from pipeflow.schedules.auto import (LayerCosts, choose_schedule, measure_layer_costs,
                                     peak_activation_bytes)
 from pipeflow.config import ConfigError
 from pipeflow.layers import build_layer
-from pipeflow.partition import partition_layers
-from pipeflow.recompute import measure_layers
-from pipeflow.schedule import build_schedule, simulate
+from pipeflow.runtime.partition import partition_layers
+from pipeflow.runtime.recompute import measure_layers
+from pipeflow.schedules import build_schedule, simulate
 
 from toy import adamw, assert_same_parameters, batches, loss_fn, toy_layers, train_reference
 

@@ -5,7 +5,7 @@ import pytest
 from mpi4py import MPI
 
 import pipeflow as pf
-from pipeflow.schedule import build_schedule, simulate
+from pipeflow.schedules import build_schedule, simulate
 
 from toy import (adamw, assert_same_parameters, batches, loss_fn, sub_world, toy_layers,
                  train_reference)

@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from torch.distributed.pipelining.schedules import _Action, _ComputationType  # noqa: E402
 
 import bench_peer  # noqa: E402
-from pipeflow.schedule import BACKWARD, FORWARD, WEIGHT, build_schedule, simulate  # noqa: E402
+from pipeflow.schedules import BACKWARD, FORWARD, WEIGHT, build_schedule, simulate  # noqa: E402
 
 
 def as_peer_order(programs) -> dict[int, list]:

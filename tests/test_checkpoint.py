@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import pipeflow as pf
-from pipeflow.rng import get_rng_state, rank_seed, seed_everything, set_rng_state
+from pipeflow.runtime.rng import get_rng_state, rank_seed, seed_everything, set_rng_state
 
 from toy import (adamw, assert_same_parameters, batches, dropout_layers, loss_fn, toy_layers,
                  train_reference)
@@ -81,7 +81,7 @@ KILLED_SAVE = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, {here!r})
     import pipeflow as pf
-    import pipeflow.checkpoint as ckpt
+    import pipeflow.runtime.checkpoint as ckpt
     from toy import adamw, batches, loss_fn, toy_layers
     engine = pf.Engine(toy_layers(), loss_fn, adamw, pf.Config(microbatches=2))
     x, y = batches(2, 4)[0]
@@ -232,7 +232,7 @@ def test_a_checkpoint_of_format_1_still_loads_without_the_random_state(tmp_path)
 
 def _failing_writes(monkeypatch, error: int, which: str = "layer-") -> None:
     """Every write of a file whose name starts with `which` fails with OS error `error`."""
-    import pipeflow.checkpoint as ckpt
+    import pipeflow.runtime.checkpoint as ckpt
     real = ckpt.atomic_write_bytes
 
     def failing(path, data, **kwargs):

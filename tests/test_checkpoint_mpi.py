@@ -13,7 +13,7 @@ import torch
 from mpi4py import MPI
 
 import pipeflow as pf
-from pipeflow.rng import seed_everything
+from pipeflow.runtime.rng import seed_everything
 
 from toy import adamw, batches, dropout_layers, loss_fn, pair
 
@@ -99,7 +99,7 @@ def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank_and_keeps_the_last
     # `latest` still names the previous checkpoint, which loads; nothing half-written stays.
     import errno
 
-    import pipeflow.checkpoint as ckpt
+    import pipeflow.runtime.checkpoint as ckpt
     comm = pair()
     folder = comm.bcast(__import__("tempfile").mkdtemp(prefix="pipeflow-full-")
                         if comm.rank == 0 else None)

@@ -3,7 +3,7 @@
 import pytest
 
 from pipeflow.cli import main
-from pipeflow.train import TrainConfig, lr_at
+from pipeflow.train.loop import TrainConfig, lr_at
 
 SMALL = """
 [engine]

@@ -6,7 +6,8 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from pipeflow.comm import CommDeviceError, MpiCommunicator, check_on_device
+from pipeflow.comm.base import CommDeviceError, check_on_device
+from pipeflow.comm.mpi import MpiCommunicator
 
 
 def test_tensors_on_the_groups_device_pass():
@@ -34,7 +35,7 @@ def test_mpi_communicator_stages_through_the_host():
 
 
 def test_backend_choice_on_cpus_and_the_strict_switch(monkeypatch):
-    from pipeflow.topology import STRICT_ENV, Topology, choose_backend
+    from pipeflow.comm.topology import STRICT_ENV, Topology, choose_backend
     from pipeflow.config import ConfigError
 
     topo = Topology(MPI.COMM_SELF, 1, 1)
@@ -52,7 +53,7 @@ def test_backend_choice_on_cpus_and_the_strict_switch(monkeypatch):
 
 
 def test_rendezvous_address_is_reachable_not_the_loopback_alias(monkeypatch):
-    from pipeflow.comm import rendezvous_address
+    from pipeflow.comm.torch_dist import rendezvous_address
 
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     assert rendezvous_address(["node-a", "node-a"]) == "127.0.0.1"   # one host: loopback
@@ -72,7 +73,7 @@ def test_config_defaults_to_auto_backend():
 
 
 def test_a_rank_binds_its_gpu_whatever_the_backend(monkeypatch):
-    from pipeflow.topology import bind_device
+    from pipeflow.comm.topology import bind_device
 
     bound = []
     monkeypatch.setattr(torch.cuda, "set_device", bound.append)
@@ -88,7 +89,7 @@ def test_nccl_families_keep_each_role_apart_and_gloo_shares_them(monkeypatch):
     # so one group serves every role of the same ranks.
     import torch.distributed as dist
 
-    from pipeflow import comm as pf_comm
+    from pipeflow.comm import torch_dist as pf_comm
 
     monkeypatch.setattr(pf_comm, "_FAMILIES", {})
     monkeypatch.setattr(pf_comm, "_FAMILIES_OF", [dist.group.WORLD])

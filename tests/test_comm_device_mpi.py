@@ -9,7 +9,8 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from pipeflow.comm import CommDeviceError, TorchDistCommunicator, init_torch_distributed
+from pipeflow.comm.base import CommDeviceError
+from pipeflow.comm.torch_dist import TorchDistCommunicator, init_torch_distributed
 
 WORLD = MPI.COMM_WORLD
 
@@ -46,8 +47,8 @@ def test_collective_and_p2p_refuse_a_tensor_on_another_device():
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("ring", [False, True])
 def test_grid_groups_are_made_a_family_at_a_time_and_carry_both_directions(ring, monkeypatch):
-    import pipeflow.comm as comm_mod
-    from pipeflow.topology import Topology
+    import pipeflow.comm.torch_dist as comm_mod
+    from pipeflow.comm.topology import Topology
 
     calls = []
     real = comm_mod._split_family

@@ -11,7 +11,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from pipeflow.comm import MpiCommunicator, mpi_iallreduce_
+from pipeflow.comm.mpi import MpiCommunicator, mpi_iallreduce_
 
 WORLD = MPI.COMM_WORLD
 N = 2**20                 # 4 MB of fp32 a message: sent by rendezvous, not eagerly

@@ -7,8 +7,8 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from pipeflow import cuda_mpi
-from pipeflow.cuda_mpi import CUDA_AWARE_ENV, PinnedBuffers, cuda_aware_mpi
+from pipeflow.comm import cuda as cuda_mpi
+from pipeflow.comm.cuda import CUDA_AWARE_ENV, PinnedBuffers, cuda_aware_mpi
 
 
 def _raise(error):
@@ -84,7 +84,7 @@ def test_a_buffer_is_reused_only_after_its_copy_back_is_done():
 
 def test_cpu_tensors_never_reach_the_gpu_path(monkeypatch):
     # The CPU all-reduce stays the host path it was: cuda_mpi is for CUDA tensors only.
-    from pipeflow import comm
+    from pipeflow.comm import mpi as comm
 
     monkeypatch.setattr(cuda_mpi, "iallreduce_cuda_", _raise(AssertionError("GPU path")))
     t = torch.arange(4.0)
@@ -114,7 +114,7 @@ def test_nccl_all_reduce_runs_on_its_own_stream_and_wait_orders_the_compute_stre
         monkeypatch):
     import contextlib
 
-    from pipeflow.comm import TorchDistCommunicator
+    from pipeflow.comm.torch_dist import TorchDistCommunicator
 
     log = _Log()
     compute, side = log.stream("compute"), log.stream("side")
@@ -163,7 +163,7 @@ def test_nccl_all_reduce_runs_on_its_own_stream_and_wait_orders_the_compute_stre
 
 @pytest.mark.parametrize("value", ["1", "0"])
 def test_point_to_point_hands_mpi_gpu_memory_only_when_mpi_is_cuda_aware(monkeypatch, value):
-    from pipeflow import comm
+    from pipeflow.comm import mpi as comm
 
     monkeypatch.setenv(CUDA_AWARE_ENV, value)
     assert comm._device_aware(torch.device("cuda", 0)) is (value == "1")

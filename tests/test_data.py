@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pipeflow.data import DEFAULT_MAX_BYTES, Batches, Corpus, load_corpus, stdlib_source
+from pipeflow.train.data import DEFAULT_MAX_BYTES, Batches, Corpus, load_corpus, stdlib_source
 
 
 def test_default_corpus_is_deterministic_capped_and_split():
@@ -80,7 +80,7 @@ def test_validation_split_and_windows_stay_inside():
 def test_a_token_file_truncated_under_a_run_is_named_not_a_bus_error(tmp_path):
     import numpy as np
 
-    from pipeflow.data import token_file
+    from pipeflow.train.data import token_file
     path = tmp_path / "train.bin"
     np.arange(5000, dtype=np.uint16).tofile(path)
     batches = Batches(token_file(str(path)), 4, 16, seed=0)

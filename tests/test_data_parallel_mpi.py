@@ -12,7 +12,7 @@ import torch
 from mpi4py import MPI
 
 import pipeflow as pf
-from pipeflow import comm as pf_comm
+from pipeflow.comm import mpi as pf_mpi, torch_dist as pf_dist
 
 from toy import adamw, assert_same_parameters, batches, loss_fn, toy_layers, train_reference
 from toy import sgd as plain_sgd
@@ -69,7 +69,7 @@ def _check_grid(pipeline, data, schedule, tied, clip, optimizer):
 def test_host_staged_reductions_train_like_one_process(monkeypatch, pipeline, data):
     # Every all-reduce through a host copy, as on a GPU with the MPI backend: the replicas'
     # buckets and the tied weight's sum over stages must land back in the gradients.
-    monkeypatch.setattr(pf_comm, "FORCE_HOST_STAGING", True)
+    monkeypatch.setattr(pf_mpi, "FORCE_HOST_STAGING", True)
     _check_grid(pipeline, data, "1f1b", tied=True, clip=0.0, optimizer=plain_sgd)
 
 
@@ -121,7 +121,7 @@ def test_tied_gradients_are_summed_by_torch_distributed_not_mpi(pipeline, monkey
     # Under gloo (NCCL's code path on CPUs) a tied weight's gradient is summed by a
     # torch.distributed group of its holders, one per replica, on the stage's device: MPI
     # host staging (the whole vocab x d gradient every step) is never used for it.
-    from pipeflow import optim_step
+    from pipeflow.runtime import optim_step
 
     def refuse(comm, tensor):
         raise AssertionError(f"rank {WORLD.rank}: a tied gradient of shape "
@@ -151,19 +151,19 @@ def test_torch_distributed_groups_outlive_close_and_are_reused():
     config = pf.Config(pipeline=2, data=WORLD.size // 2, microbatches=2, backend="gloo")
     layers = toy_layers(tied=True)
     first = pf.Engine(layers, loss_fn, plain_sgd, config)
-    families = dict(pf_comm._FAMILIES)
+    families = dict(pf_dist._FAMILIES)
     first.close()
     assert all(g is None or dist.get_rank(g) >= 0 for g in families.values())   # alive
     made = dist.distributed_c10d._world.group_count
     second = pf.Engine(layers, loss_fn, plain_sgd, config)
     assert dist.distributed_c10d._world.group_count == made
-    assert pf_comm._FAMILIES == families
+    assert pf_dist._FAMILIES == families
     _trains_like_one_process(second, layers, batches(2, BATCH), clip=0.0, optimizer=plain_sgd)
     second.close()
     # torch.distributed torn down and started again by the user: new groups, not the dead.
     dist.destroy_process_group()
     third = pf.Engine(layers, loss_fn, plain_sgd, config)
-    assert pf_comm._FAMILIES and all(pf_comm._FAMILIES.get(k) is not g for k, g in families.items()
+    assert pf_dist._FAMILIES and all(pf_dist._FAMILIES.get(k) is not g for k, g in families.items()
                                      if g is not None)
     _trains_like_one_process(third, layers, batches(2, BATCH), clip=0.0, optimizer=plain_sgd)
     third.close()
@@ -245,8 +245,8 @@ def test_hooks_off_the_engine_thread_only_mark_buckets_ready(where):
     # would fail this test.
     import threading
 
-    from pipeflow.data_parallel import GradReducer
-    from pipeflow.strict_comm import StrictCommunicator
+    from pipeflow.runtime.data_parallel import GradReducer
+    from pipeflow.comm.strict import StrictCommunicator
 
     comm = StrictCommunicator(WORLD)
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 5, 2, 4)]

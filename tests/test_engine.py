@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import pipeflow as pf
-from pipeflow.checkpoint import CheckpointError
+from pipeflow.runtime.checkpoint import CheckpointError
 
 from toy import (adamw, assert_same_parameters, batches, loss_fn, sgd, toy_layers,
                  train_reference)
@@ -53,12 +53,12 @@ def test_config_round_trips_through_toml(tmp_path):
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(pipeline=0), "Config.pipeline must be a positive integer, found 0"),
-    (dict(schedule="zigzag"), "Config.schedule must be one of \\['1f1b', 'gpipe', "
-                              "'interleaved', 'zb-h1', 'zbv', 'auto'\\], found 'zigzag'"),
+    (dict(schedule="zigzag"), "Config.schedule must be one of \\['1f1b', 'gpipe', 'interleaved', "
+                              "'zb-h1', 'zbv', 'auto'\\], found 'zigzag'"),
     (dict(schedule="interleaved"), "set virtual_stages >= 2"),
     (dict(schedule="interleaved", virtual_stages=2, pipeline=2, microbatches=3),
      "microbatches must be a multiple of 2, found 3"),
-    (dict(virtual_stages=2), "virtual_stages = 2 needs schedule 'interleaved'"),
+    (dict(virtual_stages=2), "'1f1b' runs exactly 1 model chunk per rank, found virtual_stages = 2"),
     (dict(precision="fp8"), "Config.precision must be one of \\['fp32', 'bf16', 'fp16'\\], "
                             "found 'fp8'"),
     (dict(loss_scale_backoff=2.0), "0 < loss_scale_backoff < 1"),

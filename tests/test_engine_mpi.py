@@ -15,7 +15,8 @@ from mpi4py import MPI
 from torch import nn
 
 import pipeflow as pf
-from pipeflow.schedule import build_schedule, simulate
+from pipeflow.schedules import build_schedule, names, simulate
+from pipeflow.schedules import get as get_schedule
 
 from toy import (Drop, adamw, assert_same_parameters, batches, loss_fn, sgd, sub_world,
                  toy_layers, train_reference)
@@ -32,13 +33,18 @@ MICROBATCHES = {2: [1, 2, 3, 8], 4: [2, 4, 6, 12]}  # below, equal to and above 
 _sub_world = sub_world
 
 
+def _chunks(schedule: str) -> int:
+    """Model chunks a rank the schedule runs by default (interleaved: 2; a V: 2)."""
+    return get_schedule(schedule).resolve_chunks(None)
+
+
 def _cases():
     # Only grids this world can hold: `mpirun -n 2` runs the 2-stage cases, `-n 4` both.
     for p in (p for p in (2, 4) if p <= WORLD.size):
         for m in MICROBATCHES[p]:
-            for schedule in ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv"):
-                if schedule == "interleaved" and m % p:
-                    continue        # interleaving runs micro-batches in groups of p
+            for schedule in names():            # every registered schedule
+                if get_schedule(schedule).problem(p, m):
+                    continue        # e.g. interleaving runs micro-batches in groups of p
                 for part in ("uniform", "parameters", "time", "explicit"):
                     yield p, m, schedule, part
 
@@ -47,7 +53,7 @@ def _cases():
 @pytest.mark.parametrize("stages,microbatches,schedule,partition", list(_cases()))
 def test_pipeline_trains_like_one_process(stages, microbatches, schedule, partition):
     comm = _sub_world(stages)
-    interleaved = schedule in ("interleaved", "zbv")       # two model chunks a rank
+    interleaved = _chunks(schedule) > 1                     # two model chunks a rank
     layers = toy_layers(blocks=7 if interleaved else 5)
     explicit = (EXPLICIT_INTERLEAVED if interleaved else EXPLICIT)[stages]
     config = pf.Config(pipeline=stages, microbatches=microbatches, schedule=schedule,
@@ -291,9 +297,9 @@ def test_checkpoint_resumes_onto_a_different_grid(tmp_path_factory, optimizer):
 
 def _sgd_cases():
     for momentum in (0.0, 0.9):
-        for schedule in ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv"):
+        for schedule in names():
             for m in (1, 3, 8):
-                if schedule != "interleaved" or m % 2 == 0:
+                if not get_schedule(schedule).problem(2, m):
                     yield momentum, schedule, m
 
 
@@ -303,7 +309,7 @@ def test_plain_sgd_update_equals_one_process(momentum, schedule, microbatches):
     # AdamW's first steps are nearly lr * sign(g), blind to a wrong gradient scale; SGD's
     # update is the gradient itself, so a mis-scaled micro-batch loss shows here.
     comm = _sub_world(2)
-    interleaved = schedule in ("interleaved", "zbv")
+    interleaved = _chunks(schedule) > 1
     layers = toy_layers(blocks=7 if interleaved else 5)
 
     def optimizer(params):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import pipeflow as pf
-from pipeflow import topology
-from pipeflow.stage import default_device
+from pipeflow.comm import topology
+from pipeflow.runtime.stage import default_device
 
 
 class _World:
@@ -95,7 +95,7 @@ def test_reductions_of_gpu_tensors_go_through_the_host_even_on_a_cuda_aware_mpi(
     # Iallreduce on device pointers crashes or sums garbage. Only host memory reaches it.
     import contextlib
 
-    from pipeflow import cuda_mpi
+    from pipeflow.comm import cuda as cuda_mpi
     log: list[str] = []
     monkeypatch.setenv(cuda_mpi.CUDA_AWARE_ENV, "1")
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream(log))
@@ -154,8 +154,8 @@ def test_reductions_of_gpu_tensors_go_through_the_host_even_on_a_cuda_aware_mpi(
 def test_a_cuda_aware_receive_drains_the_stream_before_mpi_writes(monkeypatch):
     # The caching allocator may hand a receive a block whose last owner's kernels are still
     # queued; MPI writes at once, outside stream order: the stream is drained first.
-    from pipeflow import comm
-    from pipeflow.cuda_mpi import CUDA_AWARE_ENV
+    from pipeflow.comm import mpi as comm
+    from pipeflow.comm.cuda import CUDA_AWARE_ENV
     log: list[str] = []
     real_empty = torch.empty
 
@@ -183,7 +183,7 @@ def test_tracing_on_a_gpu_records_events_and_never_synchronizes_inside_the_step(
     # The tracer used to end every instruction with torch.cuda.synchronize(): after a send
     # that waits for the peer's receive, and in 1F1B two stages doing so wait for each other.
     # On a GPU it records CUDA events and reads them once, after the step.
-    from pipeflow.runner import CudaClock
+    from pipeflow.runtime.runner import CudaClock
     from toy import adamw, batches, loss_fn, toy_layers
 
     ticks = iter(range(1, 10_000))
@@ -224,7 +224,7 @@ def test_tracing_on_a_gpu_records_events_and_never_synchronizes_inside_the_step(
 
 def test_mfu_on_a_gpu_missing_from_the_table_is_measured_on_that_gpu(monkeypatch):
     # It was a timed fp32 matmul on the host's CPU: MFU of thousands of percent on a GPU.
-    from pipeflow import metrics
+    from pipeflow.train import metrics
     measured = []
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B999")
     monkeypatch.setattr(metrics, "_measured_matmul_flops",
@@ -240,7 +240,7 @@ def test_mfu_on_a_gpu_missing_from_the_table_is_measured_on_that_gpu(monkeypatch
 def test_flops_count_a_tied_weight_once_and_no_embedding_lookups():
     # 6 N FLOPs a token: N counts what a token multiplies. Tied embedding and head (GPT-2)
     # on one stage or two: the head's matmul once; the position table not at all.
-    from pipeflow.metrics import count_parameters
+    from pipeflow.train.metrics import count_parameters
     from toy import adamw, loss_fn, toy_layers
     engine = pf.Engine(toy_layers(tied=True), loss_fn, adamw, pf.Config())
     layers = engine.module
@@ -258,7 +258,7 @@ def test_flops_count_a_tied_weight_once_and_no_embedding_lookups():
 def test_auto_and_partition_time_measure_layers_in_the_runs_precision(precision, dtype):
     # They measured fp32 layers for bf16/fp16 runs: other times (on a GPU's tensor cores,
     # several-fold) and twice the saved bytes the run will really stash.
-    from pipeflow.auto_schedule import measure_layer_costs
+    from pipeflow.schedules.auto import measure_layer_costs
     seen: list = []
 
     class Probe(torch.nn.Module):
@@ -287,8 +287,8 @@ def test_buckets_start_before_the_last_backward_ends_when_hooks_run_off_thread(n
     import threading
     import time
 
-    from pipeflow.comm import Request
-    from pipeflow.data_parallel import GradReducer
+    from pipeflow.comm.base import Request
+    from pipeflow.runtime.data_parallel import GradReducer
 
     timeline: list[tuple[str, float]] = []
 
@@ -369,7 +369,8 @@ def test_a_stuck_nccl_link_is_named_in_the_hang_report():
     # NCCL's waits never block the host: a receive that never completes shows up later, as a
     # host stuck at "loss" or "optimizer step" with no peer. The report now lists what is
     # still outstanding on the device, with its peer.
-    from pipeflow.comm import TorchDistCommunicator, _DistWork
+    from pipeflow.comm.torch_dist import TorchDistCommunicator
+    from pipeflow.comm.torch_dist import _DistWork
     from toy import adamw, loss_fn, toy_layers
 
     class Work:

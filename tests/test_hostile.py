@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import pipeflow as pf
-from pipeflow.checkpoint import CheckpointError, check_save_dir
+from pipeflow.runtime.checkpoint import CheckpointError, check_save_dir
 
 from toy import adamw, batches, loss_fn, toy_layers
 
@@ -66,8 +66,8 @@ CONFIG = [
             "Config.virtual_stages must be a positive integer, found False (bool)",
             pf.ConfigError),
     Hostile("virtual-stages-without-interleaved", config(pipeline=2, virtual_stages=2),
-            ("virtual_stages = 2 needs schedule 'interleaved'",
-             "set virtual_stages = 1 or schedule = 'interleaved'"), pf.ConfigError),
+            ("'1f1b' runs exactly 1 model chunk per rank, found virtual_stages = 2",
+             "leave virtual_stages out (or set 1)"), pf.ConfigError),
     Hostile("interleaved-partial-group",
             config(schedule="interleaved", virtual_stages=2, pipeline=4, microbatches=6),
             ("microbatches must be a multiple of 4, found 6", "set microbatches = 8"),

@@ -8,11 +8,11 @@ import pytest
 
 import pipeflow as pf
 from pipeflow import engine as engine_mod
-from pipeflow.hostmem import USER_SETTINGS
+from pipeflow.runtime.hostmem import USER_SETTINGS
 from toy import adamw, batches, loss_fn, toy_layers
 
 GLIBC = sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION") is not None
-PROBE = "from pipeflow.hostmem import keep_freed_memory as k; print(k(), k())"
+PROBE = "from pipeflow.runtime.hostmem import keep_freed_memory as k; print(k(), k())"
 
 
 def _probe(**env) -> str:

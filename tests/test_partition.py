@@ -6,7 +6,7 @@ import pytest
 from torch import nn
 
 import pipeflow as pf
-from pipeflow.partition import (check_boundaries, measure_layer_times, partition_balanced,
+from pipeflow.runtime.partition import (check_boundaries, measure_layer_times, partition_balanced,
                                 partition_layers, partition_uniform)
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from pipeflow.planner import cli
 from pipeflow.models.gpt import GPTConfig, layer_parameters, num_parameters
-from pipeflow.partition import partition_balanced
+from pipeflow.runtime.partition import partition_balanced
 from pipeflow.planner import cost
 from pipeflow.planner.cost import (PRECISIONS, Grid, activation_bytes_per_layer,
                                    bubble_fraction, estimate, exposed_allreduce_time,
@@ -23,7 +23,8 @@ from pipeflow.planner.scaling import (APPROACH1_G, BESIROGLU_FIT, HOFFMANN_FIT, 
                                       allocate, allocate_for_params, compute_from_gpu_days)
 from pipeflow.planner.search import PlanError, minimum_gpus, search
 from pipeflow.planner.shapes import ASPECT_RANGE, Shape, ShapeError, shape_for_params
-from pipeflow.schedule import build_schedule, simulate
+from pipeflow.schedules import build_schedule, simulate
+from pipeflow.schedules import registry as schedule_registry
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -149,7 +150,7 @@ def test_planner_stash_held_and_idle_time_are_the_simulators(schedule, chunks):
     # The planner extrapolates long runs from two simulations past the warm-up: it must agree
     # with simulating every micro-batch.
     cost._simulated.cache_clear()
-    for p in range(1, 9):
+    for p in range(schedule_registry.get(schedule).min_stages, 9):
         step = p if schedule == "interleaved" else 1
         for m in range(step, 8 * p + 3 * step, step):
             full = simulate(build_schedule(schedule, p, m, chunks), forward_time=1.0,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import pipeflow as pf
-from pipeflow.precision import LossScaler
+from pipeflow.runtime.precision import LossScaler
 
 from toy import adamw, assert_same_update, batches, loss_fn, sgd, toy_layers, update_of
 

@@ -8,7 +8,7 @@ from mpi4py import MPI
 from torch import nn
 
 import pipeflow as pf
-from pipeflow.data import Batches, load_corpus
+from pipeflow.train.data import Batches, load_corpus
 from pipeflow.models import GPTConfig, gpt_layers, gpt_loss
 
 from toy import (adamw, assert_same_update, batches, loss_fn, sgd, toy_layers, train_reference,

@@ -9,9 +9,10 @@ from pipeflow import build_sequential
 from pipeflow.config import ConfigError
 from pipeflow.models import GPTConfig, gpt_layers, gpt_loss
 from pipeflow.config import parse_policy
-from pipeflow.recompute import (SavedTensorMeter, choose_auto, estimate_stash_bytes,
+from pipeflow.runtime.recompute import (SavedTensorMeter, choose_auto, estimate_stash_bytes,
                                 measure_layers, stage_forward)
-from pipeflow.schedule import BACKWARD, FORWARD, one_f_one_b
+from pipeflow.schedules import BACKWARD, FORWARD
+from pipeflow.schedules.one_f_one_b import one_f_one_b
 
 POLICIES = ["full", "every:1", "every:2", "every:3", "selective"]
 CFG = GPTConfig(n_layers=4, d_model=32, n_heads=4, seq_len=16, dropout=0.1)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import pipeflow as pf
-from pipeflow.optim_step import NonFiniteError
+from pipeflow.runtime.optim_step import NonFiniteError
 
 from toy import adamw, batches, loss_fn, pair, toy_layers
 

@@ -12,8 +12,8 @@ import torch
 from mpi4py import MPI
 
 import pipeflow as pf
-from pipeflow.comm import CommDeviceError
-from pipeflow.strict_comm import StrictCommError, StrictCommunicator
+from pipeflow.comm.base import CommDeviceError
+from pipeflow.comm.strict import StrictCommError, StrictCommunicator
 
 from toy import (adamw, assert_same_parameters, batches, loss_fn, pair, toy_layers,
                  train_reference)

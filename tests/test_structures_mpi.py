@@ -294,7 +294,7 @@ def test_token_count_normalisation_equals_the_one_process_token_mean():
 def test_sent_activations_are_freed_and_training_is_unchanged(form, monkeypatch):
     # Megatron-Core's deallocate_output_tensor: after its send, an activation keeps only its
     # graph in the stash. The same training either way, bit for bit.
-    from pipeflow.runner import Runner
+    from pipeflow.runtime.runner import Runner
     held: list[int] = []
     original = Runner.backward
 

@@ -16,8 +16,8 @@ import pytest
 from mpi4py import MPI
 
 from pipeflow._io import atomic_write_bytes
-from pipeflow.run_config import load_run_config
-from pipeflow.train import train
+from pipeflow.train.run_config import load_run_config
+from pipeflow.train.loop import train
 
 from factory_models import RUN_TOML
 from toy import pair

@@ -15,11 +15,11 @@ import torch
 
 import pipeflow as pf
 from pipeflow.cli import main
-from pipeflow.data import Batches, token_file
+from pipeflow.train.data import Batches, load_corpus, token_file
 from pipeflow.models import GPTConfig, flops_per_token, gpt_layers, gpt_loss
-from pipeflow.prepare import prepare
-from pipeflow.run_config import load_run_config
-from pipeflow.train import lr_at, train, weight_decay_groups
+from pipeflow.train.prepare import prepare
+from pipeflow.train.run_config import load_run_config
+from pipeflow.train.loop import lr_at, train, weight_decay_groups
 
 from factory_models import RUN_TOML
 
@@ -37,7 +37,7 @@ def _plain_loop(model, run, steps: int, batch: int, seq: int) -> list[float]:
     batches, in a plain loop."""
     opt = torch.optim.AdamW(weight_decay_groups(model.parameters(), run.train.weight_decay),
                             lr=run.train.lr, betas=(run.train.beta1, run.train.beta2))
-    batches = Batches(pf.data.load_corpus(), batch, seq, seed=0)
+    batches = Batches(load_corpus(), batch, seq, seed=0)
     losses = []
     for step in range(steps):
         for group in opt.param_groups:
@@ -137,7 +137,7 @@ def test_prepare_writes_nanogpt_files_that_train(tmp_path):
 
 @pytest.mark.timeout(90)
 def test_resume_continues_with_the_next_batch(tmp_path, monkeypatch):
-    import pipeflow.train as train_mod
+    import pipeflow.train.loop as train_mod
     used = []
     original = train_mod._batch
     monkeypatch.setattr(train_mod, "_batch",
@@ -158,7 +158,7 @@ def test_resume_continues_with_the_next_batch(tmp_path, monkeypatch):
     assert first + rest == whole          # bit-identical: same batches, same state
     # The position comes from the checkpoint: a hand edit is refused (the record is sealed
     # with its sha256), a position written as pipeflow writes it is followed.
-    from pipeflow.checkpoint import read_sealed_json, sealed_json
+    from pipeflow.runtime.checkpoint import read_sealed_json, sealed_json
     state = tmp_path / "ck" / "step-00000006" / "data.json"
     record = read_sealed_json(str(state))
     state.write_text(state.read_text().replace('"next_batch": 6', '"next_batch": 40'))
@@ -237,13 +237,13 @@ def test_overrides_reach_every_table_and_print_config_shows_them(tmp_path, capsy
 
 
 def test_trace_category_is_the_op_letters():
-    from pipeflow.trace import op_kind
+    from pipeflow.train.trace import op_kind
     assert [op_kind(n) for n in ("F3", "F3.1", "B12.3", "SA2", "optimizer step")] == [
         "F", "F", "B", "SA", "optimizer step"]
 
 
 def test_plain_lines_without_a_terminal():
-    from pipeflow.metrics import MetricsLog
+    from pipeflow.train.metrics import MetricsLog
     lines = []
     out = MetricsLog("", "", total=10, first=0, progress=True,
                      log=lambda text, **k: lines.append(text))
@@ -256,7 +256,7 @@ def test_plain_lines_without_a_terminal():
 
 def test_progress_bar_on_a_terminal(monkeypatch):
     pytest.importorskip("tqdm")
-    from pipeflow.metrics import MetricsLog
+    from pipeflow.train.metrics import MetricsLog
     monkeypatch.setattr("sys.stdout.isatty", lambda: True)
     out = MetricsLog("", "", total=10, first=3, progress=True)
     assert out.bar is not None and out.bar.n == 3
@@ -304,7 +304,7 @@ def test_a_second_run_on_the_same_save_dir_is_refused_naming_the_first(tmp_path)
     import sys
     save = tmp_path / "ck"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pipeflow.train import SaveDirLock; "
+        [sys.executable, "-c", "import sys, time; from pipeflow.train.loop import SaveDirLock; "
          f"SaveDirLock({str(save)!r}).acquire(); print('locked', flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True)
     try:

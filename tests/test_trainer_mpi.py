@@ -19,11 +19,11 @@ from mpi4py import MPI
 
 import pipeflow as pf
 from pipeflow._io import atomic_write_bytes
-from pipeflow.checkpoint import saved_plan
-from pipeflow.data import Batches, load_corpus
+from pipeflow.runtime.checkpoint import saved_plan
+from pipeflow.train.data import Batches, load_corpus
 from pipeflow.models import GPTConfig, gpt_layers, gpt_loss
-from pipeflow.run_config import load_run_config
-from pipeflow.train import lr_at, train, weight_decay_groups
+from pipeflow.train.run_config import load_run_config
+from pipeflow.train.loop import lr_at, train, weight_decay_groups
 
 WORLD = MPI.COMM_WORLD
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "auto"]

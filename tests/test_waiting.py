@@ -1,4 +1,4 @@
-"""The wait policy's choice (`pipeflow.waiting`), without MPI ranks."""
+"""The wait policy's choice (`pipeflow.comm.waiting`), without MPI ranks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import pytest
 from mpi4py import MPI
 
-from pipeflow import waiting
+from pipeflow.comm import waiting
 
 
 @pytest.mark.parametrize("ranks,cores,expected", [(4, 2, "yield"), (2, 2, "spin"),

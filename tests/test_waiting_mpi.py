@@ -1,4 +1,4 @@
-"""How ranks wait on MPI (`pipeflow.waiting`): yielding gives what MPI's blocking calls give,
+"""How ranks wait on MPI (`pipeflow.comm.waiting`): yielding gives what MPI's blocking calls give,
 leaves the core to others while it waits, and trains exactly like one process.
 
 Run under `mpirun -n 2` and `-n 4` with `--with-mpi`.
@@ -13,7 +13,7 @@ import torch
 from mpi4py import MPI
 
 import pipeflow as pf
-from pipeflow import waiting
+from pipeflow.comm import waiting
 
 from toy import assert_same_parameters, batches, loss_fn, toy_layers, train_reference
 

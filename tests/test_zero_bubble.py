@@ -9,7 +9,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from pipeflow.models.gpt import Block, Embedding, GPTConfig, Head, gpt_loss
-from pipeflow.zero_bubble import backward_input, backward_weight
+from pipeflow.schedules.split_backward import backward_input, backward_weight
 
 CFG = GPTConfig(n_layers=2, d_model=32, n_heads=4, seq_len=8)
 
@@ -156,7 +156,7 @@ def test_an_input_without_gradient_a_pytree_output_and_a_weight_only_an_output_s
 
 @pytest.mark.parametrize("recompute", ["checkpoint", "pipeflow-full", "pipeflow-selective"])
 def test_recomputed_forward(recompute):
-    from pipeflow.recompute import stage_forward
+    from pipeflow.runtime.recompute import stage_forward
 
     torch.manual_seed(0)
     blocks = nn.Sequential(Block(CFG), Block(CFG))

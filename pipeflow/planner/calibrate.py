@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 from pipeflow.planner.cost import block_forward_flops
 from pipeflow.planner.hardware import Hardware, LayerTimes, fit_relative
 from pipeflow.planner.shapes import Shape
-from pipeflow import waiting
+from pipeflow.comm import waiting
 
 __all__ = ["measure_layer_times", "measure_link", "estimate_shared_memory_link", "calibrate",
            "DEFAULT_MICRO_BATCHES"]

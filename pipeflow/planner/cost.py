@@ -7,14 +7,13 @@ import functools
 import math
 from typing import Sequence
 
-from pipeflow.config import SCHEDULES
 from pipeflow.models.gpt import layer_parameters
-from pipeflow.partition import partition_balanced
+from pipeflow.runtime.partition import partition_balanced
 from pipeflow.planner.hardware import GB, Cluster
 from pipeflow.planner.shapes import Shape
-from pipeflow.precision import bytes_per_parameter, itemsize
-from pipeflow.schedule import build_schedule, simulate
-from pipeflow.topology import rank_of
+from pipeflow.runtime.precision import bytes_per_parameter, itemsize
+from pipeflow.schedules import build_schedule, registry, simulate
+from pipeflow.comm.topology import rank_of
 
 __all__ = [
     "PrecisionBytes", "PRECISIONS", "RECOMPUTE", "PLANNED_SCHEDULES", "Grid", "StageCost",
@@ -25,22 +24,26 @@ __all__ = [
 ]
 
 RECOMPUTE = ("none", "selective", "full")     # cheapest first: the order the search tries
-# The schedules of `pipeflow.config.SCHEDULES` the cost model times.
-PLANNED_SCHEDULES = tuple(s for s in SCHEDULES if s in ("1f1b", "gpipe", "zb-h1", "zbv"))
-SPLIT_BACKWARD = ("zb-h1", "zbv")     # B (input gradient) and W (weight gradient) apart
+# The registered schedules the cost model times (`ScheduleSpec.planned`).
+PLANNED_SCHEDULES = tuple(name for name, spec in registry.SCHEDULES.items() if spec.planned)
 BUCKET_BYTES = 25 * 2**20             # the engine's default gradient bucket (Config.bucket_mb)
 
 
 def schedule_chunks(schedule: str) -> int:
-    """Model chunks per rank the planner runs `schedule` with (ZBV's V: 2)."""
-    return 2 if schedule == "zbv" else 1
+    """Model chunks per rank the planner runs `schedule` with (a V: 2)."""
+    return registry.get(schedule).resolve_chunks(None)
+
+
+def split_backward(schedule: str) -> bool:
+    """Whether `schedule` runs B (input gradient) and W (weight gradient) apart."""
+    return registry.get(schedule).split_backward
 
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionBytes:
-    """What one numeric recipe of `pipeflow.precision` costs the cost model.
+    """What one numeric recipe of `pipeflow.runtime.precision` costs the cost model.
 
-    Bytes per parameter and per activation come from `pipeflow.precision`: bf16 keeps a bf16
+    Bytes per parameter and per activation come from `pipeflow.runtime.precision`: bf16 keeps a bf16
     working weight, an fp32 master, the fp32 gradient accumulated over micro-batches (as
     Megatron-LM does) and AdamW's two fp32 moments, 18 bytes; fp32 keeps 16.
     """
@@ -137,7 +140,7 @@ def head_activation_bytes(seq_len: int, micro_batch_size: int, vocab_size: int,
 def _simulated(schedule: str, pipeline: int, microbatches: int,
                chunks: int) -> tuple[tuple[float, ...], ...]:
     """(peak stash per stage, peak held per stage, (idle units,)) of a simulation with
-    F = B = W = 1 unit: `pipeflow.schedule.simulate`. Idle units: the makespan less the 3m
+    F = B = W = 1 unit: `pipeflow.schedules.simulate`. Idle units: the makespan less the 3m
     units of one rank's work.
 
     Simulating m micro-batches costs O(p·m), and the search asks for hundreds of (p, m).
@@ -146,10 +149,11 @@ def _simulated(schedule: str, pipeline: int, microbatches: int,
     from m0 = chunks·p (every warm-up, ZBV's 2p - 1 too, is shorter) on, two simulations
     give the line. The tests hold it to the full simulation.
     """
-    known = _steady(schedule, pipeline, microbatches)
+    spec = registry.get(schedule)
+    known = spec.steady(pipeline, microbatches) if spec.steady else None
     if known is not None:
         return known
-    step = pipeline if schedule == "interleaved" else 1   # groups of p micro-batches
+    step = spec.microbatch_multiple(pipeline)         # interleaved: groups of p micro-batches
     m0 = chunks * pipeline
     if microbatches <= m0 + step:
         r = simulate(build_schedule(schedule, pipeline, microbatches, chunks),
@@ -162,26 +166,10 @@ def _simulated(schedule: str, pipeline: int, microbatches: int,
                  for a, b in zip(low, high))
 
 
-def _steady(schedule: str, p: int, m: int) -> tuple[tuple[float, ...], ...] | None:
-    """`_simulated`'s figures where a schedule's pattern is known, so that the search never
-    simulates a deep pipeline: 1F1B and ZB-H1 once m >= p, GPipe always, ZBV once its V is
-    full (m >= 2p - 1). The tests hold each to the simulator."""
-    if schedule in ("1f1b", "zb-h1") and m >= p:
-        stash = tuple(float(p - s) for s in range(p))
-        if schedule == "1f1b":
-            return stash, stash, (3.0 * (p - 1),)
-        return stash, (float(p),) * p, (p - 1.0,)
-    if schedule == "gpipe":
-        return (float(m),) * p, (float(m),) * p, (3.0 * (p - 1),)
-    if schedule == "zbv" and m >= 2 * p - 1:
-        return (2.0 * p,) * p, (2.0 * p,) * p, ((p - 1) / 2,)
-    return None
-
-
 def peak_stash(schedule: str, pipeline: int, microbatches: int,
                chunks: int = 1) -> tuple[int, ...]:
     """Per stage, the most micro-batches (model-chunk forwards, with `chunks` > 1) forwarded
-    and not yet through B: `pipeflow.schedule.simulate(...).peak_stash`."""
+    and not yet through B: `pipeflow.schedules.simulate(...).peak_stash`."""
     return tuple(int(x) for x in _simulated(schedule, pipeline, microbatches, chunks)[0])
 
 
@@ -277,7 +265,7 @@ def _balanced_cached(weights: tuple[float, ...], parts: int) -> tuple[int, ...]:
 def time_balanced_boundaries(shape: Shape, cluster: Cluster, precision: PrecisionBytes,
                              pipeline: int, b: int) -> tuple[int, ...]:
     """Stage boundaries in the layer list balancing forward + backward time at micro-batch
-    size `b` (without recomputation): `pipeflow.partition.partition_balanced`, the solver
+    size `b` (without recomputation): `pipeflow.runtime.partition.partition_balanced`, the solver
     the engine's `partition = "time"` uses."""
     # Balance forward + backward time without recomputation; the search evaluates the same
     # (pipeline, micro-batch) split many times, hence the cache on the weights.
@@ -509,7 +497,7 @@ def _stage_cost(shape: Shape, cluster: Cluster, prec: PrecisionBytes, grid: Grid
     plain = sum(n * times[k, "backward"] for k, n in count.items())
     bwd = plain + count["block"] * _recompute_time(shape, cluster, prec, mode, b)
     # Split backward: W is half the plain backward; B the rest, recomputation included.
-    weight = plain / 2 if grid.schedule in SPLIT_BACKWARD else 0.0
+    weight = plain / 2 if split_backward(grid.schedule) else 0.0
     params = _stage_params(shape, count)
     send_bytes = b * shape.seq_len * shape.d_model * prec.act_bytes
     p2p = _p2p_time(cluster, st, p, d, send_bytes) * schedule_chunks(grid.schedule)
@@ -534,7 +522,7 @@ def _pipeline_time(stages: Sequence[StageCost], grid: Grid) -> tuple[float, floa
     p, m = grid.pipeline, grid.microbatches
     per_mb = [s.microbatch_s for s in stages]
     slowest = max(range(p), key=per_mb.__getitem__)
-    if grid.schedule in SPLIT_BACKWARD:
+    if split_backward(grid.schedule):
         # A stage's share of the ramp in units of F = B = W: F + B - W (and its sends).
         gaps = [s.forward_s + (s.backward_s - s.weight_s) - s.weight_s + s.p2p_s
                 for s in stages]

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Callable, Iterator, Sequence
 
 from pipeflow.config import SCHEDULES
+from pipeflow.schedules import registry
 from pipeflow.planner.cost import (PLANNED_SCHEDULES, PRECISIONS, RECOMPUTE, Estimate, Grid,
                                    estimate, layer_kinds, stage_memory,
                                    time_balanced_boundaries)
@@ -65,12 +66,12 @@ def enumerate_grids(shape: Shape, gpus: int, global_batch: int,
                 if b > max_micro_batch:
                     break
                 m = global_batch // (d * b)
-                # One stage runs every schedule alike: keep only the first. ZBV only where
-                # its V fills (m >= 2p - 1): below, ZB-H1 is as near (equal for m <= p) at
-                # less memory and half the messages, and simulating every short V of a deep
-                # pipeline would cost the search minutes.
+                # One stage runs every schedule alike: keep only the first. A schedule only
+                # from its `planner_min_microbatches` (a V where it fills, m >= 2p - 1:
+                # below, ZB-H1 is as near at less memory and half the messages, and
+                # simulating every short V of a deep pipeline would cost the search minutes).
                 for schedule in (schedules if p > 1 else schedules[:1]):
-                    if schedule != "zbv" or m >= 2 * p - 1:
+                    if m >= registry.get(schedule).planner_min_microbatches(p):
                         yield Grid(p, d, b, m, schedule)
 
 

@@ -103,7 +103,7 @@ PY
 
 # 4. CUDA-aware MPI, where MPI says it is (point-to-point takes device memory; reductions
 #    stay staged through the host).
-if python -c "import sys; from pipeflow.cuda_mpi import cuda_aware_mpi; \
+if python -c "import sys; from pipeflow.comm.cuda import cuda_aware_mpi; \
               sys.exit(0 if cuda_aware_mpi() else 1)" 2>/dev/null && [[ "$DEVICE" == cuda* ]]; then
   step cuda-aware-mpi 180 env PIPEFLOW_CUDA_AWARE_MPI=1 \
     "$MPIRUN" $OVERSUB -n 2 python -m pytest -q -p no:cacheprovider --with-mpi \

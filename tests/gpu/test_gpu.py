@@ -16,7 +16,7 @@ import torch
 from mpi4py import MPI
 
 import pipeflow as pf
-from pipeflow.data import Batches, load_corpus
+from pipeflow.train.data import Batches, load_corpus
 from pipeflow.models import GPTConfig, gpt_layers, gpt_loss
 
 from test_precision_mpi import ARMED, Injector

@@ -16,8 +16,8 @@ from mpi4py import MPI
 sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
 from factory_models import RUN_TOML  # noqa: E402
 
-from pipeflow.run_config import load_run_config  # noqa: E402
-from pipeflow.train import train  # noqa: E402
+from pipeflow.train.run_config import load_run_config  # noqa: E402
+from pipeflow.train.loop import train  # noqa: E402
 
 MODE = sys.argv[1]
 RANK = MPI.COMM_WORLD.rank

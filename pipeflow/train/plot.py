@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any, Sequence
 
-from pipeflow.trace import COMPUTE_KINDS, parse_instruction
+from pipeflow.train.trace import COMPUTE_KINDS, parse_instruction
 
 __all__ = ["draw_lanes", "schedule_png", "trace_png", "metrics_png", "FIGURE_SIZE", "DPI"]
 
@@ -70,7 +70,7 @@ def _save(plt, fig, path: str | os.PathLike) -> None:
 
 def schedule_png(programs, path: str | os.PathLike, title: str = "") -> None:
     """The simulated schedule: one lane a stage (rank), in units of one forward's time."""
-    from pipeflow.schedule import simulate
+    from pipeflow.schedules import simulate
     plt = _pyplot()
     result = simulate(programs)
     lanes = [[(repr(act), t0, t1) for t0, t1, act in events] for events in result.timeline]
@@ -82,8 +82,8 @@ def schedule_png(programs, path: str | os.PathLike, title: str = "") -> None:
 
 def trace_png(trace_path: str | os.PathLike, path: str | os.PathLike) -> None:
     """A measured timeline written by `pipeflow train --trace`, drawn like a schedule."""
-    from pipeflow.metrics import bubble_fraction
-    from pipeflow.trace import load_trace_lanes
+    from pipeflow.train.metrics import bubble_fraction
+    from pipeflow.train.trace import load_trace_lanes
     plt = _pyplot()
     names, lanes = load_trace_lanes(trace_path)
     origin = min((e[1] for lane in lanes for e in lane), default=0.0)

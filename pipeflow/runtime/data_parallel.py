@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from pipeflow.comm import Communicator, Request
+from pipeflow.comm.base import Communicator, Request
 
 __all__ = ["GradReducer"]
 

@@ -17,18 +17,18 @@ from typing import Any, Callable, Iterator
 import torch
 from mpi4py import MPI
 
-from pipeflow import waiting
+from pipeflow.comm import waiting
 from pipeflow._io import atomic_write_bytes
-from pipeflow.checkpoint import (CheckpointError, check_save_dir, read_sealed_json,
+from pipeflow.runtime.checkpoint import (CheckpointError, check_save_dir, read_sealed_json,
                                  resolve_checkpoint, saved_plan, sealed_json, step_name)
 from pipeflow.config import ConfigError
-from pipeflow.data import Batches, load_corpus, token_file
+from pipeflow.train.data import Batches, load_corpus, token_file
 from pipeflow.engine import Engine
-from pipeflow.failure import report_and_abort, say
-from pipeflow.metrics import MetricsLog, count_parameters, peak_flops, stage_stats
-from pipeflow.model_table import Model, build_model
-from pipeflow.run_config import DataConfig, RunConfig, TrainConfig, load_run_config
-from pipeflow.trace import write_trace
+from pipeflow.runtime.failure import report_and_abort, say
+from pipeflow.train.metrics import MetricsLog, count_parameters, peak_flops, stage_stats
+from pipeflow.train.model_table import Model, build_model
+from pipeflow.train.run_config import DataConfig, RunConfig, TrainConfig, load_run_config
+from pipeflow.train.trace import write_trace
 
 __all__ = ["TrainConfig", "DataConfig", "RunConfig", "lr_at", "load_run_config",
            "weight_decay_groups", "train", "DATA_STATE"]

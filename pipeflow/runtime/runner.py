@@ -12,31 +12,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 
-from pipeflow import schedule as sched
+from pipeflow import schedules as sched
 from pipeflow import tree
-from pipeflow.batch import Batches
-from pipeflow.recompute import SavedTensorMeter, auto_policy, stage_forward
-from pipeflow.strict_comm import no_device_sync
+from pipeflow.runtime.batch import Batches
+from pipeflow.runtime.recompute import SavedTensorMeter, auto_policy, stage_forward
+from pipeflow.comm.strict import no_device_sync
 from pipeflow.tree import Header
-from pipeflow.zero_bubble import backward_input, backward_weight
+from pipeflow.schedules.split_backward import backward_input, backward_weight
 
-__all__ = ["Runner", "StepState", "Route"]
+__all__ = ["Runner", "StepState"]
 
 Key = tuple[int, int]          # (micro-batch, chunk)
-_ACT, _GRAD = 0, 1
-
-
-class Route(NamedTuple):
-    """Where a message goes or comes from: the peer's pipeline rank, the chunk of the
-    virtual stage that receives it, and its tag (unique per micro-batch, chunk and kind)."""
-
-    peer: int
-    chunk: int
-    tag: int
 
 
 @dataclasses.dataclass
@@ -179,18 +169,10 @@ class Runner:
             _finished(s)
         return st
 
-    def route(self, act: sched.Action) -> Route:
-        """Peer, receiving chunk and tag of the message `act` sends or receives.
-
-        Activations go to virtual stage v + 1 and gradients to v - 1, wherever the schedule's
-        layout put it (the next rank; the first rank's next chunk when interleaved; this very
-        rank at the bottom of ZBV's V). Tags name the receiver's micro-batch and chunk."""
-        stage, m = self.stage, self.stage.config.microbatches
-        ahead = act.op in (sched.SEND_ACT, sched.RECV_GRAD)
-        peer, peer_chunk = stage.where[stage.virtual(act.chunk) + (1 if ahead else -1)]
-        chunk = peer_chunk if act.op in sched.SENDS else act.chunk
-        kind = _ACT if act.op in (sched.SEND_ACT, sched.RECV_ACT) else _GRAD
-        return Route(peer, chunk, 2 * (chunk * m + act.mb) + kind)
+    def route(self, act: sched.Action) -> sched.Route:
+        """Peer, receiving chunk and tag of the message `act` sends or receives (the plan's
+        `route`: one function for the engine, the simulator and the link order)."""
+        return self.stage.plan.route(act, self.stage.index)
 
     def describe(self, act: sched.Action, probe: bool = False) -> str:
         """The instruction, and for a message the rank it waits on, for reports. With `probe`

@@ -126,7 +126,7 @@ def each_layer(layers: Sequence, sample: Any,
     working dtype, `fp32_modules` kept, inputs cast): an fp32 layer's times are not those.
     """
     from pipeflow.layers import build_layer
-    from pipeflow.precision import Precision
+    from pipeflow.runtime.precision import Precision
 
     x = sample
     rows: list[tuple[list[float], Any]] = []

@@ -29,9 +29,9 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from mpi4py import MPI
 
-from pipeflow import waiting
-from pipeflow.comm import (Communicator, HeadersFirst, MpiCommunicator, Request, TensorMeta,
-                           check_on_device, meta_of)
+from pipeflow.comm import waiting
+from pipeflow.comm.base import Communicator, Request, TensorMeta, check_on_device, meta_of
+from pipeflow.comm.mpi import HeadersFirst, MpiCommunicator
 
 __all__ = ["StrictCommunicator", "StrictCommError", "no_device_sync"]
 

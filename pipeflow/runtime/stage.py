@@ -12,16 +12,17 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from pipeflow import schedule as sched, waiting
-from pipeflow.comm import Communicator
-from pipeflow.auto_schedule import choose_schedule, measure_layer_costs
-from pipeflow.config import SCHEDULES, Config, ConfigError
-from pipeflow.data_parallel import GradReducer
+from pipeflow.comm import waiting
+from pipeflow.comm.base import Communicator
+from pipeflow.comm.topology import Topology, bind_device, choose_backend, grid_communicators
+from pipeflow.config import SCHEDULES, Config, ConfigError, parse_policy
 from pipeflow.layers import LayerSpec, build_layer, get_parameter, set_parameter, tie_groups
-from pipeflow.partition import measure_layer_times, partition_layers
-from pipeflow.precision import LossScaler, Precision, class_matches
-from pipeflow.config import parse_policy
-from pipeflow.topology import Topology, bind_device, choose_backend, grid_communicators
+from pipeflow.runtime.data_parallel import GradReducer
+from pipeflow.runtime.partition import measure_layer_times, partition_layers
+from pipeflow.runtime.precision import LossScaler, Precision, class_matches
+from pipeflow.schedules.auto import choose_schedule, measure_layer_costs
+from pipeflow.schedules.ir import Action
+from pipeflow.schedules.plan import Plan
 
 __all__ = ["Stage", "StageModule", "Tie"]
 
@@ -67,7 +68,7 @@ class Stage:
                  sample: Any = None) -> None:
         self.config = config
         self.topo = topo = Topology(world, config.pipeline, config.data)
-        # How this process waits on MPI from here on (process-wide: see pipeflow.waiting).
+        # How this process waits on MPI from here on (process-wide: see pipeflow.comm.waiting).
         waiting.use(waiting.choose(config.wait, topo.local_size, topo.local_cores))
         self.index, self.stages = topo.stage, topo.pipeline
         self.device = default_device(topo, device)
@@ -78,11 +79,10 @@ class Stage:
             _resolve_schedule(layers, config, world, sample, self.device, topo.pipeline)
         self.boundaries = partition_layers(layers, self.stages * self.num_chunks,
                                            config.partition, self.layer_times)
-        # layout[rank][chunk] = virtual stage; where[virtual] = (rank, chunk)
-        self.layout = sched.stage_layout(self.schedule, self.stages, self.num_chunks)
-        self.where = {v: (r, c) for r, row in enumerate(self.layout) for c, v in enumerate(row)}
-        ranges = [range(self.boundaries[self.virtual(c)], self.boundaries[self.virtual(c) + 1])
-                  for c in range(self.num_chunks)]
+        # What every rank runs, the same everywhere: layout, programs, routes, policies.
+        self.plan = Plan.build(self.schedule, self.stages, config.microbatches, self.num_chunks,
+                               self.boundaries, parse_policy(config.recompute, self.stages))
+        ranges = self.plan.layer_ranges(self.index)
         built = {i: build_layer(layers[i], config.seed, i) for r in ranges for i in r}
         # Ranks finish building at different times: wait for the last one here, by the wait
         # policy, rather than inside the communicator splits below (MPI's own, which spin).
@@ -94,7 +94,7 @@ class Stage:
         self.chunk_layers = [[self.module.get_submodule(str(i)) for i in r] for r in ranges]
         self.precision = Precision(self.module, config.precision, config.fp32_modules,
                                    _scaler(config))
-        self.recompute = parse_policy(config.recompute, self.stages)[self.index]
+        self.recompute = self.plan.recompute[self.index]   # "auto": resolved on first use
         mark_selective(self.module, config.recompute_modules, self.recompute, self.describe())
         self.backend = choose_backend(config.backend, topo, self.device)
         self.pipe_comm, self.data_comm = self._communicators()
@@ -108,54 +108,51 @@ class Stage:
         self.norm_params = [self.precision.master_of(p) for p in self.precision.working
                             if id(p) not in later]
         self.optimizer = _make_optimizer(optimizer, masters, topo.describe())
-        self._schedule()
 
-    # -- where things are -----------------------------------------------------------------
+    # -- where things are (the plan's facts about this rank) -----------------------------
     def virtual(self, chunk: int) -> int:
-        """The virtual stage of this rank's chunk `chunk` (the schedule's layout: `chunk · p +
-        stage` when interleaved, the V `2p - 1 - stage` for ZBV's second chunk)."""
-        return self.layout[self.index][chunk]
+        """The virtual stage of this rank's chunk `chunk`."""
+        return self.plan.virtual(self.index, chunk)
 
     @property
     def last_virtual(self) -> int:
-        return self.stages * self.num_chunks - 1
+        return self.plan.last_virtual
 
     @property
     def holds_first(self) -> bool:
-        return self.where[0][0] == self.index
+        return self.plan.holds_first(self.index)
 
     @property
     def holds_last(self) -> bool:
-        return self.where[self.last_virtual][0] == self.index
+        return self.plan.holds_last(self.index)
+
+    @property
+    def program(self) -> list[Action]:
+        return self.plan.programs[self.index]
+
+    @property
+    def eval_program(self) -> tuple[Action, ...]:
+        return self.plan.eval_programs[self.index]
+
+    @property
+    def split_backward(self) -> bool:
+        return self.plan.split_backward
+
+    @property
+    def last_backward(self) -> Action | None:
+        return self.plan.last_gradient_action(self.index)
+
+    @property
+    def expected_peak_stash(self) -> list[int]:
+        return list(self.plan.peak_stash)
 
     def describe(self) -> str:
         return self.topo.describe()
 
     # -- construction ---------------------------------------------------------------------
-    def _schedule(self) -> None:
-        """The instruction lists, validated the same way on every rank before any message."""
-        cfg = self.config
-        programs = sched.build_schedule(self.schedule, self.stages, cfg.microbatches,
-                                        chunks=self.num_chunks)
-        self.expected_peak_stash = sched.simulate(programs).peak_stash
-        self.program = programs[self.index]
-        # Evaluation runs the forwards alone, in the training schedule's order (for GPipe and
-        # 1F1B, micro-batch order), so every rank meets its inputs in the order sent.
-        forwards = self.program if self.num_chunks > 1 else \
-            sched.gpipe(self.index, self.stages, cfg.microbatches)
-        self.eval_program = [a for a in forwards
-                             if a.op in (sched.RECV_ACT, sched.FORWARD, sched.SEND_ACT)]
-        # The instruction that produces the step's last weight gradients: the data-parallel
-        # buckets launch as they become final during it (W under split backward, else B).
-        self.split_backward = any(a.op == sched.WEIGHT for a in self.program)
-        grad_op = sched.WEIGHT if self.split_backward else sched.BACKWARD
-        makers = [a for a in self.program if a.op == grad_op]
-        self.last_backward = makers[-1] if makers else None
-
     def _tie(self, layers: Sequence[LayerSpec], built: dict[int, nn.Module]) -> list[Tie]:
         """Make tied weights identical; open a communicator per tie that spans stages."""
-        stage_of = {i: self.where[k][0] for k in range(len(self.boundaries) - 1)
-                    for i in range(self.boundaries[k], self.boundaries[k + 1])}
+        stage_of = {i: self.plan.rank_of_layer(i) for i in range(self.n_layers)}
         ties: list[Tie] = []
         for key, holders in tie_groups(layers).items():
             stages = sorted({stage_of[i] for i, _ in holders})
@@ -184,7 +181,7 @@ class Stage:
         """The pipeline's communicator and, with replicas, the stage's data group's. Only
         the interleaved schedule needs the ring's wrap-around link (ZBV turns on one rank)."""
         return grid_communicators(self.topo, self.backend, self.device,
-                                  ring=self.schedule == "interleaved")
+                                  ring=self.plan.ring)
 
     def _tie_groups(self) -> None:
         """Under torch.distributed, a group per spanning tie and replica, made on every rank
@@ -194,11 +191,11 @@ class Stage:
         if self.backend == "mpi":
             return
         if self.backend == "strict":
-            from pipeflow.strict_comm import StrictCommunicator
+            from pipeflow.comm.strict import StrictCommunicator
             for tie in self.ties:
                 tie.dist = StrictCommunicator(tie.comm, self.device)
             return
-        from pipeflow.comm import torch_family_communicators
+        from pipeflow.comm.torch_dist import torch_family_communicators
 
         mine = iter(self.ties)
         for stages in self.tie_stages:

@@ -364,7 +364,7 @@ def choose_auto(saved_bytes_per_layer: Sequence[int], boundary_bytes: int, stash
 
     Tried in order none, selective (when measured and it keeps less), every:k from the
     largest k down, full. Under 1F1B stage s holds min(p - s, m) micro-batches
-    (`pipeflow.schedule.simulate(...).peak_stash[s]`), so the first stages recompute most.
+    (`pipeflow.schedules.simulate(...).peak_stash[s]`), so the first stages recompute most.
     `where` names the rank and stage in the error raised when no policy fits.
     """
     saved = list(saved_bytes_per_layer)

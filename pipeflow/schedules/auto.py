@@ -16,21 +16,18 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from pipeflow import schedule as sched
+from pipeflow import schedules as sched
+from pipeflow.schedules import registry
 from pipeflow import tree
 from pipeflow.config import ConfigError
-from pipeflow.partition import (clock, each_layer, grad_outputs, leaf_input,
+from pipeflow.runtime.partition import (clock, each_layer, grad_outputs, leaf_input,
                                 partition_uniform)
-from pipeflow.recompute import SavedTensorMeter, _fmt
-from pipeflow.zero_bubble import backward_input, backward_weight
+from pipeflow.runtime.recompute import SavedTensorMeter, _fmt
+from pipeflow.schedules.split_backward import backward_input, backward_weight
 
 __all__ = ["LayerCosts", "Candidate", "Choice", "candidates", "choose_schedule",
            "measure_layer_costs", "peak_activation_bytes"]
 
-# Simplest first: among schedules within `margin` of the fastest, the earliest wins
-# (fewer messages, no split backward), so noise never buys complexity.
-CANDIDATES = (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2))
-SPLIT = ("zb-h1", "zbv")      # the schedules that run B and W apart
 
 
 @dataclasses.dataclass
@@ -88,17 +85,18 @@ class Choice:
 
 
 def candidates(stages: int, microbatches: int, n_layers: int) -> list[Candidate]:
-    """Every schedule `auto` weighs, with the reason where one cannot run here."""
+    """Every registered schedule, simplest first (the registry's order: among schedules
+    within `margin` of the fastest the earliest wins, so noise never buys complexity), with
+    the reason where one cannot run here."""
     out = []
-    for name, chunks in CANDIDATES:
-        skipped = ""
-        if chunks > 1 and stages < 2:
+    for spec in registry.SCHEDULES.values():
+        chunks = spec.resolve_chunks(None)
+        skipped = spec.problem(stages, microbatches, chunks)
+        if not skipped and chunks > 1 and stages < 2:
             skipped = "needs pipeline >= 2"
-        elif chunks > 1 and n_layers < stages * chunks:
+        elif not skipped and n_layers < stages * chunks:
             skipped = f"needs {stages * chunks} layers, has {n_layers}"
-        elif name == "interleaved" and microbatches % stages:
-            skipped = f"microbatches not a multiple of {stages}"
-        out.append(Candidate(name, chunks, skipped))
+        out.append(Candidate(spec.name, chunks, skipped))
     return out
 
 
@@ -133,7 +131,7 @@ def _weigh(c: Candidate, costs: LayerCosts, stages: int, microbatches: int,
         return [sum(values[i] for i in span) for span in spans]
 
     f = total(costs.forward)
-    if c.schedule in SPLIT:
+    if registry.get(c.schedule).split_backward:
         times = list(zip(f, total(costs.backward_input), total(costs.weight)))
     else:
         times = [(x, b, 0.0) for x, b in zip(f, total(costs.backward))]

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from pipeflow.trace import COMPUTE_KINDS, op_kind
+from pipeflow.train.trace import COMPUTE_KINDS, op_kind
 
 if TYPE_CHECKING:
     from pipeflow.engine import Engine

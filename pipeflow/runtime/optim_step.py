@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from pipeflow.comm import mpi_iallreduce_
+from pipeflow.comm.mpi import mpi_iallreduce_
 from pipeflow.config import ConfigError
 
 __all__ = ["close_step", "NonFiniteError"]

@@ -34,10 +34,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from pipeflow import waiting
+from pipeflow.comm import waiting
 from pipeflow._io import atomic_write_bytes, fsync_dir
-from pipeflow.rng import get_rng_state, set_rng_state
-from pipeflow.topology import Topology
+from pipeflow.runtime.rng import get_rng_state, set_rng_state
+from pipeflow.comm.topology import Topology
 
 __all__ = ["CheckpointState", "save_checkpoint", "load_checkpoint", "CheckpointError",
            "resolve_checkpoint", "check_save_dir", "sealed_json", "read_sealed_json", "saved_plan",

@@ -14,8 +14,8 @@ from typing import Any, Callable
 import torch
 from mpi4py import MPI
 
-from pipeflow import waiting
-from pipeflow.comm import Request, _typed
+from pipeflow.comm import waiting
+from pipeflow.comm.base import Request, as_typed
 
 __all__ = ["CUDA_AWARE_ENV", "cuda_aware_mpi", "PinnedBuffers", "side_stream",
            "iallreduce_cuda_", "all_reduce_on_side_stream"]
@@ -119,7 +119,7 @@ def iallreduce_cuda_(comm: MPI.Comm, tensor: torch.Tensor) -> Request:
         copied.record(side)
     target.record_stream(side)
     copied.synchronize()       # this thread waits for the copy; the compute stream does not
-    req = comm.Iallreduce(MPI.IN_PLACE, _typed(host), op=MPI.SUM)
+    req = comm.Iallreduce(MPI.IN_PLACE, as_typed(host), op=MPI.SUM)
     return _DeviceAllreduce(req, host, target)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from pipeflow import waiting
+from pipeflow.comm import waiting
 from pipeflow.config import ConfigError
 
 __all__ = ["Topology", "TopologyError", "rank_of", "bind_device",
@@ -159,8 +159,9 @@ def _nccl_available() -> bool:
 def grid_communicators(topo: Topology, backend: str, device: torch.device, ring: bool
                        ) -> tuple[Any, Any]:
     """This rank's pipeline communicator and, with replicas, its stage's data group's."""
-    from pipeflow.comm import MpiCommunicator, torch_grid_communicators
-    from pipeflow.strict_comm import StrictCommunicator
+    from pipeflow.comm.mpi import MpiCommunicator
+    from pipeflow.comm.torch_dist import torch_grid_communicators
+    from pipeflow.comm.strict import StrictCommunicator
 
     if backend in ("mpi", "strict"):
         make = MpiCommunicator if backend == "mpi" else (

@@ -17,7 +17,8 @@ from typing import Any, Callable, Mapping
 import torch
 from mpi4py import MPI
 
-from pipeflow import tree, waiting
+from pipeflow import tree
+from pipeflow.comm import waiting
 from pipeflow.config import ConfigError
 
 __all__ = ["BatchError", "MicroBatch", "Batches", "prepare", "agree", "agree_call"]
