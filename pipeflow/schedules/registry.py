@@ -21,6 +21,7 @@ _MODULES = (
     "interleaved",
     "zb_h1",
     "zbv",
+    "v_half",
 )
 
 SCHEDULES: dict[str, ScheduleSpec] = {}
