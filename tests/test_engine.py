@@ -54,7 +54,7 @@ def test_config_round_trips_through_toml(tmp_path):
 @pytest.mark.parametrize("kwargs,message", [
     (dict(pipeline=0), "Config.pipeline must be a positive integer, found 0"),
     (dict(schedule="zigzag"), "Config.schedule must be one of \\['1f1b', 'gpipe', 'interleaved', "
-                              "'zb-h1', 'zbv', 'v-half', 'auto'\\], found 'zigzag'"),
+                              "'zb-h1', 'zbv', 'v-half', 'v-min', 'auto'\\], found 'zigzag'"),
     (dict(schedule="interleaved"), "set virtual_stages >= 2"),
     (dict(schedule="interleaved", virtual_stages=2, pipeline=2, microbatches=3),
      "microbatches must be a multiple of 2, found 3"),

@@ -130,7 +130,7 @@ def test_interleaved_needs_whole_groups_and_only_it_takes_chunks():
 
 # --- split backward: B (input gradient) and W (weight gradient) --------------------------
 
-ZERO_BUBBLE = ["zb-h1", "zbv", "v-half"]
+ZERO_BUBBLE = ["zb-h1", "zbv", "v-half", "v-min"]
 
 
 def _one_f_one_b_bubble(p, m):

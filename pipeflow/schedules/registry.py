@@ -22,6 +22,7 @@ _MODULES = (
     "zb_h1",
     "zbv",
     "v_half",
+    "v_min",
 )
 
 SCHEDULES: dict[str, ScheduleSpec] = {}
