@@ -73,6 +73,10 @@ def rotary_inputs(layer: Any, hidden: torch.Tensor, attention_mask: torch.Tensor
     return {"position_embeddings": layer.rotary_embeddings(hidden, position_ids)}
 
 
+def _no_inputs(layer, hidden, attention_mask, position_ids):
+    return {}     # OPT: learned positions, added in the embedding layer
+
+
 def _falcon_inputs(layer, hidden, attention_mask, position_ids):
     # Falcon's block takes `alibi` positionally; with rotary positions (alibi=False) it is None.
     return {"alibi": None, **rotary_inputs(layer, hidden, attention_mask, position_ids)}
@@ -170,7 +174,7 @@ FAMILIES: dict[str, Family] = {
     "stablelm": Family(plan=("embed_tokens", "layers", "norm")),
     "opt": Family(plan=("decoder.embed_tokens", "decoder.embed_positions", "decoder.project_in",
                         "decoder.layers", "decoder.final_layer_norm", "decoder.project_out"),
-                  embed=_embed_opt, block_inputs=lambda *_: {}, check=_opt_check),
+                  embed=_embed_opt, block_inputs=_no_inputs, check=_opt_check),
     "falcon": Family(plan=("word_embeddings", "h", "ln_f"), block_inputs=_falcon_inputs,
                      check=_falcon_check),
     "bloom": Family(plan=("word_embeddings", "word_embeddings_layernorm", "h", "ln_f"),

@@ -6,11 +6,12 @@ probability per expert: a product of means, not a sum of per-layer losses, so it
 on different stages. pipeflow carries the three running sums it needs through the activations:
 
     (hidden, {"prob_sum": (E,) float32, with gradient: sum of softmax(router logits),
-              "assigned_sum": (E,) float32, no gradient: sum of top-k one-hot assignments,
-              "tokens": () float32: rows counted})
+              "assigned_sum": (E,) int64: sum of top-k one-hot assignments,
+              "tokens": () int64: rows counted})
 
 every sum over the layers run so far and their tokens, weighted by the attention mask where
-one is given (padding counts for nothing). The embedding starts them at zero
+one is given (padding counts for nothing). The counts are integers, so a mixed-precision
+policy that casts floating activations between stages leaves them exact. The embedding starts them at zero
 (`initial_state`), each MoE block adds its router's contribution (`add_router_logits`), and
 the head turns them into the loss (`balance_loss`) and hands `router_aux_loss_coef x loss` to
 `pf.add_aux_loss`.
@@ -56,11 +57,12 @@ def num_experts(config: Any) -> int:
 
 
 def initial_state(config: Any, device: torch.device) -> dict[str, torch.Tensor]:
-    """The running sums before any layer: zeros (float32, as transformers sums)."""
+    """The running sums before any layer: zeros (probabilities in float32, as transformers
+    sums them; counts in int64)."""
     e = num_experts(config)
-    zeros = torch.zeros(e, dtype=torch.float32, device=device)
-    return {"prob_sum": zeros, "assigned_sum": zeros.clone(),
-            "tokens": torch.zeros((), dtype=torch.float32, device=device)}
+    return {"prob_sum": torch.zeros(e, dtype=torch.float32, device=device),
+            "assigned_sum": torch.zeros(e, dtype=torch.int64, device=device),
+            "tokens": torch.zeros((), dtype=torch.int64, device=device)}
 
 
 @contextlib.contextmanager
@@ -86,19 +88,20 @@ def add_router_logits(state: dict[str, torch.Tensor], logits: torch.Tensor, top_
     probs = F.softmax(logits, dim=-1)
     _, selected = torch.topk(probs, top_k, dim=-1)
     if attention_mask is None:
-        weight = torch.ones(logits.shape[0], dtype=torch.float32, device=logits.device)
-    else:
-        weight = attention_mask.reshape(-1).to(device=logits.device, dtype=torch.float32)
-    with torch.no_grad():
-        assigned = torch.zeros(e, dtype=torch.float32, device=logits.device).scatter_add_(
-            0, selected.reshape(-1), weight.repeat_interleave(top_k))
-    return {"prob_sum": state["prob_sum"] + (probs.float() * weight.unsqueeze(-1)).sum(dim=0),
+        keep = torch.ones(logits.shape[0], dtype=torch.int64, device=logits.device)
+    else:   # 1 = token, 0 = padding
+        keep = attention_mask.reshape(-1).to(device=logits.device, dtype=torch.int64)
+    assigned = torch.zeros(e, dtype=torch.int64, device=logits.device).scatter_add_(
+        0, selected.reshape(-1), keep.repeat_interleave(top_k))
+    weighted = probs.float() * keep.to(torch.float32).unsqueeze(-1)
+    return {"prob_sum": state["prob_sum"] + weighted.sum(dim=0),
             "assigned_sum": state["assigned_sum"] + assigned,
-            "tokens": state["tokens"] + weight.sum()}
+            "tokens": state["tokens"] + keep.sum()}
 
 
 def balance_loss(state: dict[str, torch.Tensor]) -> torch.Tensor:
     """transformers' load-balancing loss from the sums: E x sum(mean assigned x mean prob)."""
-    tokens_per_expert = state["assigned_sum"] / state["tokens"]
-    prob_per_expert = state["prob_sum"] / state["tokens"]
+    tokens = state["tokens"].to(torch.float32)
+    tokens_per_expert = state["assigned_sum"].to(torch.float32) / tokens
+    prob_per_expert = state["prob_sum"].to(torch.float32) / tokens
     return (tokens_per_expert * prob_per_expert).sum() * prob_per_expert.shape[0]
