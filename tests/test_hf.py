@@ -318,9 +318,12 @@ def test_one_adamw_step_matches_transformers(case):
 
 
 @pytest.mark.parametrize("where", ["none", "left", "right"])
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
-def test_router_aux_loss_matches_transformers(kind, where):
-    cfg = make_config(kind, **AUX)
+@pytest.mark.parametrize("kind,extra", [
+    ("mixtral", {}), ("qwen2_moe", {}),
+    # a dense first block (no router): it passes the sums on unchanged
+    ("qwen2_moe", {"mlp_only_layers": [0], "num_hidden_layers": 3})])
+def test_router_aux_loss_matches_transformers(kind, extra, where):
+    cfg = make_config(kind, **AUX, **extra)
     model = hf_model(cfg).eval()
     seq = pipeflow_copy(cfg, model)
     ids, mask = batch(), padding_mask(where)

@@ -11,10 +11,10 @@ on different stages. pipeflow carries the three running sums it needs through th
 
 every sum over the layers run so far and their tokens, weighted by the attention mask where
 one is given (padding counts for nothing). The counts are integers, so a mixed-precision
-policy that casts floating activations between stages leaves them exact. The embedding starts them at zero
-(`initial_state`), each MoE block adds its router's contribution (`add_router_logits`), and
-the head turns them into the loss (`balance_loss`) and hands `router_aux_loss_coef x loss` to
-`pf.add_aux_loss`.
+policy that casts floating activations between stages leaves them exact. The embedding starts
+them at zero (`initial_state`), each MoE block adds its router's contribution
+(`add_router_logits`), and the head turns them into the loss (`balance_loss`) and hands
+`router_aux_loss_coef x loss` to `pf.add_aux_loss`.
 """
 
 from __future__ import annotations
