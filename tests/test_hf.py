@@ -134,6 +134,30 @@ def test_logits_match_transformers(kind, where):
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
+# Config switches inside a family that change its blocks or its base model's steps.
+VARIANTS = [
+    ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2)),
+    ("falcon", dict(parallel_attn=False, multi_query=False, bias=True)),
+    ("stablelm", dict(qk_layernorm=True, use_parallel_residual=True, use_qkv_bias=True)),
+    ("opt", dict(word_embed_proj_dim=64, do_layer_norm_before=False)),   # no projections
+    ("gemma2", dict(final_logit_softcapping=None)),
+    ("bloom", dict(apply_residual_connection_post_layernorm=True)),
+]
+
+
+@pytest.mark.parametrize("where", ["none", "left", "right"])
+@pytest.mark.parametrize("kind,overrides", VARIANTS)
+def test_family_variants_match_transformers(kind, overrides, where):
+    cfg = make_config(kind, **overrides)
+    model = hf_model(cfg).eval()
+    seq = pipeflow_copy(cfg, model)
+    ids, mask = batch(), padding_mask(where)
+    with torch.no_grad():
+        ours = run_layers(seq, ids, attention_mask=mask)
+        theirs = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_micro_batches_alone_give_the_batch_logits(kind):
     # The engine splits the batch and its side inputs by rows: a micro-batch without padding
