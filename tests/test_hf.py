@@ -7,7 +7,6 @@ its forward names, as the engine gives them.
 
 import inspect
 import math
-import warnings
 
 import pytest
 import torch
@@ -21,21 +20,49 @@ from pipeflow.models import hf             # noqa: E402
 VOCAB, SEQ, BATCH = 128, 16, 3
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
+TOKENS = dict(bos_token_id=0, eos_token_id=0)
+
+# Families whose config keys differ from Llama's: their whole tiny config.
+OWN_KEYS = {
+    "gpt2": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64,
+                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **TOKENS),
+    "gptj": dict(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, vocab_size=VOCAB, n_positions=64,
+                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **TOKENS),
+    # word_embed_proj_dim < hidden: project_in and project_out; pad 1 as in OPT's checkpoints
+    "opt": dict(num_hidden_layers=2, hidden_size=64, ffn_dim=128, num_attention_heads=4,
+                vocab_size=VOCAB, max_position_embeddings=64, word_embed_proj_dim=32,
+                dropout=0.0, pad_token_id=1, **TOKENS),
+    "falcon": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=VOCAB,
+                   **TOKENS),
+    "bloom": dict(n_layer=2, hidden_size=64, n_head=4, vocab_size=VOCAB, **TOKENS),
+}
+# Llama-keyed families: what differs from SMALL (the family's own steps made to show).
+EXTRA = {
+    "phi3": dict(pad_token_id=0),
+    "starcoder2": dict(TOKENS),
+    "granite": dict(embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0,
+                    attention_multiplier=0.2),
+    "cohere": dict(logit_scale=0.5),
+    # soft-caps low enough that tanh bends the scores; a window shorter than the sequence
+    "gemma2": dict(sliding_window=4, final_logit_softcapping=0.5, attn_logit_softcapping=2.0),
+    "mixtral": dict(num_local_experts=4),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64),
+}
 
 
 def make_config(kind: str, **overrides):
-    if kind == "gpt2":
-        args = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64,
-                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                    eos_token_id=0)
-        return transformers.GPT2Config(**{**args, **overrides})
     config_class = transformers.CONFIG_MAPPING[kind]
-    return config_class(**{**SMALL, "num_hidden_layers": 2, "head_dim": 16, **overrides})
+    if kind in OWN_KEYS:
+        return config_class(**{**OWN_KEYS[kind], **overrides})
+    return config_class(**{**SMALL, "num_hidden_layers": 2, "head_dim": 16,
+                           **EXTRA.get(kind, {}), **overrides})
 
 
 def hf_model(cfg, seed=0):
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    return transformers.AutoModelForCausalLM.from_config(
+        cfg, attn_implementation=hf.attention_implementation(cfg))
 
 
 def pipeflow_copy(cfg, model):
@@ -76,9 +103,20 @@ def labels_for(ids, mask):
     return ids if mask is None else ids.masked_fill(mask == 0, hf.IGNORE_INDEX)
 
 
-# hf._VERIFIED: Gemma scales its embedding, OLMo2 normalises after attention and MLP,
-# GPT-NeoX runs attention and MLP in parallel with partial rotary, Mixtral routes experts.
-MODELS = ["gpt2", "llama", "qwen2", "mistral", "qwen3", "gemma", "olmo2", "gpt_neox", "mixtral"]
+# Every family hf builds (hf.supported_model_types()). Gemma scales its embedding, OLMo2
+# normalises after attention and MLP, GPT-NeoX runs attention and MLP in parallel with partial
+# rotary, Mixtral and Qwen2-MoE route experts, Cohere scales and Granite divides its logits,
+# Granite multiplies its embedding and residuals, Gemma2 soft-caps attention and logits (eager),
+# GPT-J rotates inside attention and has a head bias, OPT counts positions from the mask with
+# an offset of 2 and projects in and out, Bloom adds ALiBi and normalises its embedding,
+# Falcon runs attention and MLP in parallel, StableLM has partial rotary and LayerNorm.
+MODELS = ["gpt2", "llama", "qwen2", "mistral", "qwen3", "gemma", "olmo2", "gpt_neox", "mixtral",
+          "phi3", "qwen2_moe", "cohere", "granite", "starcoder2", "gptj", "gemma2", "stablelm",
+          "opt", "falcon", "bloom"]
+
+
+def test_every_supported_family_is_checked_here():
+    assert sorted(hf.supported_model_types()) == sorted(MODELS)
 
 
 @pytest.mark.parametrize("where", ["none", "left", "right"])
@@ -93,6 +131,30 @@ def test_logits_match_transformers(kind, where):
         theirs = model(ids, attention_mask=mask).logits
     assert ours.shape == (BATCH, SEQ, VOCAB)
     assert torch.isfinite(ours).all()
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+# Config switches inside a family that change its blocks or its base model's steps.
+VARIANTS = [
+    ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2)),
+    ("falcon", dict(parallel_attn=False, multi_query=False, bias=True)),
+    ("stablelm", dict(qk_layernorm=True, use_parallel_residual=True, use_qkv_bias=True)),
+    ("opt", dict(word_embed_proj_dim=64, do_layer_norm_before=False)),   # no projections
+    ("gemma2", dict(final_logit_softcapping=None)),
+    ("bloom", dict(apply_residual_connection_post_layernorm=True)),
+]
+
+
+@pytest.mark.parametrize("where", ["none", "left", "right"])
+@pytest.mark.parametrize("kind,overrides", VARIANTS)
+def test_family_variants_match_transformers(kind, overrides, where):
+    cfg = make_config(kind, **overrides)
+    model = hf_model(cfg).eval()
+    seq = pipeflow_copy(cfg, model)
+    ids, mask = batch(), padding_mask(where)
+    with torch.no_grad():
+        ours = run_layers(seq, ids, attention_mask=mask)
+        theirs = model(ids, attention_mask=mask).logits
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
@@ -113,7 +175,8 @@ def test_micro_batches_alone_give_the_batch_logits(kind):
     torch.testing.assert_close(torch.cat(parts), theirs, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+# GPT-J: its sin/cos table indexed by position; OPT: given positions replace the mask's count.
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "gptj", "opt"])
 def test_position_ids_side_input_matches_transformers(kind):
     # Positions restarting mid-row, as for packed documents (a uniform shift would not
     # show: rotary attention sees only relative positions).
@@ -148,7 +211,10 @@ def test_sliding_window_layers_match_transformers(kind):
     assert "sliding_attention" in kinds, kinds
 
 
-@pytest.mark.parametrize("kind,tied", [("gpt2", True), ("llama", False), ("llama", True)])
+# GPT-J: a head bias; OPT: the base model's parts under `decoder.`; Bloom: an embedding norm.
+@pytest.mark.parametrize("kind,tied", [("gpt2", True), ("llama", False), ("llama", True),
+                                       ("gptj", False), ("gptj", True), ("opt", True),
+                                       ("bloom", True)])
 def test_state_dict_round_trip_and_ties(kind, tied):
     cfg = make_config(kind, tie_word_embeddings=tied)
     model = hf_model(cfg)
@@ -161,7 +227,7 @@ def test_state_dict_round_trip_and_ties(kind, tied):
         assert torch.equal(back[key], value), key
     seq = pipeflow_copy(cfg, model)
     head = seq[len(seq) - 1].lm_head.weight
-    embed = seq[0].get_parameter(("wte" if kind == "gpt2" else "embed_tokens") + ".weight")
+    embed = seq[0].get_parameter(hf.arch(cfg).embed[0].split(".")[-1] + ".weight")
     assert (head is embed) == tied
     assert sum(1 for _ in seq.parameters()) == sum(1 for _ in model.parameters())
 
@@ -204,28 +270,136 @@ def test_loss_matches_transformers(where):
     torch.testing.assert_close(sum(sums) / count, out.loss, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_three_sgd_steps_match_transformers(kind):
-    cfg = make_config(kind, tie_word_embeddings=True)
+# A case: a family, "+aux" for its MoE load-balancing loss on (coefficient 0.1), "+tied" for
+# the embedding tied to the head.
+AUX = dict(output_router_logits=True, router_aux_loss_coef=0.1)
+TRAIN_CASES = MODELS + ["gpt2+tied", "llama+tied", "mixtral+aux", "qwen2_moe+aux"]
+
+
+def case_config(case: str):
+    kind, *flags = case.split("+")
+    return make_config(kind, **(AUX if "aux" in flags else {}),
+                       **({"tie_word_embeddings": True} if "tied" in flags else {}))
+
+
+def pipeflow_loss(seq, ids, mask, labels):
+    """HF's loss of the layers: the shifted token mean plus every auxiliary loss they add."""
+    with pf.collect_aux_losses() as aux:
+        logits = run_layers(seq, ids, attention_mask=mask)
+    return hf.causal_lm_loss(logits, labels) + sum(aux)
+
+
+def relative(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    return float((ours - theirs).norm() / theirs.norm().clamp(min=1e-12))
+
+
+def train_both(cfg, optimizer, steps: int):
+    """transformers' model and its pipeflow copy after `steps` steps on the same batches
+    (right, left, no padding); each step's gradients compared before the update."""
     model = hf_model(cfg).train()
     seq = pipeflow_copy(cfg, model).train()
-    opt_hf = torch.optim.SGD(model.parameters(), lr=0.5)
-    opt_pf = torch.optim.SGD(seq.parameters(), lr=0.5)
-    for step in range(3):
-        ids, mask = batch(seed=step), padding_mask(["right", "left", "none"][step])
+    opt_hf, opt_pf = optimizer(model.parameters()), optimizer(seq.parameters())
+    for step in range(steps):
+        ids, mask = batch(seed=step), padding_mask(["right", "left", "none"][step % 3])
         labels = labels_for(ids, mask)
         opt_hf.zero_grad(), opt_pf.zero_grad()
-        model(ids, attention_mask=mask, labels=labels).loss.backward()
-        hf.causal_lm_loss(run_layers(seq, ids, attention_mask=mask), labels).backward()
+        expected = model(ids, attention_mask=mask, labels=labels).loss
+        expected.backward()
+        loss = pipeflow_loss(seq, ids, mask, labels)
+        loss.backward()
+        torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-6)
+        grads = hf.to_hf_state_dict({n: p.grad for n, p in seq.named_parameters()}, cfg)
+        for key, p in model.named_parameters():
+            assert relative(grads[key], p.grad) < 1e-5, (step, key, relative(grads[key], p.grad))
         opt_hf.step(), opt_pf.step()
+    return model, seq
+
+
+def assert_trained_alike(cfg, model, seq):
     start = hf_model(cfg).state_dict()
     trained = hf.to_hf_state_dict(seq.state_dict(), cfg)
     moved = 0
     for key, value in model.state_dict().items():
-        diff = (trained[key] - value).norm() / value.norm().clamp(min=1e-12)
-        assert diff < 1e-5, (key, float(diff))
+        assert relative(trained[key], value) < 1e-5, (key, relative(trained[key], value))
         moved += not torch.equal(value, start[key])
     assert moved == len(start)          # every parameter trained, on both sides
+
+
+@pytest.mark.parametrize("case", TRAIN_CASES)
+def test_three_sgd_steps_match_transformers(case):
+    cfg = case_config(case)
+    model, seq = train_both(cfg, lambda ps: torch.optim.SGD(ps, lr=0.5), steps=3)
+    assert_trained_alike(cfg, model, seq)
+
+
+@pytest.mark.parametrize("case", TRAIN_CASES)
+def test_one_adamw_step_matches_transformers(case):
+    # AdamW moves every weight by about lr whatever its gradient's size: a gradient that is
+    # noise on one side would show here.
+    cfg = case_config(case)
+    model, seq = train_both(cfg, lambda ps: torch.optim.AdamW(ps, lr=1e-3), steps=1)
+    assert_trained_alike(cfg, model, seq)
+
+
+@pytest.mark.parametrize("where", ["none", "left", "right"])
+@pytest.mark.parametrize("kind,extra", [
+    ("mixtral", {}), ("qwen2_moe", {}),
+    # a dense first block (no router): it passes the sums on unchanged
+    ("qwen2_moe", {"mlp_only_layers": [0], "num_hidden_layers": 3})])
+def test_router_aux_loss_matches_transformers(kind, extra, where):
+    cfg = make_config(kind, **AUX, **extra)
+    model = hf_model(cfg).eval()
+    seq = pipeflow_copy(cfg, model)
+    ids, mask = batch(), padding_mask(where)
+    labels = labels_for(ids, mask)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, labels=labels)
+        with pf.collect_aux_losses() as aux:
+            logits = run_layers(seq, ids, attention_mask=mask)
+    assert len(aux) == 1                        # the head adds it once, for all layers
+    torch.testing.assert_close(logits, out.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(aux[0], 0.1 * out.aux_loss, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(hf.causal_lm_loss(logits, labels) + sum(aux), out.loss,
+                               atol=1e-6, rtol=1e-6)
+
+
+def test_router_sums_cross_the_layers():
+    # What crosses a stage boundary with the aux loss on: (hidden, the three running sums).
+    cfg = make_config("mixtral", **AUX)
+    seq = pf.build_sequential(hf.causal_lm_layers(cfg))
+    ids, mask = batch(), padding_mask("right")
+    hidden, sums = seq[0](ids)
+    assert hidden.shape == (BATCH, SEQ, 64)
+    assert sorted(sums) == ["assigned_sum", "prob_sum", "tokens"]
+    assert not any(t.any() for t in sums.values())
+    for i in (1, 2):
+        hidden, sums = seq[i]((hidden, sums), attention_mask=mask)
+        valid = int(mask.sum())
+        assert float(sums["tokens"]) == i * valid
+        assert float(sums["assigned_sum"].sum()) == i * valid * cfg.num_experts_per_tok
+        torch.testing.assert_close(float(sums["prob_sum"].detach().sum()), float(i * valid))
+    assert sums["prob_sum"].requires_grad and sums["prob_sum"].dtype == torch.float32
+    # Counts are integers: a mixed-precision cast of the activations leaves them exact.
+    assert sums["assigned_sum"].dtype == sums["tokens"].dtype == torch.int64
+    with pf.collect_aux_losses() as aux:
+        logits = seq[3]((hidden, sums))
+    assert logits.shape == (BATCH, SEQ, VOCAB) and len(aux) == 1
+
+
+def test_starcoder2_embedding_and_residual_dropout_match_transformers():
+    # StarCoder2 drops out its embedding in the base model's forward (a function, no module):
+    # the same random stream must give the same masks in the embedding layer.
+    cfg = make_config("starcoder2", embedding_dropout=0.3, residual_dropout=0.3)
+    model = hf_model(cfg).train()
+    seq = pipeflow_copy(cfg, model).train()
+    ids, mask = batch(), padding_mask("right")
+    torch.manual_seed(5)
+    theirs = model(ids, attention_mask=mask).logits
+    torch.manual_seed(5)
+    ours = run_layers(seq, ids, attention_mask=mask)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    dropped = float((seq[0](ids) == 0).float().mean())
+    assert 0.2 < dropped < 0.4, dropped
 
 
 def _spread(t: torch.Tensor) -> tuple[float, float]:
@@ -282,11 +456,29 @@ def test_rotary_frequencies_stay_fp32_under_bf16():
     assert (half.float() - full).abs().max() < 0.05 * full.abs().max()
 
 
-def test_unverified_model_type_warns():
-    assert sorted(hf._VERIFIED) == sorted(MODELS)     # each checked above, no warning
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        hf.causal_lm_layers(make_config("qwen3"))
-    cfg = transformers.CohereConfig(**{**SMALL, "num_hidden_layers": 1})   # scales its logits
-    with pytest.warns(UserWarning, match="cohere"):
-        hf.causal_lm_layers(cfg)
+@pytest.mark.parametrize("config,why", [
+    # BERT has a causal LM head in transformers (BertLMHeadModel) but is an encoder.
+    (transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1,
+                             num_attention_heads=4, intermediate_size=128), "'bert'"),
+    (transformers.T5Config(vocab_size=VOCAB, d_model=64, num_layers=1), "'t5'"),
+    # A decoder-only causal LM not checked here (partial rotary, parallel blocks, own dense).
+    (transformers.PhiConfig(**{**SMALL, "num_hidden_layers": 1}), "'phi'"),
+])
+def test_unsupported_model_type_is_refused_naming_the_supported(config, why):
+    with pytest.raises(ValueError) as error:
+        hf.causal_lm_layers(config)
+    text = str(error.value)
+    assert why in text and "not supported" in text
+    assert "llama" in text and "mixtral" in text and "hf_families.py" in text
+    with pytest.raises(ValueError, match=why):
+        hf.from_hf_state_dict({}, config)
+
+
+@pytest.mark.parametrize("kind,overrides,why", [
+    ("falcon", {"alibi": True}, "alibi=False"),
+    ("opt", {"layerdrop": 0.1}, "layerdrop=0.0"),
+])
+def test_unsupported_config_of_a_family_is_refused(kind, overrides, why):
+    with pytest.raises(ValueError, match=why) as error:
+        hf.causal_lm_layers(make_config(kind, **overrides))
+    assert repr(kind) in str(error.value)

@@ -1,4 +1,8 @@
-"""transformers GPT-2 and Llama pipelined: 3 SGD steps equal transformers' own in one process.
+"""transformers models pipelined: 3 SGD steps equal transformers' own in one process.
+
+GPT-2 and Llama under every schedule; Granite (its embedding multiplier on stage 0, its logits
+divisor on the last) and Mixtral (experts routed on both stages; load-balancing loss off: its
+pipelined test comes with the engine's auxiliary-loss integration) under 1F1B.
 
 Run under `mpirun -n 2` and `mpirun -n 4` with `--with-mpi`. The engine starts from
 `build_sequential`'s weights; the transformers model is given the same weights through
@@ -26,9 +30,16 @@ def make_config(kind: str):
         return transformers.GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=VOCAB,
                                        n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
                                        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return transformers.LlamaConfig(num_hidden_layers=4, hidden_size=32, intermediate_size=64,
-                                    num_attention_heads=4, num_key_value_heads=2,
-                                    vocab_size=VOCAB, max_position_embeddings=SEQ)
+    shape = dict(num_hidden_layers=4, hidden_size=32, intermediate_size=64,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                 max_position_embeddings=SEQ)
+    if kind == "granite":
+        return transformers.GraniteConfig(**shape, embedding_multiplier=2.0,
+                                          residual_multiplier=0.5, logits_scaling=4.0,
+                                          attention_multiplier=0.2)
+    if kind == "mixtral":
+        return transformers.MixtralConfig(**shape, num_local_experts=4, num_experts_per_tok=2)
+    return transformers.LlamaConfig(**shape)
 
 
 def _cases():
@@ -37,6 +48,9 @@ def _cases():
             for kind in ("gpt2", "llama"):
                 for padded in (False, True):
                     yield kind, stages, schedule, padded
+        for kind in ("granite", "mixtral"):
+            for padded in (False, True):
+                yield kind, stages, "1f1b", padded
 
 
 def _data(padded: bool):

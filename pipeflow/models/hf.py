@@ -1,12 +1,17 @@
-"""Hugging Face causal language models (GPT-2, Llama and models shaped alike) as layer lists.
+"""Hugging Face causal language models (GPT-2, Llama, Mixtral and 17 more) as layer lists.
 
 `causal_lm_layers(config)` turns a `transformers` config into `LayerSpec`s that any pipeline
 grid can split: an embedding layer (token ids -> hidden), one layer per decoder block
 (hidden -> hidden) and a head (final norm + `lm_head` -> logits). The blocks are transformers'
-own modules, built from the config with SDPA attention and initialised by the model class's
-own `_init_weights`. What a block needs besides the hidden states (the causal + padding mask,
-position ids, rotary cos/sin) it builds locally from the side inputs `attention_mask` (B, T)
-and `position_ids` (B, T), so nothing but the hidden states crosses a stage boundary.
+own modules, built from the config with SDPA attention (eager where the family refuses SDPA)
+and initialised by the model class's own `_init_weights`. What a block needs besides the
+hidden states (the causal + padding mask, position ids, rotary cos/sin, ALiBi) it builds
+locally from the side inputs `attention_mask` (B, T) and `position_ids` (B, T), so nothing but
+the hidden states crosses a stage boundary (and, for a mixture of experts with its
+load-balancing loss on, three running sums: `pipeflow.models.hf_moe`).
+
+Only the families of `hf_families.FAMILIES` build, each compared with transformers in
+tests/test_hf.py; any other model type is refused with the list of those supported.
 
 `from_hf_state_dict` / `to_hf_state_dict` map weights between the two key spaces, so a model
 from `transformers` trains in a pipeline and comes back. `transformers` is an optional extra
@@ -19,30 +24,31 @@ import copy
 import dataclasses
 import math
 import sys
-import warnings
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pipeflow.aux_loss import add_aux_loss
 from pipeflow.layers import LayerSpec
+from pipeflow.models import hf_moe
+from pipeflow.models.hf_families import (FAMILIES, Family, family, local_name, positions,
+                                         refusal, submodule)
 
 __all__ = ["causal_lm_layers", "from_hf_state_dict", "to_hf_state_dict", "causal_lm_loss",
-           "causal_lm_loss_sum", "num_valid_tokens", "Embedding", "GPT2Embedding",
-           "DecoderLayer", "Head", "Arch", "arch", "IGNORE_INDEX", "TIE_KEY"]
+           "causal_lm_loss_sum", "num_valid_tokens", "Embedding", "DecoderLayer", "Head",
+           "Arch", "arch", "refusal", "supported_model_types", "attention_implementation",
+           "IGNORE_INDEX", "TIE_KEY"]
 
 IGNORE_INDEX = -100     # labels with this value count for no loss (HF's convention)
 TIE_KEY = "wte"         # the tie key of the input embedding and the output head
 
-# Model types whose pipeflow layers were checked against the transformers model (logits and
-# training, tests/test_hf.py). Others that follow the same pipeline plan build too, with a
-# warning: their forward may hold a step the plan does not name (e.g. Cohere's logit scale).
-_VERIFIED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "olmo2", "gpt_neox",
-             "mixtral")
 
-# GPT-2's config carries no pipeline plan; this is the one transformers would write for it.
-_GPT2_PLAN = {"wte": None, "wpe": None, "drop": None, "h": None, "ln_f": None}
+def supported_model_types() -> tuple[str, ...]:
+    """The model types `causal_lm_layers` builds, each checked against transformers in
+    tests/test_hf.py (logits with and without padding, SGD and AdamW steps)."""
+    return tuple(sorted(FAMILIES))
 
 
 def _transformers():
@@ -60,45 +66,49 @@ class Arch:
     """Where the parts of one transformers causal LM live, found from its config's classes."""
 
     model_type: str
+    family: Family             # what its base model does besides the blocks (hf_families)
     causal_lm: type            # e.g. LlamaForCausalLM: its `_init_weights` initialises
     base: type                 # e.g. LlamaModel: built on the meta device to find the parts
     prefix: str                # "model." / "transformer.": the base model in HF's keys
-    embed: tuple[str, ...]     # base submodules before the blocks, in order
-    layers: str                # the ModuleList of blocks
-    norm: tuple[str, ...]      # base submodules after the blocks
+    embed: tuple[str, ...]     # base submodules before the blocks, in order (dotted paths)
+    layers: str                # the ModuleList of blocks (dotted path)
+    norm: tuple[str, ...]      # base submodules after the blocks (dotted paths)
     head: str                  # the output projection on the causal LM ("lm_head")
     block: type                # the decoder block class
-    rotary: type | None        # the rotary embedding class, None for absolute positions
+    rotary: type | None        # the rotary embedding class, None where positions are not rotary
+    router: tuple[type, int] | None   # MoE router class, index of its logits in its output
 
     def __repr__(self) -> str:
         return f"Arch({self.model_type})"
 
 
 def arch(config: Any) -> Arch:
-    """The classes and submodule names of `config`'s causal LM, from transformers' mappings."""
+    """The classes and submodule names of `config`'s causal LM, from transformers' mappings.
+
+    A ValueError for a model type or config pipeflow does not build (`refusal` says why).
+    """
+    rows = family(config)
     auto = _transformers().models.auto.modeling_auto
     causal_lm = auto.AutoModelForCausalLM._model_mapping.get(type(config), None)
     base = auto.AutoModel._model_mapping.get(type(config), None)
-    if causal_lm is None or base is None:
+    if causal_lm is None or base is None:   # pragma: no cover - every family has both
         raise ValueError(f"{type(config).__name__} (model_type {config.model_type!r}) has no "
-                         f"causal LM in transformers' auto mappings; pipeflow.models.hf builds "
-                         f"decoder-only causal LMs such as {', '.join(_VERIFIED)}")
-    plan = dict(getattr(type(config), "base_model_pp_plan", None) or {})
-    if config.model_type == "gpt2":
-        plan = _GPT2_PLAN
+                         f"causal LM in transformers' auto mappings")
+    plan = list(rows.plan or getattr(type(config), "base_model_pp_plan", None) or ())
     meta = _meta_base(base, config)
-    lists = [n for n in plan if isinstance(getattr(meta, n, None), nn.ModuleList)]
+    plan = [name for name in plan if submodule(meta, name) is not None]
+    lists = [n for n in plan if isinstance(submodule(meta, n), nn.ModuleList)]
     if len(lists) != 1:
-        raise ValueError(f"{config.model_type}: expected a pipeline plan (config "
-                         f"base_model_pp_plan) naming one list of blocks, found {plan}")
-    cut = list(plan).index(lists[0])
-    block_name = causal_lm._no_split_modules[0]
+        raise ValueError(f"{config.model_type}: expected a pipeline plan naming one list of "
+                         f"blocks (the config's base_model_pp_plan, or hf_families' plan), "
+                         f"found {plan}")
+    cut = plan.index(lists[0])
     rotary = getattr(meta, "rotary_emb", None)
-    return Arch(config.model_type, causal_lm, base, causal_lm.base_model_prefix + ".",
-                tuple(list(plan)[:cut]), lists[0], tuple(list(plan)[cut + 1:]),
+    return Arch(config.model_type, rows, causal_lm, base, causal_lm.base_model_prefix + ".",
+                tuple(plan[:cut]), lists[0], tuple(plan[cut + 1:]),
                 next(iter(getattr(causal_lm, "_pp_plan", None) or {"lm_head": None})),
-                getattr(sys.modules[causal_lm.__module__], block_name),
-                None if rotary is None else type(rotary))
+                getattr(sys.modules[causal_lm.__module__], causal_lm._no_split_modules[0]),
+                None if rotary is None else type(rotary), hf_moe.router_class(base))
 
 
 def _meta_base(base: type, config: Any) -> nn.Module:
@@ -109,32 +119,48 @@ def _meta_base(base: type, config: Any) -> nn.Module:
         return base(empty)
 
 
-def _sdpa(config: Any) -> Any:
+def _meta_head(config: Any, parts: Arch) -> nn.Module:
+    """The causal LM's output projection (with its bias, where it has one), on meta."""
+    empty = copy.deepcopy(config)
+    empty.num_hidden_layers = 0
+    with torch.device("meta"):
+        return getattr(parts.causal_lm(empty), parts.head)
+
+
+def _with_attention(config: Any, parts: Arch) -> Any:
     config = copy.deepcopy(config)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = parts.family.attention
     return config
+
+
+def attention_implementation(config: Any) -> str:
+    """The attention the blocks of `config`'s model run ("sdpa", or "eager" for Gemma2 and
+    Bloom); give transformers the same to compare."""
+    return family(config).attention
 
 
 def causal_lm_layers(config: Any) -> list[LayerSpec]:
     """The causal LM of a transformers `config` as pipeflow layers: embedding, blocks, head.
 
     Layer 0 takes token ids (B, T) int64; layers 1..n are the decoder blocks, hidden (B, T, d)
-    in and out, reading the side inputs `attention_mask` (B, T; 1 = token, 0 = padding) and
-    `position_ids` (B, T; default 0..T-1) by keyword; the last layer returns logits (B, T, V).
-    With `config.tie_word_embeddings` the head's weight is the embedding's (tie key "wte").
+    in and out; the last layer returns logits (B, T, V). Every layer reads the side inputs
+    `attention_mask` (B, T; 1 = token, 0 = padding) and `position_ids` (B, T; default 0..T-1)
+    by keyword where its family needs them. With `config.tie_word_embeddings` the head's
+    weight is the embedding's (tie key "wte").
+
+    With a mixture of experts and `config.output_router_logits`, the activations between
+    layers are `(hidden, sums)` (see `pipeflow.models.hf_moe`) and the head adds
+    `router_aux_loss_coef x` transformers' load-balancing loss through `pf.add_aux_loss`.
+
+    A model type not in `supported_model_types()`, or a config of one that pipeflow does not
+    reproduce, is a ValueError saying which and why.
     """
     parts = arch(config)
-    config = _sdpa(config)
-    if parts.model_type not in _VERIFIED:
-        warnings.warn(f"pipeflow.models.hf: model_type {parts.model_type!r} follows a "
-                      f"pipeline plan but was not checked against transformers (checked: "
-                      f"{', '.join(_VERIFIED)}); compare its logits before training on it",
-                      stacklevel=2)
-    embed_cls = GPT2Embedding if parts.model_type == "gpt2" else Embedding
-    embed = LayerSpec(embed_cls, config, parts)
+    config = _with_attention(config, parts)
+    embed = LayerSpec(Embedding, config, parts)
     head = LayerSpec(Head, config, parts)
     if getattr(config, "tie_word_embeddings", False):
-        embed.tie(TIE_KEY, f"{parts.embed[0]}.weight")
+        embed.tie(TIE_KEY, f"{local_name(parts.embed[0])}.weight")
         head.tie(TIE_KEY, f"{parts.head}.weight")
     blocks = [LayerSpec(DecoderLayer, config, parts, i) for i in range(config.num_hidden_layers)]
     return [embed, *blocks, head]
@@ -179,7 +205,14 @@ def _materialize(module: nn.Module, config: Any, parts: Arch) -> nn.Module:
 
 def _base_parts(config: Any, parts: Arch, names: Iterable[str]) -> dict[str, nn.Module]:
     meta = _meta_base(parts.base, config)
-    return {name: getattr(meta, name) for name in names}
+    return {local_name(name): submodule(meta, name) for name in names}
+
+
+def _split(x: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+    """(hidden, MoE sums) from what crosses a layer boundary: hidden alone, or the pair."""
+    if isinstance(x, tuple):
+        return x
+    return x, None
 
 
 class _Parts(nn.Module):
@@ -187,7 +220,10 @@ class _Parts(nn.Module):
 
     def __init__(self, config: Any, parts: Arch, modules: dict[str, nn.Module]) -> None:
         super().__init__()
+        self.config = config
+        self.family = parts.family
         self.names = tuple(modules)
+        self.aux = hf_moe.aux_loss_on(config, parts.base)
         for name, module in modules.items():
             self.add_module(name, module)
         _materialize(self, config, parts)
@@ -199,44 +235,43 @@ class _Parts(nn.Module):
 
 
 class Embedding(_Parts):
-    """Token ids (B, T) -> hidden (B, T, d): the base model's modules before the blocks."""
+    """Token ids (B, T) -> hidden (B, T, d): the base model's steps before the blocks.
+
+    With the MoE load-balancing loss on, (hidden, zero sums) (`hf_moe.initial_state`).
+    """
 
     def __init__(self, config: Any, parts: Arch) -> None:
         super().__init__(config, parts, _base_parts(config, parts, parts.embed))
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.run(input_ids, self.names)
-
-
-class GPT2Embedding(_Parts):
-    """GPT-2's token embedding plus learned absolute positions (`position_ids`), dropout."""
-
-    def __init__(self, config: Any, parts: Arch) -> None:
-        super().__init__(config, parts, _base_parts(config, parts, parts.embed))
-
-    def forward(self, input_ids: torch.Tensor, *,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        positions = _position_ids(input_ids, position_ids)
-        return self.drop(self.wte(input_ids) + self.wpe(positions))
+    def forward(self, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> Any:
+        hidden = self.family.embed(self, input_ids, attention_mask, position_ids)
+        if self.aux:
+            return hidden, hf_moe.initial_state(self.config, hidden.device)
+        return hidden
 
 
 class Head(_Parts):
-    """Hidden (B, T, d) -> logits (B, T, V): the final norm and the output projection."""
+    """Hidden (B, T, d) -> logits (B, T, V): the final norm, the output projection and the
+    family's logit step (Cohere's scale, Granite's divisor, Gemma2's soft-cap).
+
+    Given (hidden, MoE sums), it adds `router_aux_loss_coef x` the load-balancing loss with
+    `pf.add_aux_loss` and returns the logits alone.
+    """
 
     def __init__(self, config: Any, parts: Arch) -> None:
         modules = _base_parts(config, parts, parts.norm)
-        with torch.device("meta"):
-            modules[parts.head] = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        modules[parts.head] = _meta_head(config, parts)
         super().__init__(config, parts, modules)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.run(hidden, self.names)
-
-
-def _position_ids(x: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
-    if position_ids is not None:
-        return position_ids
-    return torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+    def forward(self, hidden: Any) -> torch.Tensor:
+        hidden, sums = _split(hidden)
+        logits = self.run(hidden, self.names)
+        if self.family.logits is not None:
+            logits = self.family.logits(self.config, logits)
+        if sums is not None:
+            add_aux_loss(self.config.router_aux_loss_coef * hf_moe.balance_loss(sums))
+        return logits
 
 
 def _attention_kind(config: Any, index: int) -> str:
@@ -254,18 +289,26 @@ class DecoderLayer(nn.Module):
 
     The block is `self.layer` (so its keys read `"{i}.layer.self_attn.q_proj.weight"`). The
     rotary embedding is kept outside the module tree: no cast (`.to(bfloat16)`, a precision
-    policy) reaches its fp32 `inv_freq`; it follows the hidden states' device on first use.
+    policy) reaches its fp32 tables; it follows the hidden states' device on first use.
+    Given (hidden, MoE sums), it returns (hidden, the sums plus its router's contribution).
     """
 
     def __init__(self, config: Any, parts: Arch, index: int) -> None:
         super().__init__()
         self.config = config
         self.index = index
+        self.family = parts.family
+        self.router = parts.router
+        self.modeling = sys.modules[parts.block.__module__]
         with torch.device("meta"):
             block = parts.block(config, layer_idx=index)
         self.layer = _materialize(block, config, parts)
         self.kind = _attention_kind(config, index)
         self._rotary = (None if parts.rotary is None else parts.rotary(config=config),)
+
+    @property
+    def rotary(self) -> nn.Module | None:
+        return self._rotary[0]
 
     def _mask(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
               position_ids: torch.Tensor) -> torch.Tensor | None:
@@ -275,21 +318,32 @@ class DecoderLayer(nn.Module):
         return make(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
                     cache=None, position_ids=position_ids)
 
-    def _rotary_embeddings(self, hidden: torch.Tensor,
-                           position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rotary = self._rotary[0]
-        if rotary.inv_freq.device != hidden.device:
-            rotary.to(hidden.device)          # a device move only: inv_freq stays fp32
+    def rotary_embeddings(self, hidden: torch.Tensor,
+                          position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary embedding's output for `position_ids`, on the hidden states' device."""
+        rotary = self.rotary
+        table = next(rotary.buffers())           # inv_freq, or GPT-J's sin/cos table
+        if table.device != hidden.device:
+            rotary.to(hidden.device)             # a device move only: the table stays fp32
         return rotary(hidden, position_ids)
 
-    def forward(self, hidden: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        position_ids = _position_ids(hidden, position_ids)
-        extra = {}
-        if self._rotary[0] is not None:
-            extra["position_embeddings"] = self._rotary_embeddings(hidden, position_ids)
-        out = self.layer(hidden, attention_mask=self._mask(hidden, attention_mask, position_ids),
-                         position_ids=position_ids, **extra)
+    def forward(self, hidden: Any, *, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> Any:
+        hidden, sums = _split(hidden)
+        position_ids = positions(hidden, position_ids)
+        extra = self.family.block_inputs(self, hidden, attention_mask, position_ids)
+        mask = self._mask(hidden, attention_mask, position_ids)
+        if sums is None:
+            return self._block(hidden, mask, position_ids, extra)
+        with hf_moe.capture_router_logits(self.layer, self.router) as routed:
+            out = self._block(hidden, mask, position_ids, extra)
+        for logits, router in routed:
+            sums = hf_moe.add_router_logits(sums, logits, router.top_k, attention_mask)
+        return out, sums
+
+    def _block(self, hidden: torch.Tensor, mask: Any, position_ids: torch.Tensor,
+               extra: dict[str, Any]) -> torch.Tensor:
+        out = self.layer(hidden, attention_mask=mask, position_ids=position_ids, **extra)
         return out[0] if isinstance(out, tuple) else out
 
 
@@ -299,9 +353,10 @@ def _key_map(config: Any) -> dict[str, str]:
     """HF key prefix -> pipeflow key prefix, one entry a submodule."""
     parts = arch(config)
     n = config.num_hidden_layers
-    pairs = {f"{parts.prefix}{name}.": f"0.{name}." for name in parts.embed}
+    pairs = {f"{parts.prefix}{name}.": f"0.{local_name(name)}." for name in parts.embed}
     pairs.update({f"{parts.prefix}{parts.layers}.{i}.": f"{i + 1}.layer." for i in range(n)})
-    pairs.update({f"{parts.prefix}{name}.": f"{n + 1}.{name}." for name in parts.norm})
+    pairs.update({f"{parts.prefix}{name}.": f"{n + 1}.{local_name(name)}."
+                  for name in parts.norm})
     pairs[f"{parts.head}."] = f"{n + 1}.{parts.head}."
     return pairs
 
