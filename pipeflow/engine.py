@@ -281,8 +281,9 @@ class Engine:
             mult = 1.0 / max(batches.items, 1)
         else:
             mult = 1.0 / (cfg.microbatches * cfg.data)   # the mean over m and d
-        return StepState(train=train, batches=batches,
-                         loss_multiplier=mult * self.precision.loss_scale)
+        scale = self.precision.loss_scale
+        return StepState(train=train, batches=batches, loss_multiplier=mult * scale,
+                         aux_multiplier=scale / (cfg.microbatches * cfg.data))
 
     def _measure(self, run: Callable[[], Any]) -> None:
         meter = self.runner.activation_meter
@@ -301,11 +302,17 @@ class Engine:
             total = float(torch.stack(losses).double().sum()) / max(st.batches.items, 1)
         else:
             total = float(torch.stack(losses).double().mean()) / d
-        if self.is_last and d > 1:
+        # Auxiliary losses (`pf.add_aux_loss`) from every stage: the mean over micro-batches
+        # and replicas of each micro-batch's sum.
+        aux = float(torch.stack(st.aux).double().sum()) / (self.config.microbatches * d) \
+            if st.aux else 0.0
+        if d > 1:
             # On the data group's object channel: its tensor channel may still carry the
             # gradient buckets' reductions, and every rank sums in the same order.
-            total = math.fsum(self._stage.data_comm.allgather_object(total))
-        return self.pipe_comm.bcast_object(total, root=self._last_rank())
+            parts = self._stage.data_comm.allgather_object((total, aux))
+            total, aux = math.fsum(p[0] for p in parts), math.fsum(p[1] for p in parts)
+        parts = self.pipe_comm.allgather_object((total, aux))
+        return parts[self._last_rank()][0] + math.fsum(p[1] for p in parts)
 
     def _last_rank(self) -> int:
         """The pipeline rank holding the last virtual stage."""

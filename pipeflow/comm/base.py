@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import torch
 from mpi4py import MPI
 
-from pipeflow.tree import Header, describe
+from pipeflow.tree import Header
 
 __all__ = ["TensorMeta", "Communicator", "Request", "Requests", "CommDeviceError",
            "check_on_device", "meta_of", "ProtocolError", "as_bytes", "as_typed", "completed"]

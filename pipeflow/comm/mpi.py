@@ -4,7 +4,6 @@ anywhere. Also `HeadersFirst`, the message protocol of backends that cannot prob
 from __future__ import annotations
 
 import pickle
-import time
 from typing import Any, Sequence
 
 import torch
@@ -12,7 +11,7 @@ from mpi4py import MPI
 
 from pipeflow.comm import waiting
 from pipeflow.comm.base import (Communicator, ProtocolError, Request, Requests, TensorMeta,
-                                as_bytes, as_typed, check_on_device, meta_of)
+                                as_bytes, as_typed)
 from pipeflow.comm import cuda
 from pipeflow.tree import Header, describe
 

@@ -9,9 +9,8 @@ from typing import Any, Sequence
 import torch
 from mpi4py import MPI
 
-from pipeflow.comm import waiting
 from pipeflow.comm.base import Communicator, Request, TensorMeta, check_on_device, completed
-from pipeflow.comm.mpi import HeadersFirst
+from pipeflow.comm.mpi import HeadersFirst, MpiCommunicator
 
 __all__ = ["TorchDistCommunicator", "init_torch_distributed", "rendezvous_address",
            "torch_grid_communicators", "torch_family_communicators"]

@@ -19,6 +19,7 @@ import torch
 from pipeflow import schedules as sched
 from pipeflow import tree
 from pipeflow.runtime.batch import Batches
+from pipeflow.aux_loss import collect_aux_losses
 from pipeflow.runtime.recompute import SavedTensorMeter, auto_policy, stage_forward
 from pipeflow.comm.strict import no_device_sync
 from pipeflow.tree import Header
@@ -36,6 +37,7 @@ class StepState:
     train: bool
     batches: Batches
     loss_multiplier: float            # on each micro-batch loss: 1/(m·d) or 1/items, x scale
+    aux_multiplier: float = 0.0       # on each micro-batch's auxiliary losses: 1/(m·d) x scale
     keep_outputs: bool = False
     received: dict[Key, tuple[Any, list[torch.Tensor]]] = dataclasses.field(default_factory=dict)
     stash: dict[Key, tuple[list[torch.Tensor], Any]] = dataclasses.field(default_factory=dict)
@@ -48,6 +50,8 @@ class StepState:
         default_factory=dict)        # messages from this rank to itself (ZBV's bottom), by tag
     sends: list[Any] = dataclasses.field(default_factory=list)
     losses: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    # This rank's auxiliary losses (`pf.add_aux_loss`), one sum a micro-batch and chunk.
+    aux: list[torch.Tensor] = dataclasses.field(default_factory=list)
     outputs: list[Any] = dataclasses.field(default_factory=list)
     peak_stash: int = 0
 
@@ -221,14 +225,19 @@ class Runner:
             self._resolve_auto(layers, x, mb.targets if last else None)
         meter = self.activation_meter if st.train and self.measure_activations \
             else contextlib.nullcontext()
-        with torch.set_grad_enabled(st.train), meter:
+        with torch.set_grad_enabled(st.train), meter, collect_aux_losses() as aux:
             out = stage_forward(layers, x, stage.recompute if st.train else "none", mb.side)
             if last:
                 out = self._finish(out, mb, st)
             else:
                 st.to_send[key] = out
+        # What the layers added (`pf.add_aux_loss`) joins this micro-batch's backward here,
+        # and the reported loss. A recomputation in backward collects nothing: no sink then.
+        extra = torch.stack([a.float() for a in aux]).sum() if aux else None
+        if extra is not None:
+            st.aux.append(extra.detach())
         if st.train:
-            st.stash[key] = (needs_grad, out)
+            st.stash[key] = (needs_grad, out, extra)
             st.peak_stash = max(st.peak_stash, len(st.stash))
 
     def _finish(self, out: Any, mb, st: StepState) -> Any:
@@ -254,8 +263,11 @@ class Runner:
         announce = comm.always_header or self._announced.get(link) != header
         self._announced[link] = header
         request = comm.send_message(header if announce else None, ts, r.peer, r.tag)
+        # An auxiliary loss may have used the output (its graph holds it): never freed then.
+        aux_used = st.train and st.stash[(act.mb, act.chunk)][2] is not None
         st.sends.append(_FreeAfter(request, _freeable(ts)) if self.free_sent_outputs
-                        and st.train and not self.stage.split_backward else request)
+                        and st.train and not self.stage.split_backward and not aux_used
+                        else request)
 
     def recv_gradient(self, act: sched.Action, st: StepState) -> None:
         # Gradients come back for the leaves that were sent requiring one: no header needed,
@@ -276,15 +288,20 @@ class Runner:
         """B: the gradient of this chunk's inputs, which the previous stage waits for. Under a
         split-backward schedule the weight gradients wait for this chunk's W."""
         stage, key = self.stage, (act.mb, act.chunk)
-        needs_grad, out = st.stash.pop(key)
+        needs_grad, out, extra = st.stash.pop(key)
         if stage.virtual(act.chunk) == stage.last_virtual:
             outs, grads = [out * st.loss_multiplier], None
+            if extra is not None and extra.requires_grad:
+                outs = [outs[0] + extra * st.aux_multiplier]
         else:
             outs = [t for t in tree.tensors(out) if t.requires_grad and t.is_floating_point()]
             grads = st.grads_in.pop(key)
             if len(outs) != len(grads):
                 raise RuntimeError(f"{len(outs)} outputs need a gradient but {len(grads)} came "
                                    f"back for {act!r}")
+            if extra is not None and extra.requires_grad:
+                outs, grads = outs + [extra * st.aux_multiplier], \
+                    list(grads) + [torch.ones((), device=extra.device)]
         if stage.split_backward:
             params = [p for layer in stage.chunk_layers[act.chunk] for p in layer.parameters()]
             got, st.pending_w[key] = backward_input(outs, grads, needs_grad, params)
