@@ -10,22 +10,22 @@ import argparse
 import os
 import sys
 
-from pipeflow.schedules import build_schedule, simulate
+from pipeflow.schedules import SCHEDULES, build_schedule, simulate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import write_section  # noqa: E402
-
-SCHEDULES = [("1f1b", None), ("interleaved", 2), ("zb-h1", None), ("zbv", None)]
-
 
 def table(grids: list[tuple[int, int]]) -> str:
     rows = ["| p × m | schedule | bubble | vs 1F1B | peak stash per stage "
             "| held with pending W's |", "|---|---|---:|---:|---|---|"]
     for p, m in grids:
         base = simulate(build_schedule("1f1b", p, m)).bubble
-        for name, chunks in SCHEDULES:
+        for name, spec in SCHEDULES.items():         # every registered one but GPipe
+            if name == "gpipe" or spec.problem(p, m):
+                continue
+            chunks = spec.resolve_chunks(None)
             r = simulate(build_schedule(name, p, m, chunks))
-            unit = " (chunks)" if name in ("interleaved", "zbv") else ""
+            unit = " (chunks)" if chunks > 1 else ""
             rows.append(f"| {p} × {m} | {name} | {r.bubble:.3f} | {r.bubble / base:.2f} | "
                         f"{r.peak_stash}{unit} | {r.peak_held}{unit} |")
     return "\n".join(rows)
