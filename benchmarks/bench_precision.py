@@ -229,9 +229,9 @@ def stage_memory(engine: pf.Engine, grads_seen: dict[str, int], x: torch.Tensor,
         grads=grads_seen.get("grads", -1),
         optimizer=_nbytes(opt_state),
         activations=activations,
-        stash=engine.peak_stash,
+        stash=engine.stats.peak_stash,
         # The engine's own meter: the most bytes saved for backward at once in its last step.
-        engine_peak=engine.peak_activation_bytes,
+        engine_peak=engine.stats.peak_activation_bytes,
     )
 
 
@@ -364,9 +364,9 @@ def main() -> None:
                 mem2[p] = [g[0] for g in gathered[:2]]
                 sent[p] = [g[1] for g in gathered[:2]]
     if rank0:
-        status = {p: (engines1[p].loss_scale, engines1[p].skipped_steps,
+        status = {p: (engines1[p].loss_scale, engines1[p].stats.skipped_steps,
                       plains[p].skipped_steps) for p in precisions}
-        status2 = {p: (engines2[p].loss_scale, engines2[p].skipped_steps)
+        status2 = {p: (engines2[p].loss_scale, engines2[p].stats.skipped_steps)
                    for p in precisions} if two else {}
         bounds = engines2["fp32"].boundaries if two else None
         report = make_report(args, cfg, precisions, systems, check, first_losses, bounds,
@@ -516,7 +516,7 @@ def make_report(args, cfg: GPTConfig, precisions: list[str], systems: list[Syste
                  else "`torch.autograd.graph.saved_tensors_hooks`")
               + "; the stash holds that many bytes per micro-batch in flight, at most the "
               "1F1B peak shown, and the engine's own meter "
-              "(`engine.peak_activation_bytes`, where the engine has it) gives the most it "
+              "(`engine.stats.peak_activation_bytes`, where the engine has it) gives the most it "
               "held at once in its last step. With 2 stages the tied embedding is held, and "
               "counted, on both. MiB = 2^20 bytes.", "",
               "| precision | stages | stage | parameters | working (MiB) | master (MiB) | "

@@ -25,18 +25,20 @@ from torch import nn
 
 from pipeflow import tree
 from pipeflow.comm import waiting
-from pipeflow.schedules import Action
-from pipeflow.runtime.batch import BatchError, agree_call, prepare
-from pipeflow.runtime.checkpoint import CheckpointState, load_checkpoint, save_checkpoint
+from pipeflow.comm.topology import Topology, bind_device
 from pipeflow.config import Config, ConfigError
+from pipeflow.layers import LayerSpec, _check_layers, fingerprint
+from pipeflow.runtime.batch import BatchError, agree_call, split_step
+from pipeflow.runtime.checkpoint import CheckpointState, load_checkpoint, save_checkpoint
 from pipeflow.runtime.failure import (CollectiveError, Watchdog, abort_world, install_excepthook,
                               report_and_abort, say)
 from pipeflow.runtime.hostmem import keep_freed_memory
-from pipeflow.layers import LayerSpec, _check_layers, fingerprint
 from pipeflow.runtime.optim_step import close_step
+from pipeflow.runtime.planning import plan_pipeline
 from pipeflow.runtime.rng import seed_everything
 from pipeflow.runtime.runner import Runner, StepState
-from pipeflow.runtime.stage import Stage, StageModule
+from pipeflow.runtime.stage import Stage, StageModule, default_device
+from pipeflow.schedules import Action
 
 __all__ = ["Engine", "StageModule", "BatchError", "StepStats"]
 
@@ -106,8 +108,14 @@ class Engine:
         config.validate()
         _check_layers(layers)
         self._fingerprint = fingerprint(layers)
-        self._stage = Stage(layers, config, world, optimizer,
-                           torch.device(device) if device is not None else None, sample)
+        topo = Topology(world, config.pipeline, config.data)
+        # How this process waits on MPI from here on (process-wide: see pipeflow.comm.waiting).
+        waiting.use(waiting.choose(config.wait, topo.local_size, topo.local_cores))
+        dev = default_device(topo, torch.device(device) if device is not None else None)
+        bind_device(dev)      # before CUDA's first use: layer building forks its RNG
+        planned = plan_pipeline(layers, config, world, topo.pipeline, sample, dev)
+        self.schedule_choice = planned.choice       # why ("" unless schedule "auto")
+        self._stage = Stage(layers, config, topo, planned.plan, optimizer, dev)
         self._where = self._stage.describe()
         self.loss_fn = loss_fn
         # Callbacks hold the engine weakly: a cycle would keep a dropped engine's weights and
@@ -140,7 +148,6 @@ class Engine:
     is_first = property(lambda self: self._stage.holds_first)
     is_last = property(lambda self: self._stage.holds_last)
     schedule = property(lambda self: self._stage.schedule)     # what runs: "auto" resolved
-    schedule_choice = property(lambda self: self._stage.schedule_choice)   # why ("" unless auto)
 
     @property
     def stage(self) -> int:
@@ -160,7 +167,7 @@ class Engine:
         """The current dynamic loss scale (fp16); 1.0 without scaling. Alike on every rank."""
         return self.precision.loss_scale
 
-    # The last step's statistics, by their old names.
+    # The optimizer steps taken (`stats.step`), settable by a checkpoint's loader.
     @property
     def step_count(self) -> int:
         return self.stats.step
@@ -169,13 +176,6 @@ class Engine:
     def step_count(self, step: int) -> None:
         self.stats.step = step
 
-    last_grad_norm = property(lambda self: self.stats.grad_norm)
-    last_step_time = property(lambda self: self.stats.step_time)
-    skipped_steps = property(lambda self: self.stats.skipped_steps)
-    peak_stash = property(lambda self: self.stats.peak_stash)
-    peak_activation_bytes = property(lambda self: self.stats.peak_activation_bytes)
-    peak_memory_bytes = property(lambda self: self.stats.peak_memory_bytes)
-    timeline = property(lambda self: self.runner.timeline)
 
     @property
     def expected_peak_stash(self) -> list[int]:
@@ -271,9 +271,9 @@ class Engine:
         self._instruction = "batch"
         self._check_open(call)
         try:
-            batches = prepare(call, self.stats.step, inputs, targets, side, stage=self._stage,
-                              control=self._control, needs_targets=train,
-                              count_items=self.count_items, deadline_s=self.config.agree_s)
+            batches = split_step(call, self.stats.step, inputs, targets, side, stage=self._stage,
+                                 control=self._control, needs_targets=train,
+                                 count_items=self.count_items, deadline_s=self.config.agree_s)
         except waiting.NotJoined as exc:
             self._not_joined(call, exc)
         cfg = self.config

@@ -56,7 +56,7 @@ def test_auto_trains_like_one_process_and_reports_its_choice(stages, microbatche
     # It runs the schedule it chose: the stash is that schedule's simulated one.
     chunks = 2 if engine.schedule in ("interleaved", "zbv") else 1
     expected = simulate(build_schedule(engine.schedule, stages, microbatches, chunks))
-    assert engine.peak_stash == expected.peak_stash[engine.stage]
+    assert engine.stats.peak_stash == expected.peak_stash[engine.stage]
     assert len(engine.boundaries) == stages * chunks + 1
     engine.close()
     comm.Free()

@@ -16,14 +16,11 @@ from pipeflow.comm import mpi as pf_mpi, torch_dist as pf_dist
 
 from toy import adamw, assert_same_parameters, batches, loss_fn, toy_layers, train_reference
 from toy import sgd as plain_sgd
+from toy import sgd_momentum
 
 WORLD = MPI.COMM_WORLD
 GRIDS = {2: [(1, 2), (2, 1)], 4: [(1, 4), (2, 2), (4, 1)]}.get(WORLD.size, [])
 BATCH = 24
-
-
-def sgd(params):
-    return torch.optim.SGD(params, lr=0.3, momentum=0.9)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -31,7 +28,7 @@ def sgd(params):
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("clip", [0.0, 0.3], ids=["noclip", "clip"])
-@pytest.mark.parametrize("optimizer", [adamw, sgd], ids=["adamw", "sgd"])
+@pytest.mark.parametrize("optimizer", [adamw, sgd_momentum], ids=["adamw", "sgd"])
 def test_grid_trains_like_one_process(pipeline, data, schedule, tied, clip, optimizer):
     _check_grid(pipeline, data, schedule, tied, clip, optimizer)
 
@@ -228,9 +225,9 @@ def test_interleaved_chunks_with_tied_weights_and_clipping(backend, grid, schedu
     config = pf.Config(pipeline=pipeline, data=data, microbatches=2 * pipeline,
                        schedule=schedule, virtual_stages=2, clip=0.3, backend=backend,
                        bucket_mb=0.001)
-    engine = pf.Engine(layers, loss_fn, sgd, config)
+    engine = pf.Engine(layers, loss_fn, sgd_momentum, config)
     steps = batches(3, 8 * pipeline * data)
-    reference = _trains_like_one_process(engine, layers, steps, clip=0.3, optimizer=sgd)
+    reference = _trains_like_one_process(engine, layers, steps, clip=0.3, optimizer=sgd_momentum)
     # Forward only, in the interleaved order.
     x, y = steps[0]
     assert engine.eval_step(x, y) == pytest.approx(loss_fn(reference(x), y).item(), rel=1e-5)

@@ -26,7 +26,7 @@ def test_one_stage_trains_like_build_sequential(microbatches, schedule, optimize
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert_same_parameters(engine.gather_state_dict(), reference.state_dict())
     # One stage: 1F1B runs each backward right after its forward; GPipe holds them all.
-    assert engine.peak_stash == (1 if schedule == "1f1b" else microbatches)
+    assert engine.stats.peak_stash == (1 if schedule == "1f1b" else microbatches)
     engine.close()
 
 

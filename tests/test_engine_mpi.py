@@ -80,9 +80,9 @@ def test_pipeline_trains_like_one_process(stages, microbatches, schedule, partit
     # The stash measured at run time is the simulator's figure.
     expected = simulate(build_schedule(schedule, stages, microbatches,
                                        chunks=config.virtual_stages)).peak_stash
-    assert engine.peak_stash == expected[engine.stage]
+    assert engine.stats.peak_stash == expected[engine.stage]
     if schedule == "1f1b":
-        assert engine.peak_stash == min(stages - engine.stage, microbatches)
+        assert engine.stats.peak_stash == min(stages - engine.stage, microbatches)
     engine.close()
     comm.Free()
 
@@ -101,7 +101,7 @@ def test_clipping_by_global_norm_matches_one_process(schedule):
     reference, _ = train_reference(layers, data, clip=0.05)
     # The clip must have bitten, or this test would prove nothing.
     unclipped, _ = train_reference(layers, data)
-    assert engine.last_grad_norm > 0.05
+    assert engine.stats.grad_norm > 0.05
     full = engine.gather_state_dict()
     if comm.rank == 0:
         assert_same_parameters(full, reference.state_dict())

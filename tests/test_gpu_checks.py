@@ -211,14 +211,14 @@ def test_tracing_on_a_gpu_records_events_and_never_synchronizes_inside_the_step(
     monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
     engine.runner.clock = CudaClock(torch.device("cuda", 0))
     engine.train_step(*batches(1, 4)[0])
-    timeline = engine.timeline
+    timeline = engine.runner.timeline
     names = [name for name, _, _ in timeline]
     assert names == ["F0", "B0", "F1", "B1", "optimizer step"], names
     starts = [t0 for _, t0, _ in timeline]
     assert starts == sorted(starts) and all(t1 > t0 for _, t0, t1 in timeline)
     # Event times: 1 ms apart in recording order, from the step's start.
     assert timeline[1][1] - timeline[0][1] == pytest.approx(2e-3)
-    assert engine.timeline == timeline                # read once, then plain seconds
+    assert engine.runner.timeline == timeline                # read once, then plain seconds
     engine.close()
 
 

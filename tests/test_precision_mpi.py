@@ -55,7 +55,7 @@ def test_overflow_on_one_stage_of_one_replica_skips_the_step_everywhere():
     ARMED["on"] = False
     # Skipped everywhere: no parameter moved on any rank, the scale halved on every rank.
     assert all(torch.equal(b, m) for b, m in zip(before, engine.precision.masters))
-    assert WORLD.allgather((engine.loss_scale, engine.skipped_steps)) == [(512.0, 1)] * WORLD.size
+    assert WORLD.allgather((engine.loss_scale, engine.stats.skipped_steps)) == [(512.0, 1)] * WORLD.size
     # Training continues, and after `loss_scale_interval` good steps the scale grows back.
     engine.train_step(*steps[2])
     assert not all(torch.equal(b, m) for b, m in zip(before, engine.precision.masters))
@@ -80,7 +80,7 @@ def test_fp16_sgd_update_on_the_grid_at_a_large_loss_scale_is_the_fp32_update(sc
                                  precision="fp16", loss_scale=1024.0))
     x, y = batches(1, 16)[0]
     update = update_of(engine, x, y)
-    assert engine.skipped_steps == 0
+    assert engine.stats.skipped_steps == 0
     before = pf.build_sequential(layers, 0).state_dict()
     after = train_reference(layers, [(x, y)], optimizer=sgd)[0].state_dict()
     assert_same_update(update, {k: after[k] - before[k] for k in before}, rtol=0.02)

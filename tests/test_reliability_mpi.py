@@ -120,7 +120,7 @@ def test_a_non_finite_step_is_skipped_everywhere_then_the_run_stops(precision):
             assert math.isnan(engine.train_step(x, y))
             assert engine.stats.skipped
         assert all(torch.equal(before[k], v) for k, v in engine.module.state_dict().items())
-        assert engine.skipped_steps == 2
+        assert engine.stats.skipped_steps == 2
         with pytest.raises(NonFiniteError, match="3 steps in a row had a non-finite"):
             engine.train_step(*data[3])
     finally:

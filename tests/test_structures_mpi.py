@@ -13,13 +13,9 @@ from torch import nn
 import pipeflow as pf
 from pipeflow.tree import tensors as tree_tensors
 
-from toy import pair
+from toy import pair, sgd
 
 VOCAB, WIDTH, SEQ, BATCH, M = 11, 6, 7, 8, 4
-
-
-def sgd(params):
-    return torch.optim.SGD(params, lr=0.5)
 
 
 class Embed(nn.Module):

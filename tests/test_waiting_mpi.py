@@ -15,7 +15,8 @@ from mpi4py import MPI
 import pipeflow as pf
 from pipeflow.comm import waiting
 
-from toy import assert_same_parameters, batches, loss_fn, toy_layers, train_reference
+from toy import (assert_same_parameters, batches, loss_fn, sgd_momentum, toy_layers,
+                 train_reference)
 
 WORLD = MPI.COMM_WORLD
 
@@ -85,10 +86,6 @@ def test_a_yielding_rank_leaves_its_core_while_it_waits(policy):
     comm.Free()
 
 
-def _sgd(params):
-    return torch.optim.SGD(params, lr=0.3, momentum=0.9)
-
-
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
@@ -100,12 +97,12 @@ def test_yielding_trains_like_one_process(policy, backend, wait):
     layers = toy_layers(blocks=2 * p * 2 - 2, tied=True)
     config = pf.Config(pipeline=p, data=1, microbatches=2 * p, schedule="interleaved",
                        virtual_stages=2, clip=0.3, backend=backend, wait=wait)
-    engine = pf.Engine(layers, loss_fn, _sgd, config)
+    engine = pf.Engine(layers, loss_fn, sgd_momentum, config)
     topo = engine.topo
     assert waiting.policy() == waiting.choose(wait, topo.local_size, topo.local_cores)
     steps = batches(3, 8 * p)
     losses = [engine.train_step(x, y) for x, y in steps]
-    reference, ref_losses = train_reference(layers, steps, clip=0.3, optimizer=_sgd)
+    reference, ref_losses = train_reference(layers, steps, clip=0.3, optimizer=sgd_momentum)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     full = engine.gather_state_dict()
     if WORLD.rank == 0:

@@ -94,6 +94,11 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.5)
 
 
+def sgd_momentum(params):
+    """SGD with momentum: the update remembers earlier gradients (state a resume must keep)."""
+    return torch.optim.SGD(params, lr=0.3, momentum=0.9)
+
+
 def batches(steps: int, batch: int, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, VOCAB, (batch, SEQ), generator=g),

@@ -59,14 +59,6 @@ class Topology:
         self.local_cores = waiting.node_cores(local)    # cores this node's ranks may use
         local.Free()
 
-    @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage == self.pipeline - 1
-
     def rank_of(self, stage: int, replica: int) -> int:
         """World rank of `(stage, replica)`."""
         return rank_of(stage, replica, self.data)

@@ -9,6 +9,7 @@ from typing import Any, Sequence
 import torch
 from mpi4py import MPI
 
+from pipeflow.comm import waiting
 from pipeflow.comm.base import Communicator, Request, TensorMeta, check_on_device, completed
 from pipeflow.comm.mpi import HeadersFirst, MpiCommunicator
 
@@ -74,7 +75,7 @@ def _rendezvous_store(world: MPI.Comm) -> Any:
 
     import torch.distributed as dist
 
-    hosts = world.allgather(_hostname())
+    hosts = waiting.allgather(world, _hostname())
     where, store = None, None
     if world.rank == 0:
         try:
@@ -85,7 +86,7 @@ def _rendezvous_store(world: MPI.Comm) -> Any:
             where = (ip, store.port, None)
         except (OSError, RuntimeError, ValueError) as exc:
             where = (None, None, f"rank 0 could not open the rendezvous store: {exc}")
-    ip, port, error = world.bcast(where, root=0)
+    ip, port, error = waiting.bcast(world, where, 0)
     if error:
         raise RuntimeError(error)
     if world.rank != 0:

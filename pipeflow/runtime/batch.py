@@ -12,16 +12,18 @@ that does not come within the deadline is named by rank 0 (`waiting.NotJoined`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 from mpi4py import MPI
 
 from pipeflow import tree
 from pipeflow.comm import waiting
-from pipeflow.config import ConfigError
+from pipeflow.comm.topology import Topology
+from pipeflow.config import Config, ConfigError
 
-__all__ = ["BatchError", "MicroBatch", "Batches", "prepare", "agree", "agree_call"]
+__all__ = ["BatchError", "MicroBatch", "StepBatches", "BatchStage", "split_step", "agree",
+           "agree_call"]
 
 
 class BatchError(ConfigError):
@@ -36,7 +38,7 @@ class MicroBatch:
 
 
 @dataclasses.dataclass
-class Batches:
+class StepBatches:
     """One step's micro-batches on this rank, and what all ranks agreed on."""
 
     micro: list[MicroBatch]
@@ -79,9 +81,21 @@ def split(what: str, batch: Any, m: int, d: int, replica: int, device: torch.dev
     return [tree.unflatten([p[i] for p in parts], spec) for i in range(m)]
 
 
-def prepare(call: str, step: int, inputs: Any, targets: Any, side: Mapping[str, Any], *,
-            stage: Any, control: MPI.Comm, needs_targets: bool,
-            count_items: Callable[[Any], Any] | None, deadline_s: float = 0.0) -> Batches:
+class BatchStage(Protocol):
+    """What splitting a step's batch reads of a rank's stage (`runtime.stage.Stage` is one)."""
+
+    config: Config
+    topo: Topology
+    device: torch.device
+    holds_first: bool                   # this rank runs the first virtual stage
+    holds_last: bool                    # ... the last
+
+    def describe(self) -> str: ...
+
+
+def split_step(call: str, step: int, inputs: Any, targets: Any, side: Mapping[str, Any], *,
+            stage: BatchStage, control: MPI.Comm, needs_targets: bool,
+            count_items: Callable[[Any], Any] | None, deadline_s: float = 0.0) -> StepBatches:
     """Split this rank's share of the batch and agree with every other rank on the call."""
     cfg, topo = stage.config, stage.topo
     m, d, where = cfg.microbatches, cfg.data, stage.describe()
@@ -115,7 +129,7 @@ def prepare(call: str, step: int, inputs: Any, targets: Any, side: Mapping[str, 
             "targets": _signature(targets) if stage.holds_last else None,
             "side": sorted((k, _signature(v)) for k, v in side.items())}
     verdict = agree(control, mine, deadline_s)
-    return Batches(micro, verdict["items"], has_targets=verdict["has_targets"])
+    return StepBatches(micro, verdict["items"], has_targets=verdict["has_targets"])
 
 
 def agree_call(control: MPI.Comm, call: str, step: int, deadline_s: float) -> dict:

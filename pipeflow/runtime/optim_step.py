@@ -10,19 +10,43 @@ from __future__ import annotations
 import math
 import sys
 
+from typing import Any, Protocol
+
 import torch
+from torch import nn
 
+from pipeflow.comm.base import Communicator
 from pipeflow.comm.mpi import mpi_iallreduce_
-from pipeflow.config import ConfigError
+from pipeflow.comm.topology import Topology
+from pipeflow.config import Config, ConfigError
+from pipeflow.runtime.data_parallel import GradReducer
+from pipeflow.runtime.precision import Precision
 
-__all__ = ["close_step", "NonFiniteError"]
+__all__ = ["close_step", "NonFiniteError", "StepStage"]
 
 
 class NonFiniteError(ConfigError):
     """Too many steps in a row had a non-finite loss or gradient; raised on every rank."""
 
 
-def close_step(stage, loss: float, stats) -> None:
+class StepStage(Protocol):
+    """What closing a step reads of a rank's stage (`runtime.stage.Stage` is one)."""
+
+    config: Config
+    topo: Topology
+    stages: int                         # pipeline size
+    device: torch.device
+    precision: Precision
+    optimizer: torch.optim.Optimizer | None
+    reducer: GradReducer | None
+    pipe_comm: Communicator
+    ties: list[Any]                     # `runtime.stage.Tie`: weights shared across stages
+    norm_params: list[nn.Parameter]     # the masters the gradient norm counts (ties once)
+
+    def describe(self) -> str: ...
+
+
+def close_step(stage: StepStage, loss: float, stats: Any) -> None:
     """Sum, check, clip and apply this step's gradients; record the verdict in `stats`."""
     if stage.reducer is not None:
         stage.reducer.finish()          # waits only for the buckets still in flight
@@ -51,7 +75,7 @@ def close_step(stage, loss: float, stats) -> None:
     zero_grad(stage)
 
 
-def _sum_ties(stage) -> None:
+def _sum_ties(stage: StepStage) -> None:
     """A tied weight's gradient summed over the stages that hold it (after the replicas were
     summed, so each replica's copy ends up with the whole gradient)."""
     for tie in stage.ties:
@@ -69,7 +93,7 @@ def _sum_ties(stage) -> None:
             grad.copy_(flat)
 
 
-def _skip(stage, stats, loss: float, norm: float) -> None:
+def _skip(stage: StepStage, stats: Any, loss: float, norm: float) -> None:
     stats.skipped = True
     stats.skipped_steps += 1
     zero_grad(stage)
@@ -89,7 +113,7 @@ def _skip(stage, stats, loss: float, norm: float) -> None:
             f"max_nonfinite_steps")
 
 
-def grad_norm(stage) -> float:
+def grad_norm(stage: StepStage) -> float:
     """The whole grid's gradient norm: tied weights once, replicas once (they agree)."""
     grads = [p.grad.detach() for p in stage.norm_params if p.grad is not None]
     # Per-tensor norms (no fp64 copy of every gradient), squared and summed in fp64.
@@ -101,7 +125,7 @@ def grad_norm(stage) -> float:
     return math.sqrt(sq.item())
 
 
-def zero_grad(stage) -> None:
+def zero_grad(stage: StepStage) -> None:
     if stage.reducer is not None:
         stage.reducer.zero_grad()       # the master gradients are views of its buckets
         stage.precision.zero_grad(masters=False)

@@ -12,18 +12,25 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
+from torch import nn
 
 from pipeflow import schedules as sched
 from pipeflow import tree
-from pipeflow.runtime.batch import Batches
 from pipeflow.aux_loss import collect_aux_losses
-from pipeflow.runtime.recompute import SavedTensorMeter, auto_policy, stage_forward
+from pipeflow.comm.base import Communicator
 from pipeflow.comm.strict import no_device_sync
-from pipeflow.tree import Header
+from pipeflow.comm.topology import Topology
+from pipeflow.config import Config
+from pipeflow.runtime.batch import StepBatches
+from pipeflow.runtime.data_parallel import GradReducer
+from pipeflow.runtime.precision import Precision
+from pipeflow.runtime.recompute import SavedTensorMeter, auto_policy, stage_forward
+from pipeflow.schedules.plan import Plan
 from pipeflow.schedules.split_backward import backward_input, backward_weight
+from pipeflow.tree import Header
 
 __all__ = ["Runner", "StepState"]
 
@@ -35,7 +42,7 @@ class StepState:
     """Everything one batch's run holds between its instructions."""
 
     train: bool
-    batches: Batches
+    batches: StepBatches
     loss_multiplier: float            # on each micro-batch loss: 1/(m·d) or 1/items, x scale
     aux_multiplier: float = 0.0       # on each micro-batch's auxiliary losses: 1/(m·d) x scale
     keep_outputs: bool = False
@@ -104,11 +111,29 @@ def clock_for(device: torch.device) -> HostClock | CudaClock:
     return CudaClock(device) if device.type == "cuda" else HostClock()
 
 
+class RunnerStage(Protocol):
+    """What the runner reads of a rank's stage (`runtime.stage.Stage` is one)."""
+
+    plan: Plan                          # programs, routes, layout (pure, alike on every rank)
+    index: int                          # this rank's pipeline stage
+    config: Config
+    topo: Topology
+    device: torch.device
+    backend: str
+    chunk_layers: list[list[nn.Module]]
+    precision: Precision
+    pipe_comm: Communicator
+    reducer: GradReducer | None
+    recompute: str                      # this stage's policy ("auto" resolved on first use)
+
+    def describe(self) -> str: ...
+
+
 class Runner:
     """Interprets a stage's instructions. Headers per link persist across steps, so a
     message's structure is announced only when it changes."""
 
-    def __init__(self, stage, loss_fn: Callable[[Any, Any], torch.Tensor],
+    def __init__(self, stage: RunnerStage, loss_fn: Callable[[Any, Any], torch.Tensor],
                  on_instruction: Callable[[sched.Action], None]) -> None:
         self.stage = stage
         self.loss_fn = loss_fn
@@ -215,12 +240,12 @@ class Runner:
     def forward(self, act: sched.Action, st: StepState) -> None:
         stage, key = self.stage, (act.mb, act.chunk)
         mb = st.batches.micro[act.mb]
-        if stage.virtual(act.chunk) == 0:
+        if stage.plan.virtual(stage.index, act.chunk) == 0:
             x, needs_grad = stage.precision.cast_input(mb.inputs), []
         else:
             x, needs_grad = st.received.pop(key)
         layers = stage.chunk_layers[act.chunk]
-        last = stage.virtual(act.chunk) == stage.last_virtual
+        last = stage.plan.virtual(stage.index, act.chunk) == stage.plan.last_virtual
         if st.train and stage.recompute == "auto":
             self._resolve_auto(layers, x, mb.targets if last else None)
         meter = self.activation_meter if st.train and self.measure_activations \
@@ -266,7 +291,7 @@ class Runner:
         # An auxiliary loss may have used the output (its graph holds it): never freed then.
         aux_used = st.train and st.stash[(act.mb, act.chunk)][2] is not None
         st.sends.append(_FreeAfter(request, _freeable(ts)) if self.free_sent_outputs
-                        and st.train and not self.stage.split_backward and not aux_used
+                        and st.train and not self.stage.plan.split_backward and not aux_used
                         else request)
 
     def recv_gradient(self, act: sched.Action, st: StepState) -> None:
@@ -289,7 +314,7 @@ class Runner:
         split-backward schedule the weight gradients wait for this chunk's W."""
         stage, key = self.stage, (act.mb, act.chunk)
         needs_grad, out, extra = st.stash.pop(key)
-        if stage.virtual(act.chunk) == stage.last_virtual:
+        if stage.plan.virtual(stage.index, act.chunk) == stage.plan.last_virtual:
             outs, grads = [out * st.loss_multiplier], None
             if extra is not None and extra.requires_grad:
                 outs = [outs[0] + extra * st.aux_multiplier]
@@ -302,13 +327,13 @@ class Runner:
             if extra is not None and extra.requires_grad:
                 outs, grads = outs + [extra * st.aux_multiplier], \
                     list(grads) + [torch.ones((), device=extra.device)]
-        if stage.split_backward:
+        if stage.plan.split_backward:
             params = [p for layer in stage.chunk_layers[act.chunk] for p in layer.parameters()]
             got, st.pending_w[key] = backward_input(outs, grads, needs_grad, params)
             st.grads_out[key] = [g if g is not None else torch.zeros_like(t)
                                  for t, g in zip(needs_grad, got)]
             return
-        if stage.reducer is not None and act == stage.last_backward:
+        if stage.reducer is not None and act == stage.plan.last_gradient_action(stage.index):
             stage.reducer.arm()
         if outs:
             _backward(outs, grads)
@@ -319,7 +344,7 @@ class Runner:
         """W: this chunk's weight gradients, into `.grad` (the hooks of mixed precision and
         of the data-parallel buckets fire as in a full backward)."""
         reducer = self.stage.reducer
-        if reducer is not None and act == self.stage.last_backward:
+        if reducer is not None and act == self.stage.plan.last_gradient_action(self.stage.index):
             reducer.arm()
         backward_weight(st.pending_w.pop((act.mb, act.chunk)))
 
@@ -339,7 +364,7 @@ class Runner:
         budget = int(stage.config.activation_budget_mb * 2**20)
         tail = ((lambda out: self.loss_fn(tree.cast_floating(out, torch.float32), target))
                 if target is not None else None)
-        stage.recompute = auto_policy(layers, x, stage.expected_peak_stash[stage.index],
+        stage.recompute = auto_policy(layers, x, stage.plan.peak_stash[stage.index],
                                       budget, where=stage.describe(), tail=tail)
 
 

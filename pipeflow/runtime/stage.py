@@ -14,13 +14,11 @@ from torch import nn
 
 from pipeflow.comm import waiting
 from pipeflow.comm.base import Communicator
-from pipeflow.comm.topology import Topology, bind_device, choose_backend, grid_communicators
-from pipeflow.config import SCHEDULES, Config, ConfigError, parse_policy
+from pipeflow.comm.topology import Topology, choose_backend, grid_communicators
+from pipeflow.config import Config, ConfigError
 from pipeflow.layers import LayerSpec, build_layer, get_parameter, set_parameter, tie_groups
 from pipeflow.runtime.data_parallel import GradReducer
-from pipeflow.runtime.partition import measure_layer_times, partition_layers
 from pipeflow.runtime.precision import LossScaler, Precision, class_matches
-from pipeflow.schedules.auto import choose_schedule, measure_layer_costs
 from pipeflow.schedules.ir import Action
 from pipeflow.schedules.plan import Plan
 
@@ -63,25 +61,15 @@ class Stage:
     interleaved schedule); `chunk_layers[c]` are its layers in order.
     """
 
-    def __init__(self, layers: Sequence[LayerSpec], config: Config, world: MPI.Comm,
-                 optimizer: OptimizerFactory, device: torch.device | None,
-                 sample: Any = None) -> None:
-        self.config = config
-        self.topo = topo = Topology(world, config.pipeline, config.data)
-        # How this process waits on MPI from here on (process-wide: see pipeflow.comm.waiting).
-        waiting.use(waiting.choose(config.wait, topo.local_size, topo.local_cores))
+    def __init__(self, layers: Sequence[LayerSpec], config: Config, topo: Topology, plan: Plan,
+                 optimizer: OptimizerFactory, device: torch.device) -> None:
+        """Build this rank's share of `plan` (made by `runtime.planning.plan_pipeline`, the
+        same on every rank) on `device`: layers, ties, precision, communicators, reducer and
+        optimizer. Collective over the world: every rank builds its stage together."""
+        self.config, self.topo, self.plan, self.device = config, topo, plan, device
         self.index, self.stages = topo.stage, topo.pipeline
-        self.device = default_device(topo, device)
-        bind_device(self.device)      # before CUDA's first use: layer building forks its RNG
         self.n_layers = len(layers)
-        # The schedule that runs (schedule "auto" resolved) and its model chunks per rank.
-        self.schedule, self.num_chunks, self.layer_times, self.schedule_choice = \
-            _resolve_schedule(layers, config, world, sample, self.device, topo.pipeline)
-        self.boundaries = partition_layers(layers, self.stages * self.num_chunks,
-                                           config.partition, self.layer_times)
-        # What every rank runs, the same everywhere: layout, programs, routes, policies.
-        self.plan = Plan.build(self.schedule, self.stages, config.microbatches, self.num_chunks,
-                               self.boundaries, parse_policy(config.recompute, self.stages))
+        world = topo.world
         ranges = self.plan.layer_ranges(self.index)
         built = {i: build_layer(layers[i], config.seed, i) for r in ranges for i in r}
         # Ranks finish building at different times: wait for the last one here, by the wait
@@ -110,6 +98,18 @@ class Stage:
         self.optimizer = _make_optimizer(optimizer, masters, topo.describe())
 
     # -- where things are (the plan's facts about this rank) -----------------------------
+    @property
+    def schedule(self) -> str:
+        return self.plan.name
+
+    @property
+    def num_chunks(self) -> int:
+        return self.plan.chunks
+
+    @property
+    def boundaries(self) -> list[int]:
+        return list(self.plan.boundaries)
+
     def virtual(self, chunk: int) -> int:
         """The virtual stage of this rank's chunk `chunk`."""
         return self.plan.virtual(self.index, chunk)
@@ -233,49 +233,6 @@ def mark_selective(module: nn.Module, names: Sequence[Any], policy: str, where: 
                       f"stage, so it recomputes nothing; list module classes in "
                       f"recompute_modules (e.g. ['Attention']) or mark modules with "
                       f"`pipeflow_selective = True`", stacklevel=2)
-
-
-def _measure_times(layers: Sequence[LayerSpec], config: Config, world: MPI.Comm, sample: Any,
-                   device: torch.device) -> list[float] | None:
-    """`partition = "time"`: measured once, on world rank 0, so every rank splits alike."""
-    if config.partition != "time":
-        return None
-    times = None
-    if world.rank == 0 and sample is not None:
-        times = measure_layer_times(layers, sample, config.seed, device=device,
-                                    precision=config.precision,
-                                    fp32_modules=config.fp32_modules)
-    return waiting.bcast(world, times, 0)
-
-
-def _resolve_schedule(layers: Sequence[LayerSpec], config: Config, world: MPI.Comm,
-                      sample: Any, device: torch.device, stages: int
-                      ) -> tuple[str, int, list[float] | None, str]:
-    """(schedule, model chunks per rank, layer times for partition 'time', the text of
-    schedule 'auto''s choice). 'auto' measures on world rank 0 and broadcasts, then every
-    rank chooses alike from the same numbers; rank 0 prints the choice."""
-    if config.schedule != "auto":
-        return (config.schedule, config.virtual_stages,
-                _measure_times(layers, config, world, sample, device), "")
-    costs = None
-    if world.rank == 0 and sample is not None:
-        costs = measure_layer_costs(layers, sample, config.seed, device=device,
-                                    precision=config.precision,
-                                    fp32_modules=config.fp32_modules)
-    costs = waiting.bcast(world, costs, 0)
-    if costs is None:
-        raise ConfigError(
-            f"Config.schedule 'auto' measures each layer's forward, input- and weight-gradient "
-            f"times on a sample micro-batch, and world rank 0 was given none: pass "
-            f"Engine(..., sample=inputs[:micro_batch_size]) (a micro-batch of the inputs), or "
-            f"name a schedule (one of {[s for s in SCHEDULES if s != 'auto']})")
-    times = costs.totals if config.partition == "time" else None
-    choice = choose_schedule(
-        costs, stages, config.microbatches, int(config.activation_budget_mb * 2**20),
-        boundaries=lambda k: partition_layers(layers, k, config.partition, times))
-    if world.rank == 0:
-        print(choice.describe(), flush=True)
-    return choice.schedule, choice.chunks, times, choice.describe()
 
 
 def _scaler(config: Config) -> LossScaler | None:

@@ -69,14 +69,11 @@ def _check_paths(run: TrainConfig) -> None:
             raise ConfigError(f"[train] tensorboard = {run.tensorboard!r} needs the "
                               f"'tensorboard' package: pip install tensorboard (or "
                               f"\"pipeflow[monitor]\"), or set tensorboard = \"\"") from None
-    if run.save_dir and os.path.exists(run.save_dir) and not os.path.isdir(run.save_dir):
-        raise ConfigError(f"[train] save_dir = {run.save_dir!r} is a file, expected a folder "
-                          f"for checkpoints; choose another path or remove the file")
     if run.save_dir:              # found now, not at the first save after hours of training
         try:
-            check_save_dir(run.save_dir)
+            check_save_dir(run.save_dir, where="[train] save_dir")
         except CheckpointError as exc:
-            raise ConfigError(f"[train] save_dir: {exc}") from None
+            raise ConfigError(str(exc)) from None
     if run.resume and not os.path.isfile(os.path.join(run.save_dir, "latest")):
         what = "does not exist" if not os.path.exists(run.save_dir) else \
             "holds no checkpoint (no 'latest' file)"
@@ -295,7 +292,7 @@ class Preemption:
 
     def agreed(self, comm: MPI.Comm) -> int:
         """The signal any rank received (0: none), the same on every rank."""
-        return comm.allreduce(int(self.received), op=MPI.MAX)
+        return max(waiting.allgather(comm, int(self.received)))
 
 
 # -- the loop -----------------------------------------------------------------------------
@@ -367,7 +364,8 @@ def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
         engine.load(t.save_dir)
         position = _saved_position(t.save_dir, engine.step_count)
     flops = model.flops_per_token or 6 * count_parameters(engine)
-    peak = comm.bcast(peak_flops(engine.device, t.peak_tflops) if comm.rank == 0 else None)
+    peak = waiting.bcast(comm, peak_flops(engine.device, t.peak_tflops) if comm.rank == 0 else None,
+                         0)
     out = None
     if comm.rank == 0:
         metrics = t.metrics or (os.path.join(t.save_dir, "metrics.jsonl") if t.save_dir else "")
@@ -399,12 +397,12 @@ def _record(loop: _Loop, step: int, loss: float) -> None:
         stages = stage_stats(engine)
     if not loop.rank0:
         return
-    dt = engine.last_step_time
+    dt = engine.stats.step_time
     tokens_per_s = loop.tokens / dt
     mfu = loop.flops_per_token * tokens_per_s / (loop.peak_flops * engine.topo.world.size)
     loop.out.record({
-        "step": step, "loss": loss, "lr": lr_at(step, t), "grad_norm": engine.last_grad_norm,
-        "loss_scale": engine.loss_scale, "skipped_steps": engine.skipped_steps,
+        "step": step, "loss": loss, "lr": lr_at(step, t), "grad_norm": engine.stats.grad_norm,
+        "loss_scale": engine.loss_scale, "skipped_steps": engine.stats.skipped_steps,
         "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
         "flops_per_token": loop.flops_per_token, "stages": stages})
     loop.out.line(f"step {step:5d}  loss {loss:.4f}  lr {lr_at(step, t):.2e}  "
@@ -416,8 +414,8 @@ def _report_recompute(loop: _Loop) -> None:
     """"auto" is resolved on each stage's first micro-batch: say what it chose."""
     engine = loop.engine
     with engine.watched("recompute report"):
-        chosen = engine.topo.world.gather((engine.stage, engine.recompute,
-                                           engine.peak_activation_bytes), root=0)
+        chosen = waiting.gather(engine.topo.world, (engine.stage, engine.recompute,
+                                                    engine.stats.peak_activation_bytes), 0)
     if loop.rank0:
         per_stage = {s: (p, b) for s, p, b in chosen}
         loop.out.line("pipeflow: recompute per stage: " + ", ".join(

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from pipeflow.comm import waiting
 from pipeflow.train.trace import COMPUTE_KINDS, op_kind
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ def count_parameters(engine: "Engine") -> int:
     table is looked up, not multiplied, so it does not count; a weight tied between an
     embedding and the output head (two stages hold copies) counts once, as the head."""
     local = _multiplied_parameters(engine.module) if engine.topo.replica == 0 else 0
-    return engine.topo.world.allreduce(local)
+    return sum(waiting.allgather(engine.topo.world, local))
 
 
 def _multiplied_parameters(module: torch.nn.Module) -> int:
@@ -96,8 +97,8 @@ def _multiplied_parameters(module: torch.nn.Module) -> int:
 
 
 def _peak_memory(engine: "Engine") -> tuple[int, str]:
-    if engine.peak_memory_bytes is not None:
-        return engine.peak_memory_bytes, "cuda allocator"
+    if engine.stats.peak_memory_bytes is not None:
+        return engine.stats.peak_memory_bytes, "cuda allocator"
     # ru_maxrss is in KiB on Linux, bytes on macOS.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss * (1 if sys.platform == "darwin" else 1024), "process rss"
@@ -107,8 +108,8 @@ def stage_stats(engine: "Engine") -> list[dict[str, Any]] | None:
     """Each stage's peak memory (largest over its replicas) and measured bubble (mean), on
     world rank 0; a collective: every rank calls it at the same step."""
     memory, kind = _peak_memory(engine)
-    mine = (engine.stage, memory, kind, bubble_fraction(engine.timeline))
-    views = engine.topo.world.gather(mine, root=0)
+    mine = (engine.stage, memory, kind, bubble_fraction(engine.runner.timeline))
+    views = waiting.gather(engine.topo.world, mine, 0)
     if views is None:
         return None
     stages: dict[int, list] = {}

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from typing import TYPE_CHECKING, Any
 
+from pipeflow.comm import waiting
 from pipeflow._io import atomic_write_bytes
+from pipeflow.schedules.ir import Action, ScheduleError
 
 if TYPE_CHECKING:
     from pipeflow.engine import Engine
@@ -17,15 +18,16 @@ __all__ = ["gather_trace", "write_trace", "op_kind", "parse_instruction", "COMPU
            "load_trace_lanes"]
 
 COMPUTE_KINDS = frozenset({"F", "B", "W"})     # forward, backward (input), weight gradient
-_INSTRUCTION = re.compile(r"^([A-Za-z]+)(\d+)(?:\.(\d+))?$")
 
 
 def parse_instruction(name: str) -> tuple[str, int | None, int]:
-    """`F3.1` → ("F", 3, 1); `SA2` → ("SA", 2, 0); `optimizer step` → (name, None, 0)."""
-    match = _INSTRUCTION.match(name)
-    if match is None:
+    """`F3.1` → ("F", 3, 1); `SA2` → ("SA", 2, 0); `optimizer step` → (name, None, 0): the
+    schedule IR's own reading of an action (`Action.from_str`), or the engine's own span."""
+    try:
+        act = Action.from_str(name)
+    except ScheduleError:
         return name, None, 0
-    return match.group(1), int(match.group(2)), int(match.group(3) or 0)
+    return act.op, act.mb, act.chunk
 
 
 def op_kind(name: str) -> str:
@@ -41,12 +43,12 @@ def gather_trace(engine: "Engine") -> dict[str, Any] | None:
     chrome://tracing: one lane a rank, one box an instruction (F3, B3, SA3, ...).
     """
     world = engine.topo.world
-    world.Barrier()
+    waiting.barrier(world)
     origin = time.perf_counter()
     lane = {"rank": engine.topo.rank, "stage": engine.stage, "replica": engine.topo.replica,
             "events": [(name, start - origin, end - origin)
-                       for name, start, end in engine.timeline]}
-    lanes = world.gather(lane, root=0)
+                       for name, start, end in engine.runner.timeline]}
+    lanes = waiting.gather(world, lane, 0)
     if world.rank != 0:
         return None
     start = min((e[1] for ln in lanes for e in ln["events"]), default=0.0)

@@ -1,0 +1,85 @@
+"""Planning a pipeline: the schedule (`auto` resolved by measuring), the partition, the `Plan`.
+
+World rank 0 measures what needs measuring (`partition = "time"`, `schedule = "auto"`) on a
+sample micro-batch and broadcasts it; every rank then computes the same pure `Plan` from the
+same numbers. Nothing here builds a layer for training or opens a communicator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import torch
+from mpi4py import MPI
+
+from pipeflow.comm import waiting
+from pipeflow.config import SCHEDULES, Config, ConfigError, parse_policy
+from pipeflow.layers import LayerSpec
+from pipeflow.runtime.partition import measure_layer_times, partition_layers
+from pipeflow.schedules.auto import choose_schedule, measure_layer_costs
+from pipeflow.schedules.plan import Plan
+
+__all__ = ["Planned", "plan_pipeline"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    """The plan and why: the text of `auto`'s choice ("" when a schedule was named)."""
+
+    plan: Plan
+    choice: str = ""
+
+
+def plan_pipeline(layers: Sequence[LayerSpec], config: Config, world: MPI.Comm, stages: int,
+                  sample: Any, device: torch.device) -> Planned:
+    """The same `Plan` on every rank of `world` for `layers` under `config`."""
+    schedule, chunks, times, choice = _resolve_schedule(layers, config, world, sample, device,
+                                                        stages)
+    boundaries = partition_layers(layers, stages * chunks, config.partition, times)
+    plan = Plan.build(schedule, stages, config.microbatches, chunks, boundaries,
+                      parse_policy(config.recompute, stages))
+    return Planned(plan, choice)
+
+
+def _measure_times(layers: Sequence[LayerSpec], config: Config, world: MPI.Comm, sample: Any,
+                   device: torch.device) -> list[float] | None:
+    """`partition = "time"`: measured once, on world rank 0, so every rank splits alike."""
+    if config.partition != "time":
+        return None
+    times = None
+    if world.rank == 0 and sample is not None:
+        times = measure_layer_times(layers, sample, config.seed, device=device,
+                                    precision=config.precision,
+                                    fp32_modules=config.fp32_modules)
+    return waiting.bcast(world, times, 0)
+
+
+def _resolve_schedule(layers: Sequence[LayerSpec], config: Config, world: MPI.Comm,
+                      sample: Any, device: torch.device, stages: int
+                      ) -> tuple[str, int, list[float] | None, str]:
+    """(schedule, model chunks per rank, layer times for partition 'time', the text of
+    schedule 'auto''s choice). 'auto' measures on world rank 0 and broadcasts, then every
+    rank chooses alike from the same numbers; rank 0 prints the choice."""
+    if config.schedule != "auto":
+        return (config.schedule, config.virtual_stages,
+                _measure_times(layers, config, world, sample, device), "")
+    costs = None
+    if world.rank == 0 and sample is not None:
+        costs = measure_layer_costs(layers, sample, config.seed, device=device,
+                                    precision=config.precision,
+                                    fp32_modules=config.fp32_modules)
+    costs = waiting.bcast(world, costs, 0)
+    if costs is None:
+        raise ConfigError(
+            f"Config.schedule 'auto' measures each layer's forward, input- and weight-gradient "
+            f"times on a sample micro-batch, and world rank 0 was given none: pass "
+            f"Engine(..., sample=inputs[:micro_batch_size]) (a micro-batch of the inputs), or "
+            f"name a schedule (one of {[s for s in SCHEDULES if s != 'auto']})")
+    times = costs.totals if config.partition == "time" else None
+    choice = choose_schedule(
+        costs, stages, config.microbatches, int(config.activation_budget_mb * 2**20),
+        boundaries=lambda k: partition_layers(layers, k, config.partition, times))
+    if world.rank == 0:
+        print(choice.describe(), flush=True)
+    return choice.schedule, choice.chunks, times, choice.describe()
