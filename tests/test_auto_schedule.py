@@ -3,8 +3,8 @@
 import pytest
 
 import pipeflow as pf
-from pipeflow.schedules.auto import (LayerCosts, choose_schedule, measure_layer_costs,
-                                    peak_activation_bytes)
+from pipeflow.runtime.planning import measure_layer_costs
+from pipeflow.schedules.auto import LayerCosts, choose_schedule, peak_activation_bytes
 from pipeflow.config import ConfigError
 from pipeflow.layers import build_layer
 from pipeflow.runtime.partition import partition_layers

@@ -258,7 +258,7 @@ def test_flops_count_a_tied_weight_once_and_no_embedding_lookups():
 def test_auto_and_partition_time_measure_layers_in_the_runs_precision(precision, dtype):
     # They measured fp32 layers for bf16/fp16 runs: other times (on a GPU's tensor cores,
     # several-fold) and twice the saved bytes the run will really stash.
-    from pipeflow.schedules.auto import measure_layer_costs
+    from pipeflow.runtime.planning import measure_layer_costs
     seen: list = []
 
     class Probe(torch.nn.Module):

@@ -31,3 +31,52 @@ def test_tests_readme_maps_every_test_file():
     missing = [p.name for p in sorted((ROOT / "tests").glob("test_*.py"))
                if f"`{p.name}`" not in text]
     assert not missing, f"tests/README.md misses {missing}: add each to its table"
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Each pipeflow module -> the pipeflow modules it imports at module level (imports
+    inside functions are deferred on purpose and do not count)."""
+    import ast
+
+    names = {}
+    for path in (ROOT / "pipeflow").rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        names[".".join(parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        edges = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in names
+                           else node.module for a in node.names]
+            else:
+                continue
+            edges |= {t for t in targets if t in names and t != name}
+        graph[name] = edges
+    return graph
+
+
+def test_module_imports_have_no_circle():
+    graph = _module_imports()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt):] + [nxt]
+                raise AssertionError("import circle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)

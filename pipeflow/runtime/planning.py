@@ -16,11 +16,15 @@ from mpi4py import MPI
 from pipeflow.comm import waiting
 from pipeflow.config import SCHEDULES, Config, ConfigError, parse_policy
 from pipeflow.layers import LayerSpec
-from pipeflow.runtime.partition import measure_layer_times, partition_layers
-from pipeflow.schedules.auto import choose_schedule, measure_layer_costs
+from pipeflow import tree
+from pipeflow.runtime.partition import (clock, each_layer, grad_outputs, leaf_input,
+                                        measure_layer_times, partition_layers)
+from pipeflow.runtime.recompute import SavedTensorMeter
+from pipeflow.schedules.auto import LayerCosts, choose_schedule
 from pipeflow.schedules.plan import Plan
+from pipeflow.schedules.split_backward import backward_input, backward_weight
 
-__all__ = ["Planned", "plan_pipeline"]
+__all__ = ["Planned", "plan_pipeline", "measure_layer_costs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,3 +87,41 @@ def _resolve_schedule(layers: Sequence[LayerSpec], config: Config, world: MPI.Co
     if world.rank == 0:
         print(choice.describe(), flush=True)
     return choice.schedule, choice.chunks, times, choice.describe()
+
+
+def _time_layer(layer: torch.nn.Module, x: Any, device: Any) -> tuple[list[float], int, Any]:
+    """([F, whole backward, B, W] seconds, bytes saved for backward, output) of one run."""
+    inputs = tree.map_tensors(lambda t: leaf_input(t, device), x)
+    start = clock(device)
+    out = layer(inputs)
+    f = clock(device) - start
+    floats, grads = grad_outputs(out)
+    if not floats:
+        return [f, 0.0, 0.0, 0.0], 0, out
+    start = clock(device)
+    torch.autograd.backward(floats, grads)
+    full = clock(device) - start
+    inputs = tree.map_tensors(lambda t: leaf_input(t, device), x)
+    with SavedTensorMeter() as meter:
+        floats, grads = grad_outputs(layer(inputs))
+    saved = meter.current
+    params = [p for p in layer.parameters() if p.requires_grad]
+    start = clock(device)
+    _, pending = backward_input(floats, grads, inputs, params)
+    b = clock(device) - start
+    if not pending.done:
+        backward_weight(pending)
+    w = clock(device) - start - b
+    return [f, full, b, w], saved, out
+
+
+def measure_layer_costs(layers: Sequence, sample: Any, seed: int = 0, repeats: int = 3,
+                        device: torch.device | str = "cpu", precision: str = "fp32",
+                        fp32_modules: Sequence[Any] = ()) -> LayerCosts:
+    """F, whole backward, B and W seconds and saved bytes of each layer on `sample` (a
+    micro-batch of inputs), layer by layer as `partition.each_layer` runs them, in the run's
+    `precision` (bf16 halves the bytes a layer saves, and changes its times)."""
+    rows = each_layer(layers, sample, lambda layer, x: _time_layer(layer, x, device), seed,
+                      repeats, device, precision, fp32_modules)
+    columns = [[seconds[k] for seconds, _ in rows] for k in range(4)]
+    return LayerCosts(*columns, saved_bytes=[saved for _, saved in rows])

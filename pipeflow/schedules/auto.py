@@ -1,8 +1,8 @@
 """`schedule = "auto"`: the fastest schedule that fits the memory budget, by the simulator.
 
-World rank 0 measures each layer on a sample micro-batch (`measure_layer_costs`): its
-forward (F), whole backward, input gradient (B) and weight gradient (W) times, and the bytes
-one micro-batch keeps for backward. Every rank then runs the same pure `choose_schedule` on
+World rank 0 measures each layer on a sample micro-batch
+(`runtime.planning.measure_layer_costs`): its forward (F), whole backward, input gradient (B)
+and weight gradient (W) times, and the bytes one micro-batch keeps for backward. Every rank then runs the same pure `choose_schedule` on
 those broadcast numbers, so all choose alike: for each candidate schedule the engine's stage
 boundaries, each virtual stage's sums, the simulated step (`simulate(stage_times=...)`) and
 each rank's activation peak against `Config.activation_budget_mb`.
@@ -12,21 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Sequence
-
-import torch
+from typing import Callable, Sequence
 
 from pipeflow import schedules as sched
-from pipeflow.schedules import registry
-from pipeflow import tree
 from pipeflow.config import ConfigError
-from pipeflow.runtime.partition import (clock, each_layer, grad_outputs, leaf_input,
-                                partition_uniform)
-from pipeflow.runtime.recompute import SavedTensorMeter, _fmt
-from pipeflow.schedules.split_backward import backward_input, backward_weight
+from pipeflow.runtime.partition import partition_uniform
+from pipeflow.runtime.recompute import _fmt
+from pipeflow.schedules import registry
+from pipeflow.schedules.plan import Plan
 
 __all__ = ["LayerCosts", "Candidate", "Choice", "candidates", "choose_schedule",
-           "measure_layer_costs", "peak_activation_bytes"]
+           "peak_activation_bytes"]
 
 
 
@@ -119,25 +115,27 @@ def peak_activation_bytes(programs: sched.Programs, virtual_bytes: Sequence[int]
 
 def _weigh(c: Candidate, costs: LayerCosts, stages: int, microbatches: int,
            boundaries: Callable[[int], list[int]]) -> None:
-    """Fill in a candidate's boundaries, simulated step and per-rank peak bytes."""
+    """Fill in a candidate's boundaries, simulated step and per-rank peak bytes, from the
+    `Plan` the engine would run."""
     try:
         c.boundaries = list(boundaries(stages * c.chunks))
     except ConfigError:
         c.skipped = f"the partition does not give {stages * c.chunks} virtual stages"
         return
-    spans = [range(a, b) for a, b in zip(c.boundaries, c.boundaries[1:])]
+    plan = Plan.build(c.schedule, stages, microbatches, c.chunks, c.boundaries)
+    spans = [range(a, b) for a, b in zip(plan.boundaries, plan.boundaries[1:])]
 
     def total(values: Sequence[float]) -> list[float]:
         return [sum(values[i] for i in span) for span in spans]
 
     f = total(costs.forward)
-    if registry.get(c.schedule).split_backward:
+    if plan.split_backward:
         times = list(zip(f, total(costs.backward_input), total(costs.weight)))
     else:
         times = [(x, b, 0.0) for x, b in zip(f, total(costs.backward))]
-    programs = sched.build_schedule(c.schedule, stages, microbatches, c.chunks)
-    c.step_time = sched.simulate(programs, stage_times=times).makespan
-    c.peak_bytes = peak_activation_bytes(programs, [int(b) for b in total(costs.saved_bytes)])
+    c.step_time = sched.simulate(plan.programs, stage_times=times).makespan
+    c.peak_bytes = peak_activation_bytes(plan.programs,
+                                         [int(b) for b in total(costs.saved_bytes)])
 
 
 def choose_schedule(costs: LayerCosts, stages: int, microbatches: int, budget_bytes: int = 0,
@@ -170,43 +168,3 @@ def choose_schedule(costs: LayerCosts, stages: int, microbatches: int, budget_by
     if chosen.step_time > fastest:
         note += f" (within {margin:.0%} of the fastest, the simplest)"
     return Choice(chosen.schedule, chosen.chunks, weighed, budget_bytes, note)
-
-
-# -- measuring ------------------------------------------------------------------------------
-
-def _time_layer(layer: torch.nn.Module, x: Any, device: Any) -> tuple[list[float], int, Any]:
-    """([F, whole backward, B, W] seconds, bytes saved for backward, output) of one run."""
-    inputs = tree.map_tensors(lambda t: leaf_input(t, device), x)
-    start = clock(device)
-    out = layer(inputs)
-    f = clock(device) - start
-    floats, grads = grad_outputs(out)
-    if not floats:
-        return [f, 0.0, 0.0, 0.0], 0, out
-    start = clock(device)
-    torch.autograd.backward(floats, grads)
-    full = clock(device) - start
-    inputs = tree.map_tensors(lambda t: leaf_input(t, device), x)
-    with SavedTensorMeter() as meter:
-        floats, grads = grad_outputs(layer(inputs))
-    saved = meter.current
-    params = [p for p in layer.parameters() if p.requires_grad]
-    start = clock(device)
-    _, pending = backward_input(floats, grads, inputs, params)
-    b = clock(device) - start
-    if not pending.done:
-        backward_weight(pending)
-    w = clock(device) - start - b
-    return [f, full, b, w], saved, out
-
-
-def measure_layer_costs(layers: Sequence, sample: Any, seed: int = 0, repeats: int = 3,
-                        device: torch.device | str = "cpu", precision: str = "fp32",
-                        fp32_modules: Sequence[Any] = ()) -> LayerCosts:
-    """F, whole backward, B and W seconds and saved bytes of each layer on `sample` (a
-    micro-batch of inputs), layer by layer as `partition.each_layer` runs them, in the run's
-    `precision` (bf16 halves the bytes a layer saves, and changes its times)."""
-    rows = each_layer(layers, sample, lambda layer, x: _time_layer(layer, x, device), seed,
-                      repeats, device, precision, fp32_modules)
-    columns = [[seconds[k] for seconds, _ in rows] for k in range(4)]
-    return LayerCosts(*columns, saved_bytes=[saved for _, saved in rows])
