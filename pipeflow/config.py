@@ -18,7 +18,7 @@ import tomli_w
 from pipeflow.schedules import registry as schedule_registry
 
 __all__ = ["Config", "ConfigError", "SCHEDULES", "PARTITIONS", "POLICIES", "parse_policy",
-           "normalise_policy"]
+           "normalise_policy", "read_toml"]
 
 SCHEDULES = (*schedule_registry.names(), "auto")
 PARTITIONS = ("uniform", "parameters", "time")
@@ -249,15 +249,26 @@ class Config:
 
         Every error names the file: a missing file, bad TOML, a wrong type or value.
         """
-        path = os.fspath(path)
-        try:
-            with open(path, "rb") as f:
-                doc = tomllib.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path!r} not found: check the path") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path}: not valid TOML ({e}); fix the line named") from None
-        return cls.from_dict(doc.get("engine", doc), source=path)
+        doc = read_toml(path)
+        return cls.from_dict(doc.get("engine", doc), source=os.fspath(path))
+
+
+def read_toml(path: str | os.PathLike) -> dict[str, Any]:
+    """A TOML file as a dict; every problem a `ConfigError` naming the file and the fix."""
+    where = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {where!r} not found: check the path") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {where!r} is a folder, expected a TOML file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {where!r} is not valid TOML: {exc}; fix the line "
+                          f"named") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {where!r} is not UTF-8 text (byte {exc.start}: "
+                          f"{exc.reason}); TOML files are UTF-8: save it as UTF-8") from None
 
 
 def _fail(name: str, expected: str, value: Any, change: str) -> NoReturn:

@@ -152,7 +152,7 @@ CONFIG = [
             ("run.toml: [engine] unknown engine setting(s) ['micro_batches']",
              "did you mean 'microbatches'?"), pf.ConfigError),
     Hostile("toml-syntax", toml("[engine]\npipeline = = 2\n"),
-            ("run.toml: not valid TOML", "line 2"), pf.ConfigError),
+            ("run.toml' is not valid TOML", "line 2"), pf.ConfigError),
     Hostile("table-from-a-named-file",
             lambda tmp: pf.Config.from_dict({"loss_scale": "big"}, source="run.toml"),
             "run.toml: [engine] Config.loss_scale must be a finite number", pf.ConfigError),

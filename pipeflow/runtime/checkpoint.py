@@ -211,8 +211,9 @@ def check_save_dir(directory: str | os.PathLike, where: str = "") -> None:
     directory = os.fspath(directory)
     prefix = f"{where}: " if where else ""
     if os.path.exists(directory) and not os.path.isdir(directory):
-        raise CheckpointError(f"{prefix}{directory!r} is a file, expected a folder for "
-                              f"checkpoints; choose another save directory or remove the file")
+        raise CheckpointError(f"{prefix}the checkpoint folder {directory!r} is a file, expected "
+                              f"a folder for checkpoints; choose another save directory or "
+                              f"remove the file")
     existing = os.path.abspath(directory)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)

@@ -10,7 +10,7 @@ from typing import Any, Mapping, Sequence
 
 import tomli_w
 
-from pipeflow.config import Config, ConfigError
+from pipeflow.config import Config, ConfigError, read_toml
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -68,8 +68,11 @@ _BOUNDS: dict[str, dict[str, Any]] = {
     "data": {"seq_len": 0},
 }
 _STRICT = {("train", "lr")}       # must be > the bound, not >=
-_KINDS = {"int": (int, "an integer"), "float": ((int, float), "a number"),
-          "str": (str, "a string"), "bool": (bool, "true or false")}
+
+
+# A field's annotation -> (the Python types TOML values may take, the words an error uses).
+_TYPE_WORDS = {"int": ((int,), "an integer"), "float": ((int, float), "a number"),
+               "str": ((str,), "a string"), "bool": ((bool,), "true or false")}
 
 
 def _example(cls, name: str) -> str:
@@ -82,7 +85,7 @@ def check_fields(obj: Any, table: str) -> None:
     cls = type(obj)
     for field in dataclasses.fields(cls):
         value = getattr(obj, field.name)
-        types, what = _KINDS[str(field.type)]
+        types, what = _TYPE_WORDS[str(field.type)]
         wrong_type = (not isinstance(value, types)
                       or (isinstance(value, bool) and field.type != "bool"))
         bound = _BOUNDS.get(table, {}).get(field.name)
@@ -115,10 +118,6 @@ class RunConfig:
         return tomli_w.dumps({"engine": self.engine.to_dict(), "model": self.model,
                               "train": dataclasses.asdict(self.train),
                               "data": dataclasses.asdict(self.data)})
-
-
-_TYPE_WORDS = {"int": ((int,), "an integer"), "float": ((int, float), "a number"),
-               "str": ((str,), "a string"), "bool": ((bool,), "true or false")}
 
 
 def _allowed(annotation: str) -> tuple[tuple[type, ...], str] | None:
@@ -189,26 +188,9 @@ def apply_overrides(doc: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
     return doc
 
 
-def _read_toml(path: str | os.PathLike) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {os.fspath(path)!r} not found") from None
-    except IsADirectoryError:
-        raise ConfigError(f"config file {os.fspath(path)!r} is a folder, expected a TOML "
-                          f"file") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {os.fspath(path)!r} is not valid TOML: {exc}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"config file {os.fspath(path)!r} is not UTF-8 text (byte "
-                          f"{exc.start}: {exc.reason}); TOML files are UTF-8: save it as "
-                          f"UTF-8") from None
-
-
 def load_run_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RunConfig:
     """The tables of a run's TOML file with `overrides` applied, every value checked."""
-    doc = apply_overrides(_read_toml(path), overrides)
+    doc = apply_overrides(read_toml(path), overrides)
     extra = sorted(set(doc) - set(TABLES))
     if extra:
         raise ConfigError(f"unknown table(s) {extra} in {os.fspath(path)!r}; expected "
