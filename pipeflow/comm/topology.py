@@ -102,7 +102,7 @@ def choose_backend(name: str, topo: Topology, device: torch.device) -> str:
             f"'auto'")
     if name in ("auto", "nccl"):
         gpu = _gpu_identity(device) if device.type == "cuda" and _nccl_available() else None
-        views = topo.world.allgather((gpu, unfit))   # collective: every rank decides alike
+        views = waiting.allgather(topo.world, (gpu, unfit))  # every rank decides alike
         unfit = next((u for _, u in views if u), None)
         if unfit:
             raise ConfigError(unfit)
