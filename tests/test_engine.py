@@ -58,7 +58,8 @@ def test_config_round_trips_through_toml(tmp_path):
     (dict(schedule="interleaved"), "set virtual_stages >= 2"),
     (dict(schedule="interleaved", virtual_stages=2, pipeline=2, microbatches=3),
      "microbatches must be a multiple of 2, found 3"),
-    (dict(virtual_stages=2), "'1f1b' runs exactly 1 model chunk per rank, found virtual_stages = 2"),
+    (dict(virtual_stages=2),
+     "'1f1b' runs exactly 1 model chunk per rank, found virtual_stages = 2"),
     (dict(precision="fp8"), "Config.precision must be one of \\['fp32', 'bf16', 'fp16'\\], "
                             "found 'fp8'"),
     (dict(loss_scale_backoff=2.0), "0 < loss_scale_backoff < 1"),

@@ -46,7 +46,8 @@ def toml(text: str) -> Callable[[Path], Any]:
 
 CONFIG = [
     Hostile("schedule-int", config(schedule=3),
-            ("Config.schedule must be a string, one of ['1f1b', 'gpipe', 'interleaved', 'zb-h1', 'zbv', 'v-half', 'v-min', 'auto']",
+            ("Config.schedule must be a string, one of ['1f1b', 'gpipe', 'interleaved', 'zb-h1', "
+             "'zbv', 'v-half', 'v-min', 'auto']",
              "found 3 (int)", 'set schedule = "1f1b"'), pf.ConfigError),
     Hostile("loss-scale-str", config(loss_scale="big"),
             ("Config.loss_scale must be a finite number >= 1", "found 'big' (str)",

@@ -12,7 +12,8 @@ from pipeflow.schedules.spec import ScheduleSpec
 #   stage 2 | .  .  F0 F1 F2 F3 B0 B1 B2 B3 .  .  .  .
 #
 # Every stage stashes all m micro-batches before its first backward.
-def order(stage: int, stages: int, microbatches: int, chunks: int = 1) -> list[tuple[str, int, int]]:
+def order(stage: int, stages: int, microbatches: int,
+          chunks: int = 1) -> list[tuple[str, int, int]]:
     """All forwards, then all backwards: stash `m` on every stage."""
     return [(op, mb, 0) for op in (FORWARD, BACKWARD) for mb in range(microbatches)]
 

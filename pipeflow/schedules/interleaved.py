@@ -13,7 +13,8 @@ from pipeflow.schedules.spec import ScheduleSpec
 #   rank 0 | F0 F1 F0.1 F1.1 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 .  B2.1 .  B3.1 B2 B3
 #
 # (`format_table(build_schedule("interleaved", 2, 4, chunks=2))` prints both ranks.)
-def order(stage: int, stages: int, microbatches: int, chunks: int = 2) -> list[tuple[str, int, int]]:
+def order(stage: int, stages: int, microbatches: int,
+          chunks: int = 2) -> list[tuple[str, int, int]]:
     """1F1B over `chunks` model chunks per rank, visiting them round-robin in groups of p
     micro-batches (Megatron-LM's order). Needs m to be a multiple of p."""
     p, v, m = stages, chunks, microbatches

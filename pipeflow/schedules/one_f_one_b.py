@@ -5,7 +5,8 @@ from __future__ import annotations
 from pipeflow.schedules.ir import BACKWARD, FORWARD, Action
 from pipeflow.schedules.spec import ScheduleSpec
 
-def order(stage: int, stages: int, microbatches: int, chunks: int = 1) -> list[tuple[str, int, int]]:
+def order(stage: int, stages: int, microbatches: int,
+          chunks: int = 1) -> list[tuple[str, int, int]]:
     """p - s - 1 warm-up forwards, then one forward one backward, then the drain."""
     warmup = min(stages - stage - 1, microbatches)
     out = [(FORWARD, mb, 0) for mb in range(warmup)]

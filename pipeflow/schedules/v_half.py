@@ -4,17 +4,17 @@ two chunks a rank holding about half of 1F1B's activations, for a bubble of abou
 Every rank holds virtual stages r and 2p - 1 - r (the V). The order comes from a list
 scheduler that runs all ranks together in unit steps (F = B = W = one step of a chunk) under
 a cap on the micro-batch chunks each rank holds (forwarded, W not done). On each rank, each
-step: a ready B first (it unblocks the previous stage), else a forward if the cap allows (the
-way back, chunk 1, before a new micro-batch on chunk 0), else a W (it frees memory). A new
-micro-batch's chunk 0 starts only if one place stays free, so the next chunk-1 forward, the
-oldest micro-batch's, always finds room and a V never deadlocks on memory. The cap sets the memory, and the bubble follows:
+step: a ready B first (it unblocks the previous stage), else a forward if the cap allows
+(the way back, chunk 1, before a new micro-batch on chunk 0), else a W (it frees memory). A
+new micro-batch's chunk 0 starts only if one place stays free, so the next chunk-1 forward,
+the oldest micro-batch's, always finds room and a V never deadlocks on memory. The cap sets
+the memory, and the bubble follows:
 
     cap p + 2 chunks = (p + 2)/2 stages' worth     (1F1B: p; ZBV: p, with no bubble)
 
 V-Min (`v_min.py`) runs the same scheduler at about a third.
 
-V-Half, 4 ranks, 8 micro-batches (`pipeflow schedule -s v-half -p 4 -m 8` draws it).
-"""
+V-Half, 4 ranks, 8 micro-batches (`pipeflow schedule -s v-half -p 4 -m 8` draws it)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,8 @@ from pipeflow.schedules.spec import ScheduleSpec
 # waits, no stage holds more than min(p, m), 1F1B's stage 0. With F = B = W the step takes
 # 3m + p - 1 + max(0, p - m) units against 1F1B's 3(m + p - 1): for m >= p a bubble of p - 1
 # units instead of 3(p - 1), a third.
-def order(stage: int, stages: int, microbatches: int, chunks: int = 1) -> list[tuple[str, int, int]]:
+def order(stage: int, stages: int, microbatches: int,
+          chunks: int = 1) -> list[tuple[str, int, int]]:
     """1F1B with split backward; stage s runs W(i) right after B(i + s) (or after its last B)."""
     m = microbatches
     due: dict[int, list[int]] = {}

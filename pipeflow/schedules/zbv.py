@@ -20,7 +20,8 @@ from pipeflow.schedules.spec import ScheduleSpec
 # the bubble is p - 1 chunk units, half ZB-H1's, for the same peak memory (2p chunks, p
 # stages' worth, on every rank). Counts below run as if m >= 2p - 1 (the least that fills the
 # V); the micro-batches beyond m are then dropped (torch.distributed.pipelining's order).
-def order(stage: int, stages: int, microbatches: int, chunks: int = 2) -> list[tuple[str, int, int]]:
+def order(stage: int, stages: int, microbatches: int,
+          chunks: int = 2) -> list[tuple[str, int, int]]:
     """The V-shaped zero-bubble schedule: two chunks a rank, rank 0 holds both ends."""
     p, r, n = stages, stage, max(2 * stages - 1, microbatches)
     count = {(op, c): 0 for op in COMPUTE for c in (0, 1)}

@@ -58,8 +58,9 @@ def gather_trace(engine: "Engine") -> dict[str, Any] | None:
                        "args": {"name": f"rank {ln['rank']} (stage {ln['stage']}, "
                                         f"replica {ln['replica']})"}})
         for name, t0, t1 in ln["events"]:
-            events.append({"name": name, "cat": op_kind(name), "ph": "X", "pid": 0, "tid": ln["rank"],
-                           "ts": (t0 - start) * 1e6, "dur": max(0.0, t1 - t0) * 1e6})
+            events.append({"name": name, "cat": op_kind(name), "ph": "X", "pid": 0,
+                           "tid": ln["rank"], "ts": (t0 - start) * 1e6,
+                           "dur": max(0.0, t1 - t0) * 1e6})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
