@@ -1,4 +1,5 @@
-"""The command line: `pipeflow train CONFIG`, `plan`, `schedule`, `trace`, `plot`, `prepare`."""
+"""The command line: `pipeflow train CONFIG`, `plan`, `schedule`, `trace`, `plot`, `prepare`,
+`export`."""
 
 from __future__ import annotations
 
@@ -130,6 +131,64 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    """`pipeflow export CKPT --hf OUT`: a checkpoint of an HF-kind run as a Hub folder, in one
+    process (no MPI launch)."""
+    from pipeflow.config import ConfigError
+    from pipeflow.runtime.checkpoint import CheckpointError, read_params
+    from pipeflow.train import hub
+    try:
+        params, folder = read_params(args.checkpoint)
+        hf_config = _checkpoint_hf_config(folder, args.config)
+        out = hub.write_folder(params, hf_config, args.hf)
+    except (CheckpointError, ConfigError, OSError, ValueError, KeyError) as exc:
+        return _error(str(exc).strip("'\""))
+    print(f"wrote {out} from {folder}: config.json and {hub.SINGLE} "
+          f"(AutoModelForCausalLM.from_pretrained({out!r}))")
+    return 0
+
+
+def _checkpoint_hf_config(folder: str, run_toml: str | None):
+    """The transformers config of the run that wrote the checkpoint `folder`: the one
+    `pipeflow train` saved in its data.json, else the [model] table of `--config RUN.toml`."""
+    import os
+
+    from pipeflow.config import ConfigError
+    from pipeflow.runtime.checkpoint import read_sealed_json
+    from pipeflow.train.loop import DATA_STATE
+    saved = None
+    path = os.path.join(folder, DATA_STATE)
+    if os.path.isfile(path):
+        saved = read_sealed_json(path).get("hf_config")
+    if saved is not None and run_toml is None:
+        import transformers
+        return transformers.AutoConfig.for_model(**saved)
+    if run_toml is None:
+        raise ConfigError(f"{folder!r} records no Hugging Face config (its {DATA_STATE} has no "
+                          f"\"hf_config\": not written by `pipeflow train` of a [model] kind = "
+                          f"\"hf\" run); pass the run's TOML with --config RUN.toml")
+    from pipeflow.train.model_table import build_model
+    from pipeflow.train.run_config import load_run_config
+    run = load_run_config(run_toml)
+    model = build_model(run.model, run.source)
+    if model.hf_config is None:
+        raise ConfigError(f"--config {run_toml!r}: its [model] is not kind = \"hf\"; "
+                          f"`pipeflow export --hf` writes Hugging Face models only")
+    return model.hf_config
+
+
+def _add_export(sub) -> None:
+    export = sub.add_parser("export", help="write a checkpoint of an HF model as a Hugging "
+                            "Face folder (config.json + model.safetensors)")
+    export.add_argument("checkpoint", metavar="CKPT",
+                        help="a checkpoint folder, or the save_dir whose latest it is")
+    export.add_argument("--hf", required=True, metavar="OUT",
+                        help="the folder to write (replaced atomically)")
+    export.add_argument("--config", metavar="RUN.toml",
+                        help="the run's TOML, for a checkpoint that records no HF config")
+    export.set_defaults(func=_export)
+
+
 def _add_train(sub) -> None:
     train = sub.add_parser("train", help="train the model described by a TOML file")
     train.add_argument("config", help="TOML file with [engine], [model], [train], [data]")
@@ -188,6 +247,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_pictures(sub)
     _add_prepare(sub)
+    _add_export(sub)
     try:
         from pipeflow.planner import cli as planner_cli
     except ImportError:  # pragma: no cover - the planner is optional at import time

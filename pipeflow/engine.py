@@ -28,7 +28,7 @@ from pipeflow.comm import waiting
 from pipeflow.comm.topology import Topology, bind_device
 from pipeflow.config import Config, ConfigError
 from pipeflow.layers import LayerSpec, _check_layers, fingerprint
-from pipeflow.runtime.batch import BatchError, agree_call, split_step
+from pipeflow.runtime.batch import BatchError, SummedLossCheck, agree_call, split_step
 from pipeflow.runtime.checkpoint import CheckpointState, load_checkpoint, save_checkpoint
 from pipeflow.runtime.failure import (CollectiveError, Watchdog, abort_world, install_excepthook,
                               report_and_abort, say)
@@ -118,9 +118,12 @@ class Engine:
         self._stage = Stage(layers, config, topo, planned.plan, optimizer, dev)
         self._where = self._stage.describe()
         self.loss_fn = loss_fn
+        # With count_items the first training step checks that the loss is a sum.
+        self._loss_check = SummedLossCheck(loss_fn)
+        self._loss_checked = False
         # Callbacks hold the engine weakly: a cycle would keep a dropped engine's weights and
         # optimizer state (on the GPU) alive until the garbage collector happens to run.
-        self.runner = Runner(self._stage, loss_fn, _weak(self._at))
+        self.runner = Runner(self._stage, self._loss_check, _weak(self._at))
         if config.keep_host_memory and self._stage.split_backward \
                 and self._stage.device.type == "cpu":
             keep_freed_memory()     # B to W keeps more graphs alive: no page faults each step
@@ -229,9 +232,16 @@ class Engine:
         with self.watchdog:
             self.module.train()
             st = self._start("train_step", inputs, targets, side, train=True)
+            # Agreed on every rank: the batch agreement counted items (count_items is set).
+            checking = st.batches.items is not None and not self._loss_checked
+            if checking and self.count_items is not None:
+                self._loss_check.arm(self.count_items)
             self._measure(lambda: self.runner.run(self._stage.program, st))
             loss = self._guarded("loss", lambda: self._global_loss(st.losses, st))
             self._guarded("optimizer step", lambda: close_step(self._stage, loss, self.stats))
+            if checking:
+                self._loss_checked = True
+                self._guarded("loss contract", self._agree_loss_contract)
             if cuda:     # device time, not the host's enqueue time; watched: a stuck link
                 self._guarded("device synchronize", lambda: torch.cuda.synchronize(self.device))
         if cuda:
@@ -313,6 +323,17 @@ class Engine:
             total, aux = math.fsum(p[0] for p in parts), math.fsum(p[1] for p in parts)
         parts = self.pipe_comm.allgather_object((total, aux))
         return parts[self._last_rank()][0] + math.fsum(p[1] for p in parts)
+
+    def _agree_loss_contract(self) -> None:
+        """The verdict of the first step's loss check (`SummedLossCheck`), from the ranks
+        holding the last stage to every rank: a ConfigError raised on all alike."""
+        check = self._loss_check
+        check.count_items = None                 # no micro-batch gave a loss: not checked
+        mine = check.problem if self.is_last else None
+        problems = [p for p in waiting.allgather(self._control, mine) if p]
+        if problems:
+            raise ConfigError(f"{self._stage.describe()}: stopped after the first training "
+                              f"step (its update was made): {problems[0]}")
 
     def _last_rank(self) -> int:
         """The pipeline rank holding the last virtual stage."""

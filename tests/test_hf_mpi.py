@@ -126,3 +126,91 @@ def test_pipelined_transformers_model_trains_like_it(kind, stages, schedule, pad
             assert not torch.equal(value, initial[key]), key   # it trained
     engine.close()
     comm.Free()
+
+
+def _pair() -> MPI.Comm:
+    return WORLD.Split(color=WORLD.rank // 2, key=WORLD.rank)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("loss", ["causal_lm_loss_sum", "causal_lm_loss"])
+def test_a_mean_loss_with_count_items_stops_every_rank_at_the_first_step(loss):
+    # count_items divides the summed loss by the batch's valid tokens: HF's mean loss given
+    # instead would train with a loss (and gradients) a micro-batch's token count too small.
+    # The first step finds it on the last stage and every rank stops with the same error.
+    comm = _pair()
+    cfg = make_config("llama")
+    engine = pf.Engine(hf.causal_lm_layers(cfg), getattr(hf, loss),
+                       lambda ps: torch.optim.SGD(ps, lr=LR),
+                       pf.Config(pipeline=2, microbatches=4), comm=comm,
+                       count_items=hf.num_valid_tokens)
+    ids, labels, mask = _data(padded=True)[0]
+    try:
+        engine.train_step(ids, labels, attention_mask=mask)
+        error = None
+    except pf.ConfigError as exc:
+        error = str(exc)
+    errors = comm.allgather(error)
+    if loss == "causal_lm_loss_sum":
+        assert errors == [None, None]
+        engine.train_step(ids, labels, attention_mask=mask)   # checked once, then trains
+    else:
+        assert all(e is not None for e in errors), errors
+        assert "causal_lm_loss" in errors[0] and "x too small" in errors[0]
+        assert "causal_lm_loss_sum" in errors[0] and errors[0].split("stopped")[1] == \
+            errors[1].split("stopped")[1]
+    engine.close()
+    comm.Free()
+
+
+AUX_M = 4
+
+
+def _train_mixtral_with_aux_in_one_process(cfg, start, batches, optimizer):
+    """transformers' Mixtral with gradient accumulation over the micro-batches: each
+    micro-batch's loss is its CE mean + 0.1 x its load-balancing loss (transformers adds it
+    to `.loss`), averaged over the micro-batches."""
+    model = _hf_model(cfg, start)
+    model.train()
+    opt = optimizer(model.parameters())
+    for ids in batches:
+        opt.zero_grad()
+        for part in ids.chunk(AUX_M):
+            out = model(part, labels=part)
+            (out.loss / AUX_M).backward()
+        opt.step()
+    return model.state_dict()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_pipelined_mixtral_with_its_load_balancing_loss_trains_like_transformers(optimizer):
+    # The aux loss of each micro-batch is made on the head's stage from router sums that
+    # crossed the stage boundary: the engine weights it by 1/(m·d), as the mean CE.
+    comm = _pair()
+    cfg = make_config("mixtral")
+    cfg.output_router_logits, cfg.router_aux_loss_coef = True, 0.1
+    make = (lambda ps: torch.optim.SGD(ps, lr=LR)) if optimizer == "sgd" else \
+        (lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    layers = hf.causal_lm_layers(cfg)
+    config = pf.Config(pipeline=2, microbatches=AUX_M)
+    engine = pf.Engine(layers, hf.causal_lm_loss, make, config, comm=comm)
+    gen = torch.Generator().manual_seed(11)
+    batches = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(STEPS)]
+    start = pf.build_sequential(layers, seed=config.seed).state_dict()
+    for ids in batches:
+        engine.train_step(ids, ids)
+    full = engine.gather_state_dict()
+    if comm.rank == 0:
+        expected = _train_mixtral_with_aux_in_one_process(cfg, start, batches, make)
+        trained, initial = hf.to_hf_state_dict(full, cfg), hf.to_hf_state_dict(start, cfg)
+        assert set(trained) == set(expected)
+        for key, value in expected.items():
+            diff = (trained[key] - value).norm() / value.norm().clamp(min=1e-12)
+            assert diff < 1e-5, (key, float(diff))
+        gate = next(k for k in expected if k.endswith("gate.weight"))
+        assert not torch.equal(expected[gate], initial[gate])          # the router trained
+    engine.close()
+    comm.Free()

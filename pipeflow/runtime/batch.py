@@ -23,7 +23,7 @@ from pipeflow.comm.topology import Topology
 from pipeflow.config import Config, ConfigError
 
 __all__ = ["BatchError", "MicroBatch", "StepBatches", "BatchStage", "split_step", "agree",
-           "agree_call"]
+           "agree_call", "SummedLossCheck"]
 
 
 class BatchError(ConfigError):
@@ -199,3 +199,54 @@ def _disagreement(views: list[dict]) -> str | None:
                         f"{seen[0][key]}, rank {v['rank']} has {v[key]}; pass the same global "
                         f"batch (shapes, dtypes, structure) on every rank")
     return None
+
+
+class SummedLossCheck:
+    """The loss function as the runner calls it, checking once the contract of `count_items`:
+    the loss of a micro-batch is a sum over its items, which the engine divides by the
+    global batch's count. A mean-reduced loss (`causal_lm_loss` for `causal_lm_loss_sum`)
+    would train with a loss as many times too small as a micro-batch has items.
+
+    When `armed` (the first training step), the next call also evaluates the loss on the
+    micro-batch taken twice (outputs and targets concatenated with themselves along dim 0):
+    a sum doubles, a mean stays. `problem` then holds the text to raise on every rank (the
+    engine agrees on it with the step's loss), or None.
+    """
+
+    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+        self.loss_fn = loss_fn
+        self.count_items: Callable[[Any], Any] | None = None    # set: the check is armed
+        self.problem: str | None = None
+
+    def arm(self, count_items: Callable[[Any], Any]) -> None:
+        self.count_items, self.problem = count_items, None
+
+    def __call__(self, outputs: Any, targets: Any) -> torch.Tensor:
+        loss = self.loss_fn(outputs, targets)
+        if self.count_items is not None:
+            self._check(outputs, targets, loss)
+        return loss
+
+    def _check(self, outputs: Any, targets: Any, loss: torch.Tensor) -> None:
+        """Compare the loss of the micro-batch twice over with its loss; inconclusive on a
+        micro-batch with no loss (all items ignored): the next one is checked instead."""
+        def twice(x: Any) -> Any:
+            return tree.map_tensors(lambda t: torch.cat([t, t]) if t.dim() else t, x)
+        single = float(loss.detach().double())
+        if single == 0.0 or not torch.isfinite(loss.detach()).all():
+            return
+        with torch.no_grad():
+            doubled = float(self.loss_fn(twice(outputs), twice(targets)).double())
+        items, self.count_items = int(self.count_items(targets)), None
+        ratio = doubled / single
+        if abs(ratio - 2.0) <= 0.02:
+            return
+        name = getattr(self.loss_fn, "__qualname__", type(self.loss_fn).__name__)
+        self.problem = (
+            f"count_items is set, so loss_fn must return each micro-batch's summed loss (the "
+            f"engine divides the sum over the global batch by its item count), but {name} "
+            f"does not grow with the items: on the first micro-batch taken twice over it gave "
+            f"{doubled:.6g}, on the micro-batch once {single:.6g} (ratio {ratio:.3g}; a sum "
+            f"gives 2). A mean-reduced loss trains with a loss about {items}x too small (the "
+            f"micro-batch's {items} items): pass the summed form (hf.causal_lm_loss_sum, "
+            f"cross_entropy(..., reduction=\"sum\")), or drop count_items to keep a mean loss")

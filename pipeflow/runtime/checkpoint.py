@@ -41,7 +41,7 @@ from pipeflow.comm.topology import Topology
 
 __all__ = ["CheckpointState", "save_checkpoint", "load_checkpoint", "CheckpointError",
            "resolve_checkpoint", "check_save_dir", "sealed_json", "read_sealed_json", "saved_plan",
-           "step_name"]
+           "step_name", "read_params"]
 
 FORMAT = 3        # 2: checksums, grid, sequence, per-rank random state; 3: sealed, model
 KEEP = 2          # whole checkpoints kept in a folder; older ones are removed
@@ -392,6 +392,23 @@ def load_checkpoint(state: CheckpointState, directory: str | os.PathLike) -> int
         _load_optimizer(state, optim, groups)
     _restore_rng(state, folder, meta, checksums)
     return int(meta["step"])
+
+
+def read_params(directory: str | os.PathLike) -> tuple[Tensors, str]:
+    """The whole model's full-precision values (keys as in `build_sequential`) from the
+    checkpoint `directory` names, every shard checked against its checksum, in one process
+    (`pipeflow export`); and the checkpoint's folder."""
+    folder = resolve_checkpoint(directory)
+    meta = _read_meta(folder, "")
+    checksums = meta.get("checksums")
+    params: Tensors = {}
+    for i in range(int(meta["n_layers"])):
+        shard = _read(folder, _layer_name(i), checksums, "pipeflow export")
+        if not (isinstance(shard, dict) and "params" in shard):
+            raise CheckpointError(f"{os.path.join(folder, _layer_name(i))!r} is not a layer "
+                                  f"shard written by Engine.save")
+        params.update({f"{i}.{k}": v for k, v in shard["params"].items()})
+    return params, folder
 
 
 def sealed_json(record: dict[str, Any]) -> bytes:

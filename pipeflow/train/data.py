@@ -15,7 +15,7 @@ import torch
 from pipeflow.layers import layer_seed
 
 __all__ = ["Corpus", "Batches", "load_corpus", "stdlib_source", "token_file", "TOKEN_DTYPES",
-           "DEFAULT_MAX_BYTES", "VAL_FRACTION"]
+           "DEFAULT_MAX_BYTES", "VAL_FRACTION", "packed_positions"]
 
 DEFAULT_MAX_BYTES = 8 << 20   # 8 MiB: plenty for examples, read in a few hundredths of a second
 VAL_FRACTION = 0.05           # the last 5% of the bytes are held out for validation
@@ -167,6 +167,22 @@ class Batches:
         while True:
             yield self.batch(step)
             step += 1
+
+
+def packed_positions(ids: torch.Tensor, eot: int) -> torch.Tensor:
+    """Position ids (B, T) restarting at 0 after each end-of-text token `eot` of `ids`.
+
+    A row of packed documents with these positions keeps attention inside each document (a
+    model reads a restart of the positions as a new sequence, as flash-attention's varlen
+    path and transformers' packed masks do). The row's first token starts at 0: a window cut
+    mid-document sees only that document's tail."""
+    t = ids.shape[-1]
+    index = torch.arange(t, device=ids.device).expand_as(ids)
+    start = torch.zeros_like(ids, dtype=torch.bool)
+    start[..., 1:] = ids[..., :-1] == eot        # the token after an end-of-text starts anew
+    start[..., 0] = True
+    first = torch.where(start, index, torch.zeros_like(index)).cummax(dim=-1).values
+    return (index - first).contiguous()
 
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}

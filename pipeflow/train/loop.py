@@ -22,7 +22,8 @@ from pipeflow._io import atomic_write_bytes
 from pipeflow.runtime.checkpoint import (CheckpointError, check_save_dir, read_sealed_json,
                                  resolve_checkpoint, saved_plan, sealed_json, step_name)
 from pipeflow.config import ConfigError
-from pipeflow.train.data import Batches, load_corpus, token_file
+from pipeflow.train import hub
+from pipeflow.train.data import Batches, load_corpus, packed_positions, token_file
 from pipeflow.engine import Engine
 from pipeflow.runtime.failure import report_and_abort, say
 from pipeflow.train.metrics import MetricsLog, count_parameters, peak_flops, stage_stats
@@ -231,12 +232,42 @@ def _datasets(run: RunConfig, model: Model) -> tuple[Batches, Batches | None, st
         raise ConfigError(f"[data]: {exc}") from None
 
 
-def _batch(batches: Batches, index: int, engine: Engine):
-    """What this rank feeds the engine: its replica's rows on the first and last stages,
-    nothing on the stages in between (they receive activations)."""
+def _packing_eot(data: DataConfig) -> int | None:
+    """`[data] packed`: the end-of-text id after which positions restart ([data] eot, else
+    the token file's meta.json "eot"); None when not packed."""
+    if not data.packed:
+        return None
+    if data.eot >= 0:
+        return data.eot
+    meta_path = os.path.join(os.path.dirname(os.path.abspath(data.train)), "meta.json") \
+        if data.train else ""
+    eot = None
+    if meta_path and os.path.isfile(meta_path):
+        try:
+            with open(meta_path) as f:
+                eot = json.load(f).get("eot")
+        except (OSError, ValueError, AttributeError):
+            eot = None
+    if not isinstance(eot, int) or isinstance(eot, bool) or eot < 0:
+        where = f"{meta_path!r} records none" if meta_path else "the byte corpus has none"
+        raise ConfigError(f"[data] packed = true needs the end-of-text token id that separates "
+                          f"documents: set [data] eot = ID ({where}; `pipeflow prepare "
+                          f"--tokenizer tiktoken:...` records it as \"eot\")")
+    return eot
+
+
+def _batch(batches: Batches, index: int, engine: Engine, eot: int | None = None
+           ) -> tuple[tuple[Any, Any], dict[str, Any]]:
+    """What this rank feeds the engine, (inputs, targets) and side inputs: its replica's rows
+    on the first and last stages, nothing on the stages in between (they receive
+    activations). Packed rows (`eot`) add `position_ids`, which every stage reads."""
+    if eot is not None:
+        x, y = batches.replica_batch(index, engine.topo.replica, engine.config.data)
+        side = {"position_ids": packed_positions(x, eot)}
+        return (x, y) if engine.is_first or engine.is_last else (None, None), side
     if not (engine.is_first or engine.is_last):
-        return None, None
-    return batches.replica_batch(index, engine.topo.replica, engine.config.data)
+        return (None, None), {}
+    return batches.replica_batch(index, engine.topo.replica, engine.config.data), {}
 
 
 # -- checkpoints with the data position ----------------------------------------------------
@@ -254,12 +285,16 @@ def _saved_position(save_dir: str, default: int) -> int:
                           f"the file or resume from an earlier checkpoint") from None
 
 
-def _save(engine: Engine, run: RunConfig, position: int) -> str:
+def _save(engine: Engine, run: RunConfig, position: int, hf_config: Any = None) -> str:
+    """A checkpoint with the data position (and, for an HF model, its config, which
+    `pipeflow export CKPT --hf OUT` reads)."""
     folder = engine.save(run.train.save_dir)
     if engine.topo.rank == 0:
         state = {"next_batch": position, "seed": run.engine.seed,
                  "batch_size": run.train.batch_size,
                  "train": run.data.train or run.train.corpus or "stdlib"}
+        if hf_config is not None:
+            state["hf_config"] = json.loads(hf_config.to_json_string(use_diff=False))
         atomic_write_bytes(os.path.join(folder, DATA_STATE), sealed_json(state))
     with engine.watched("checkpoint's data position"):
         waiting.barrier(engine.topo.world)
@@ -311,6 +346,8 @@ class _Loop:
     peak_flops: float                # per rank
     first_step: int = 0
     losses: list[float] = dataclasses.field(default_factory=list)
+    eot: int | None = None           # [data] packed: the end-of-text id
+    hf_config: Any = None            # [model] kind "hf": saved with checkpoints, exported
 
     @property
     def rank0(self) -> bool:
@@ -357,12 +394,15 @@ def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
     t = run.train
     pinned = _pin_measured_plan(run) if t.resume else ""
     model = build_model(run.model, run.source)
+    eot = _packing_eot(run.data)
     batches, val, source = _datasets(run, model)
     engine = _build_engine(run, model, batches, comm)
     position = engine.step_count
     if t.resume:
         engine.load(t.save_dir)
         position = _saved_position(t.save_dir, engine.step_count)
+    elif model.pretrained:
+        _load_pretrained(engine, model)
     flops = model.flops_per_token or 6 * count_parameters(engine)
     peak = waiting.bcast(comm, peak_flops(engine.device, t.peak_tflops) if comm.rank == 0 else None,
                          0)
@@ -376,18 +416,65 @@ def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
                  f"data={c.data}, {c.microbatches} micro-batches, {engine.schedule}, stages "
                  f"{engine.boundaries}; MFU against {peak[0] / 1e12:.3g} TFLOP/s a rank "
                  f"({peak[1]})" + (f"; metrics in {metrics}" if metrics else ""))
+        for note in model.notes:
+            out.line(note)
         if t.resume:
             out.line(f"pipeflow: resumed at step {engine.step_count}, batch {position}, "
                      f"from {t.save_dir}{pinned}")
+        if eot is not None:
+            out.line(f"pipeflow: packed rows: position_ids restart after token {eot}")
     return _Loop(run, engine, batches, val, out, position, t.batch_size * batches.seq_len,
-                 flops, peak[0], first_step=engine.step_count)
+                 flops, peak[0], first_step=engine.step_count, eot=eot,
+                 hf_config=model.hf_config)
+
+
+def _load_pretrained(engine: Engine, model: Model) -> None:
+    """Every rank reads its own layers' tensors of the Hub folder and loads them as the
+    engine's masters and working weights; a problem on any rank is raised on every rank."""
+    problem = None
+    try:
+        state, _ = hub.read_layers(model.pretrained, model.hf_config, engine.module.indices)
+        engine.load_state_dict(state)
+    except (ConfigError, OSError, ValueError, RuntimeError) as exc:
+        problem = f"rank {engine.topo.rank}: {exc}"
+    with engine.watched("pretrained weights"):
+        problems = [p for p in waiting.allgather(engine.topo.world, problem) if p]
+    if problems:
+        raise ConfigError(f"[model] pretrained = {model.pretrained!r}: cannot load the weights "
+                          f"({problems[0]}); is the folder's config.json the one its weights "
+                          f"were saved with?")
+
+
+def _export_hf(loop: _Loop) -> None:
+    """`[train] export_hf`: the whole model gathered on rank 0 and written as a Hub folder;
+    a failed write is raised on every rank."""
+    engine, out = loop.engine, loop.run.train.export_hf
+    state = engine.gather_state_dict()
+    problem = None
+    if engine.topo.rank == 0:
+        try:
+            hub.write_folder(state, loop.hf_config, out)
+        except (OSError, ValueError) as exc:
+            problem = (f"[train] export_hf = {out!r}: cannot write the Hugging Face folder "
+                       f"({exc}); the checkpoint, if any, is whole: write the folder with "
+                       f"`pipeflow export CKPT --hf OUT`")
+    with engine.watched("export_hf"):
+        problem = waiting.bcast(engine.topo.world, problem, 0)
+    if problem:
+        raise ConfigError(problem)
+    if loop.rank0:
+        loop.out.line(f"pipeflow: wrote {out} (AutoModelForCausalLM.from_pretrained)")
 
 
 def _evaluate(loop: _Loop) -> float | None:
     if loop.val is None:
         return None
     n = loop.run.train.eval_batches
-    return sum(loop.engine.eval_step(*_batch(loop.val, i, loop.engine)) for i in range(n)) / n
+    total = 0.0
+    for i in range(n):
+        args, side = _batch(loop.val, i, loop.engine, loop.eot)
+        total += loop.engine.eval_step(*args, **side)
+    return total / n
 
 
 def _record(loop: _Loop, step: int, loss: float) -> None:
@@ -430,7 +517,8 @@ def _step(loop: _Loop, step: int) -> float:
     first = step == loop.first_step and loop.run.engine.recompute != "none"
     # Count saved activations on the first step only: the meter costs time.
     engine.measure_activations = first
-    loss = engine.train_step(*_batch(loop.batches, loop.position, engine))
+    args, side = _batch(loop.batches, loop.position, engine, loop.eot)
+    loss = engine.train_step(*args, **side)
     loop.position += 1
     if first:
         _report_recompute(loop)
@@ -445,7 +533,7 @@ def _step(loop: _Loop, step: int) -> float:
             loop.out.record({"step": step, "eval_loss": val_loss})
             loop.out.line(f"step {step:5d}  validation loss {val_loss:.4f}")
     if t.save_dir and t.save_every and (step + 1) % t.save_every == 0:
-        _save(engine, loop.run, loop.position)
+        _save(engine, loop.run, loop.position, loop.hf_config)
     return loss
 
 
@@ -457,7 +545,7 @@ def _stop_early(loop: _Loop, signum: int) -> None:
         # spend the time a preemption warning leaves.
         just_saved = t.save_every and step % t.save_every == 0
         folder = os.path.join(t.save_dir, step_name(step)) if just_saved else \
-            _save(loop.engine, loop.run, loop.position)
+            _save(loop.engine, loop.run, loop.position, loop.hf_config)
         what = f"checkpoint of step {step} in {folder}; continue with --resume"
     else:
         what = "no [train] save_dir, so nothing was saved"
@@ -474,7 +562,9 @@ def _finish(loop: _Loop, elapsed: float, trace: str | None) -> None:
                           f"https://ui.perfetto.dev, or `pipeflow trace {trace} --png t.png`)")
     val_loss = _evaluate(loop)
     if t.save_dir and engine.step_count and (not t.save_every or engine.step_count % t.save_every):
-        _save(engine, loop.run, loop.position)
+        _save(engine, loop.run, loop.position, loop.hf_config)
+    if t.export_hf:
+        _export_hf(loop)
     if loop.rank0 and loop.losses:
         done = len(loop.losses)
         if val_loss is not None:

@@ -7,13 +7,19 @@ Three kinds:
   other keys as keyword arguments and returns the list of `LayerSpec`s; `loss =
   "package.module:function"` names the loss (default: cross-entropy over the last dimension,
   `gpt_loss`). `seq_len` in the table (or `[data] seq_len`) sets the sample length.
-- `kind = "hf"`: a Hugging Face causal LM (`pipeflow.models.hf`, needs `transformers`),
-  `config = "path/config.json"` or a `[model.config]` table of the model's config fields.
+- `kind = "hf"`: a Hugging Face causal LM (`pipeflow.models.hf`, needs `transformers`):
+  `pretrained = "folder"` (a Hub folder: `config.json` and safetensors weights, each rank
+  reading only its own layers' tensors, `pipeflow.train.hub`), or `config =
+  "folder/config.json"` (or the folder) or a `[model.config]` table of the config's fields for
+  a random initialisation.
+
+Every kind refuses a key it does not know, naming the known keys and the closest one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import json
 import os
@@ -24,7 +30,7 @@ from pipeflow.config import ConfigError
 from pipeflow.layers import LayerSpec
 from pipeflow.models import GPTConfig, flops_per_token, gpt_layers, gpt_loss, num_parameters
 
-__all__ = ["Model", "build_model", "import_object"]
+__all__ = ["Model", "build_model", "import_object", "check_keys", "HF_KEYS"]
 
 
 @dataclasses.dataclass
@@ -37,6 +43,9 @@ class Model:
     seq_len: int | None             # tokens per sample, when the model fixes it
     vocab_size: int | None          # largest token id + 1, when known
     flops_per_token: int | None     # None: 6 x the counted parameters
+    hf_config: Any = None           # kind "hf": the transformers config
+    pretrained: str = ""            # kind "hf": the Hub folder whose weights the run starts from
+    notes: list[str] = dataclasses.field(default_factory=list)   # for the log, on rank 0
 
 
 def import_object(spec: str, what: str, search: Sequence[str] = ()) -> Any:
@@ -64,12 +73,24 @@ def import_object(spec: str, what: str, search: Sequence[str] = ()) -> Any:
                           f"{attr!r}") from None
 
 
+def check_keys(table: Mapping[str, Any], known: Sequence[str], kind: str) -> None:
+    """Every key of the `[model]` table is one `kind` reads: a typo (`n_layerz`) is refused
+    with the known keys and the closest match, never silently ignored."""
+    for key in table:
+        if key in known:
+            continue
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"[model] (kind \"{kind}\"): unknown key {key!r}; {hint}known keys: "
+                          f"{sorted(known)}; fix or remove it in the [model] table")
+
+
 def _gpt(table: dict[str, Any]) -> Model:
+    check_keys(table, [f.name for f in dataclasses.fields(GPTConfig)], "gpt")
     try:
         cfg = GPTConfig(**table)
     except TypeError as exc:
-        known = sorted(f.name for f in dataclasses.fields(GPTConfig))
-        raise ConfigError(f"[model] (kind \"gpt\"): {exc}; known keys: {known}") from None
+        raise ConfigError(f"[model] (kind \"gpt\"): {exc}") from None
     except ValueError as exc:
         raise ConfigError(f"[model] (kind \"gpt\"): {exc}") from None
     return Model(gpt_layers(cfg), gpt_loss,
@@ -93,29 +114,82 @@ def _factory(table: dict[str, Any], search: Sequence[str]) -> Model:
                  table.get("seq_len"), table.get("vocab_size"), None)
 
 
+HF_KEYS = ("config", "pretrained", "seq_len")
+
+
 def _hf(table: dict[str, Any]) -> Model:
     try:
         from pipeflow.models import hf   # optional: needs transformers
     except ImportError as exc:
         raise ConfigError(f"[model] kind = \"hf\" needs pipeflow.models.hf and the "
                           f"'transformers' package ({exc}): pip install transformers") from None
-    config = table.get("config")
-    if isinstance(config, str):
-        if not os.path.isfile(config):
-            raise ConfigError(f"[model] config = {config!r}: no such file (a Hugging Face "
-                              f"config.json, or a [model.config] table)")
-        with open(config) as f:
-            config = json.load(f)
-    if not isinstance(config, Mapping):
-        raise ConfigError(f"[model] kind = \"hf\" needs config = \"path/config.json\" or a "
-                          f"[model.config] table, found {config!r}")
+    check_keys(table, HF_KEYS, "hf")
+    config, notes = _hf_config_dict(table)
     import transformers
-    hf_config = transformers.AutoConfig.for_model(**dict(config))
+    try:
+        hf_config = transformers.AutoConfig.for_model(**dict(config))
+        layers = list(hf.causal_lm_layers(hf_config))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"[model] kind = \"hf\": {exc}") from None
     seq = getattr(hf_config, "max_position_embeddings", None) or getattr(
         hf_config, "n_positions", None)
-    return Model(list(hf.causal_lm_layers(hf_config)), gpt_loss,
-                 f"Hugging Face {hf_config.model_type}", table.get("seq_len", seq),
-                 getattr(hf_config, "vocab_size", None), None)
+    pretrained = table.get("pretrained", "")
+    name = f"Hugging Face {hf_config.model_type}" + (f" from {pretrained}" if pretrained else "")
+    return Model(layers, gpt_loss, name, table.get("seq_len", seq),
+                 getattr(hf_config, "vocab_size", None), None, hf_config=hf_config,
+                 pretrained=pretrained, notes=notes)
+
+
+def _hf_config_dict(table: Mapping[str, Any]) -> tuple[Mapping[str, Any], list[str]]:
+    """The config's fields from `pretrained = "folder"`, `config = "folder"` or
+    `".../config.json"`, or a `[model.config]` table; and notes for the log."""
+    from pipeflow.train import hub
+    pretrained, config = table.get("pretrained"), table.get("config")
+    if pretrained is not None:
+        if config is not None:
+            raise ConfigError(f"[model] pretrained = {pretrained!r} and config = {config!r} "
+                              f"both name the model; keep pretrained (its folder holds "
+                              f"config.json) and remove config")
+        if not isinstance(pretrained, str) or not os.path.isdir(pretrained):
+            raise ConfigError(f"[model] pretrained = {pretrained!r}: expected a folder with "
+                              f"config.json and model.safetensors (or its sharded index), as "
+                              f"save_pretrained writes; found no such folder")
+        try:
+            hub.weight_index(pretrained)
+        except ValueError as exc:
+            raise ConfigError(f"[model] pretrained: {exc}") from None
+        return _read_json(os.path.join(pretrained, "config.json"), "pretrained"), []
+    if isinstance(config, str):
+        path = os.path.join(config, "config.json") if os.path.isdir(config) else config
+        notes = []
+        if hub.has_weights(os.path.dirname(path) or "."):
+            folder = os.path.dirname(path) or "."
+            notes.append(f"pipeflow: [model] config = {config!r} is config only: random "
+                         f"initialisation; use pretrained = {folder!r} to load the weights "
+                         f"of that folder")
+        return _read_json(path, "config"), notes
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"[model] kind = \"hf\" needs pretrained = \"folder\", config = "
+                          f"\"path/config.json\" (or its folder) or a [model.config] table, "
+                          f"found config = {config!r}")
+    return config, []
+
+
+def _read_json(path: str, key: str) -> Mapping[str, Any]:
+    """A Hugging Face config.json as a dict; a ConfigError naming `[model] key` otherwise."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"[model] {key}: {path!r}: no such file; expected a Hugging Face "
+                          f"config.json (or a folder holding one)")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"[model] {key}: cannot read {path!r} as JSON ({exc}); expected a "
+                          f"Hugging Face config.json") from None
+    if not isinstance(config, Mapping) or "model_type" not in config:
+        raise ConfigError(f"[model] {key}: {path!r} has no \"model_type\"; expected a "
+                          f"Hugging Face config.json (as save_pretrained writes)")
+    return config
 
 
 def build_model(table: Mapping[str, Any], config_path: str = "") -> Model:

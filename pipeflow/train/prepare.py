@@ -16,7 +16,7 @@ import numpy as np
 
 from pipeflow._io import atomic_write_bytes
 
-__all__ = ["load_tokenizer", "prepare"]
+__all__ = ["load_tokenizer", "prepare", "end_of_text"]
 
 Encode = Callable[[str], list[int]]
 
@@ -58,6 +58,22 @@ def load_tokenizer(spec: str) -> tuple[Encode, int]:
                          f"'pipeflow[tokenizers]' (or use the built-in 'byte')") from None
 
 
+def end_of_text(spec: str) -> int | None:
+    """The tokenizer's end-of-text id (the document boundary `[data] packed` restarts
+    positions after), None where it has none (the byte tokenizer)."""
+    kind, _, name = spec.partition(":")
+    if kind == "tiktoken":
+        import tiktoken
+        return int(tiktoken.get_encoding(name).eot_token)
+    if kind == "hf":
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(name) if os.path.isfile(name) else \
+            Tokenizer.from_pretrained(name)
+        ids = [tok.token_to_id(t) for t in ("<|endoftext|>", "</s>", "<|end_of_text|>")]
+        return next((int(i) for i in ids if i is not None), None)
+    return None
+
+
 def prepare(texts: Sequence[str | os.PathLike], out: str | os.PathLike,
             tokenizer: str = "byte", val_fraction: float = 0.05) -> dict:
     """Tokenize `texts` (files, concatenated in order) into `out`; returns the meta record."""
@@ -79,5 +95,8 @@ def prepare(texts: Sequence[str | os.PathLike], out: str | os.PathLike,
     meta = {"tokenizer": tokenizer, "vocab_size": vocab, "dtype": np.dtype(dtype).name,
             "train_tokens": len(tokens) - n_val, "val_tokens": n_val,
             "sources": [os.fspath(p) for p in texts]}
+    eot = end_of_text(tokenizer)
+    if eot is not None:
+        meta["eot"] = eot
     atomic_write_bytes(os.path.join(out, "meta.json"), json.dumps(meta, indent=1).encode())
     return meta

@@ -47,6 +47,7 @@ class TrainConfig:
     tensorboard: str = ""         # TensorBoard log folder (needs the `tensorboard` package)
     peak_tflops: float = 0.0      # per rank, for MFU; 0: a known GPU's bf16 peak, or measured
     progress: bool = True         # a progress bar on rank 0 when stdout is a terminal (tqdm)
+    export_hf: str = ""           # [model] kind "hf": a Hub folder written at the end of the run
 
 
 @dataclasses.dataclass
@@ -57,6 +58,8 @@ class DataConfig:
     val: str = ""                 # token file for the validation loss; empty: none
     dtype: str = "uint16"         # "uint16" (vocabularies up to 65536) or "uint32"
     seq_len: int = 0              # tokens per sample; 0: the model's seq_len
+    packed: bool = False          # position_ids restart after each end-of-text token
+    eot: int = -1                 # the end-of-text id; -1: meta.json's "eot" (packed only)
 
 
 # Lower bounds (inclusive) of numeric fields; a tuple adds an upper bound (exclusive).
@@ -65,7 +68,7 @@ _BOUNDS: dict[str, dict[str, Any]] = {
               "warmup": 0, "weight_decay": 0.0, "beta1": (0.0, 1.0), "beta2": (0.0, 1.0),
               "log_every": 1, "eval_every": 0, "eval_batches": 1, "threads": 1,
               "save_every": 0, "peak_tflops": 0.0},
-    "data": {"seq_len": 0},
+    "data": {"seq_len": 0, "eot": -1},
 }
 _STRICT = {("train", "lr")}       # must be > the bound, not >=
 
@@ -225,6 +228,14 @@ def _check_together(run: RunConfig) -> None:
         raise ConfigError(f"[data] dtype must be \"uint16\" or \"uint32\", found {d.dtype!r}")
     if d.val and not d.train:
         raise ConfigError(f"[data] val = {d.val!r} needs [data] train (a token file) as well")
+    if d.eot != -1 and not d.packed:
+        raise ConfigError(f"[data] eot = {d.eot} is read only with packed = true; set [data] "
+                          f"packed = true, or remove eot")
+    if t.export_hf and run.model.get("kind") != "hf":
+        raise ConfigError(f"[train] export_hf = {t.export_hf!r} writes a Hugging Face folder, "
+                          f"which needs [model] kind = \"hf\", found kind = "
+                          f"{run.model.get('kind', 'gpt')!r}; remove export_hf or use an HF "
+                          f"model")
     if d.train and t.corpus:
         raise ConfigError(f"[train] corpus = {t.corpus!r} (bytes) and [data] train = "
                           f"{d.train!r} (tokens) both name training data: keep one")

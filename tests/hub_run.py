@@ -1,0 +1,106 @@
+"""Helpers of the Hub-folder tests (`test_hf_cli.py`, `test_hf_cli_mpi.py`): a tiny saved
+transformers model, a token file, a run TOML, and the trainer driven with its engine kept
+open so a test can read its logits before and after training."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+import transformers
+
+from pipeflow.train.loop import Preemption, _loop, _start
+from pipeflow.train.run_config import load_run_config
+
+VOCAB, SEQ = 128, 16
+
+
+def hub_config(kind: str, layers: int = 2):
+    if kind == "gpt2":     # tied embedding and head
+        return transformers.GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=VOCAB,
+                                       n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
+                                       attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=32,
+                                    intermediate_size=64, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=VOCAB,
+                                    max_position_embeddings=SEQ)
+
+
+def save_hub(folder: str, kind: str, sharded: bool, layers: int = 2):
+    """A random transformers model saved with safetensors (sharded: many small files and
+    the index); returns the model."""
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(hub_config(kind, layers),
+                                                          attn_implementation="sdpa")
+    model.save_pretrained(folder, max_shard_size="20KB" if sharded else "5GB")
+    assert os.path.isfile(os.path.join(folder, "model.safetensors.index.json")) == sharded
+    return model.eval()
+
+
+def token_file(folder: str, n: int = 4000, eot: int | None = None) -> str:
+    path = os.path.join(folder, "tokens.bin")
+    rng = np.random.default_rng(0)
+    np.asarray(rng.integers(1, VOCAB, n), dtype=np.uint16).tofile(path)
+    if eot is not None:
+        with open(os.path.join(folder, "meta.json"), "w") as f:
+            json.dump({"dtype": "uint16", "vocab_size": VOCAB, "eot": eot}, f)
+    return path
+
+
+def run_toml(folder: str, model: str, *, pipeline: int = 1, steps: int = 3,
+             train_extra: str = "", data_extra: str = "", tokens: str = "") -> str:
+    path = os.path.join(folder, "run.toml")
+    with open(path, "w") as f:
+        f.write(f"""
+[engine]
+pipeline = {pipeline}
+microbatches = 2
+[model]
+kind = "hf"
+{model}
+seq_len = {SEQ}
+[train]
+steps = {steps}
+batch_size = 4
+lr = 1e-2
+warmup = 1
+log_every = 1
+eval_batches = 1
+progress = false
+{train_extra}
+[data]
+train = "{tokens or token_file(folder)}"
+{data_extra}
+""")
+    return path
+
+
+def train_keeping_engine(path: str, comm, before=None, after=None) -> list[float]:
+    """`pipeflow train`'s own start and loop, with `before(engine)` called once the engine
+    is built (weights loaded) and `after(engine)` once the run ended, before the close."""
+    run = load_run_config(path)
+    loop = _start(run, comm, lambda *a, **k: None)
+    try:
+        if before is not None:
+            before(loop)
+        with Preemption() as preemption:
+            losses = _loop(loop, comm, preemption, None, None)
+        if after is not None:
+            after(loop)
+    finally:
+        loop.engine.close()
+    return losses
+
+
+def logits_of(loop, ids: torch.Tensor) -> torch.Tensor | None:
+    """The engine's logits for `ids` (the whole batch, on rank 0; None elsewhere)."""
+    engine = loop.engine
+    feed = ids if engine.is_first else None
+    return engine.eval_step(feed, return_outputs=True)
+
+
+def safetensors_of(folder: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    return load_file(os.path.join(folder, "model.safetensors"))

@@ -1,0 +1,96 @@
+"""`[model] pretrained` on a pipeline of 2: each rank reads from the sharded safetensors files
+only the tensors of its own layers, the run starts from them (transformers' logits) and
+`export_hf` writes the trained model (the engine's logits in transformers).
+
+Run under `mpirun -n 2` with `--with-mpi`."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from mpi4py import MPI
+
+transformers = pytest.importorskip("transformers")
+safetensors = pytest.importorskip("safetensors")
+
+from hub_run import SEQ, VOCAB, logits_of, run_toml, save_hub, train_keeping_engine  # noqa
+from pipeflow.train import hub as hub_io                                             # noqa
+
+WORLD = MPI.COMM_WORLD
+
+
+class _CountingOpen:
+    """`safetensors.safe_open`, recording every key whose tensor is read."""
+
+    def __init__(self, real, read: list[str]) -> None:
+        self.real, self.read = real, read
+
+    def __call__(self, *args, **kwargs):
+        counting, handle = self, self.real(*args, **kwargs)
+
+        class Handle:
+            def __enter__(self):
+                self.f = handle.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return handle.__exit__(*exc)
+
+            def keys(self):
+                return self.f.keys()
+
+            def get_tensor(self, key):
+                counting.read.append(key)
+                return self.f.get_tensor(key)
+        return Handle()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(180)
+def test_each_rank_reads_only_its_layers_and_the_run_exports_what_it_trained(tmp_path_factory,
+                                                                            monkeypatch):
+    comm = WORLD.Split(color=0 if WORLD.rank < 2 else MPI.UNDEFINED, key=WORLD.rank)
+    if comm == MPI.COMM_NULL:
+        return
+    folder = str(tmp_path_factory.mktemp("hub")) if comm.rank == 0 else None
+    folder = comm.bcast(folder)
+    hub, out = os.path.join(folder, "hub"), os.path.join(folder, "out")
+    reference = save_hub(hub, "llama", sharded=True, layers=4) if comm.rank == 0 else None
+    path = run_toml(folder, f'pretrained = "{hub}"', pipeline=2,
+                    train_extra=f'export_hf = "{out}"') if comm.rank == 0 else None
+    path = comm.bcast(path)
+    read: list[str] = []
+    monkeypatch.setattr(safetensors, "safe_open", _CountingOpen(safetensors.safe_open, read))
+    ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(5))
+    seen = {}
+
+    def before(loop):
+        seen["layers"] = list(loop.engine.module.indices)
+        seen["before"] = logits_of(loop, ids)
+
+    def after(loop):
+        seen["after"] = logits_of(loop, ids)
+
+    train_keeping_engine(path, comm, before, after)
+    # Every key this rank read belongs to one of its own layers, and it read all of them.
+    index = hub_io.weight_index(hub)
+    views = comm.gather((seen["layers"], sorted(read)), root=0)
+    if comm.rank == 0:
+        config = reference.config
+        for layers, keys in views:
+            mine = sorted({src for pf, src in hub_io.layer_keys(index, config).items()
+                           if int(pf.split(".")[0]) in layers})
+            assert keys == mine, (layers, sorted(set(keys) ^ set(mine)))
+        assert len(views[0][1]) + len(views[1][1]) == len(index)   # no tensor read twice
+        assert views[0][0] != views[1][0]
+        with torch.no_grad():
+            torch.testing.assert_close(seen["before"], reference(ids).logits, atol=1e-5,
+                                       rtol=1e-5)
+            exported = transformers.AutoModelForCausalLM.from_pretrained(
+                out, attn_implementation="sdpa").eval()
+            torch.testing.assert_close(exported(ids).logits, seen["after"], atol=1e-5,
+                                       rtol=1e-5)
+            assert not torch.allclose(seen["after"], seen["before"], atol=1e-3)
+    comm.Free()

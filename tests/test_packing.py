@@ -1,0 +1,76 @@
+"""`[data] packed = true`: position ids restart after each end-of-text token, so a document
+packed after another gives the logits it gives alone (attention stays inside it), and the
+packed sampler is deterministic and resumes at its batch."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import pipeflow as pf                                              # noqa: E402
+from hub_run import SEQ, VOCAB, hub_config, run_toml, save_hub     # noqa: E402
+from pipeflow.models import hf                                     # noqa: E402
+from pipeflow.train.data import packed_positions                   # noqa: E402
+from pipeflow.train.loop import train                              # noqa: E402
+from pipeflow.train.run_config import load_run_config              # noqa: E402
+
+EOT = 5
+
+
+def test_positions_restart_after_each_end_of_text():
+    ids = torch.tensor([[9, 8, EOT, 7, 6, EOT, 4], [EOT, EOT, 3, 2, 1, 0, 9]])
+    assert packed_positions(ids, EOT).tolist() == [[0, 1, 2, 0, 1, 2, 0],
+                                                   [0, 0, 0, 1, 2, 3, 4]]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_packed_document_gives_the_logits_it_gives_alone(kind):
+    cfg = hub_config(kind)
+    engine = pf.Engine(hf.causal_lm_layers(cfg), hf.causal_lm_loss_sum,
+                       lambda ps: torch.optim.SGD(ps, lr=0.1), pf.Config(microbatches=1))
+    gen = torch.Generator().manual_seed(1)
+    first = torch.randint(6, VOCAB, (1, 6), generator=gen)
+    second = torch.randint(6, VOCAB, (1, SEQ - 7), generator=gen)
+    row = torch.cat([first, torch.tensor([[EOT]]), second], dim=1)
+    alone = engine.eval_step(second)
+    packed = engine.eval_step(row, position_ids=packed_positions(row, EOT))
+    torch.testing.assert_close(packed[:, 7:], alone, atol=1e-5, rtol=1e-5)
+    # Without the restarted positions the second document sees the first: other logits.
+    unpacked = engine.eval_step(row)
+    assert not torch.allclose(unpacked[:, 7:], alone, atol=1e-3)
+    engine.close()
+
+
+def _packed_tokens(folder: str) -> str:
+    """Tokens with an end-of-text about every fifth token, and the meta.json recording it."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(6, VOCAB, 4000)
+    tokens[rng.random(4000) < 0.2] = EOT
+    path = os.path.join(folder, "tokens.bin")
+    np.asarray(tokens, dtype=np.uint16).tofile(path)
+    with open(os.path.join(folder, "meta.json"), "w") as f:
+        f.write(f'{{"dtype": "uint16", "vocab_size": {VOCAB}, "eot": {EOT}}}')
+    return path
+
+
+@pytest.mark.timeout(120)
+def test_packed_runs_are_deterministic_and_resume_at_their_batch(tmp_path):
+    hub = str(tmp_path / "hub")
+    save_hub(hub, "llama", sharded=False)
+    path = run_toml(str(tmp_path), f'pretrained = "{hub}"', steps=4,
+                    data_extra="packed = true", tokens=_packed_tokens(str(tmp_path)))
+    quiet = dict(log=lambda *a, **k: None)
+    whole = train(load_run_config(path), **quiet)
+    assert train(load_run_config(path), **quiet) == whole
+    save = f"train.save_dir={str(tmp_path / 'ckpt')!r}".replace("'", '"')
+    part = train(load_run_config(path, [save, "train.steps=2"]), **quiet)
+    rest = train(load_run_config(path, [save, "train.resume=true"]), **quiet)
+    assert part + rest == whole
+    # The positions reach the model: the same run unpacked trains otherwise.
+    assert train(load_run_config(path, ["data.packed=false"]), **quiet) != whole
