@@ -238,10 +238,10 @@ class Engine:
                 self._loss_check.arm(self.count_items)
             self._measure(lambda: self.runner.run(self._stage.program, st))
             loss = self._guarded("loss", lambda: self._global_loss(st.losses, st))
-            self._guarded("optimizer step", lambda: close_step(self._stage, loss, self.stats))
-            if checking:
+            if checking:        # before the update: a wrong loss never moves the weights
                 self._loss_checked = True
                 self._guarded("loss contract", self._agree_loss_contract)
+            self._guarded("optimizer step", lambda: close_step(self._stage, loss, self.stats))
             if cuda:     # device time, not the host's enqueue time; watched: a stuck link
                 self._guarded("device synchronize", lambda: torch.cuda.synchronize(self.device))
         if cuda:
@@ -332,8 +332,8 @@ class Engine:
         mine = check.problem if self.is_last else None
         problems = [p for p in waiting.allgather(self._control, mine) if p]
         if problems:
-            raise ConfigError(f"{self._stage.describe()}: stopped after the first training "
-                              f"step (its update was made): {problems[0]}")
+            raise ConfigError(f"{self._stage.describe()}: stopped at the first training step, "
+                              f"before its update: {problems[0]}")
 
     def _last_rank(self) -> int:
         """The pipeline rank holding the last virtual stage."""
