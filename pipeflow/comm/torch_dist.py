@@ -200,14 +200,20 @@ class TorchDistCommunicator(HeadersFirst, Communicator):
     def ireduce_scatter_(self, tensor: torch.Tensor, out: torch.Tensor) -> Request:
         self._check("reduce_scatter", [tensor, out])
         check_blocks("reduce_scatter", tensor, out, self.size, f"rank {self.rank}")
-        return self._collective(lambda: self._dist.reduce_scatter_tensor(
-            out, tensor, group=self.group, async_op=True), [tensor, out])
+        # torch >= 2.13 names them `*_single`; the older names warn there, and are all
+        # that older versions have.
+        scatter = getattr(self._dist, "reduce_scatter_single", None) or \
+            self._dist.reduce_scatter_tensor
+        return self._collective(lambda: scatter(out, tensor, group=self.group, async_op=True),
+                                [tensor, out])
 
     def iallgather_(self, shard: torch.Tensor, out: torch.Tensor) -> Request:
         self._check("all_gather", [shard, out])
         check_blocks("all_gather", out, shard, self.size, f"rank {self.rank}")
-        return self._collective(lambda: self._dist.all_gather_into_tensor(
-            out, shard, group=self.group, async_op=True), [shard, out])
+        gather = getattr(self._dist, "all_gather_single", None) or \
+            self._dist.all_gather_into_tensor
+        return self._collective(lambda: gather(out, shard, group=self.group, async_op=True),
+                                [shard, out])
 
     def _collective(self, issue: Any, tensors: list[torch.Tensor]) -> Request:
         """An async collective: on a GPU on the communication stream (as the buckets'
