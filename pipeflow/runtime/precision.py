@@ -11,7 +11,7 @@ from torch import nn
 from pipeflow.tree import cast_floating
 
 __all__ = ["DTYPES", "OPTIMIZER_STATES", "Precision", "LossScaler", "cast_floating", "itemsize",
-           "bytes_per_parameter", "class_matches"]
+           "bytes_per_parameter", "sharded_bytes_per_parameter", "class_matches"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # fp32 values the optimizer keeps per parameter: AdamW's first and second moments.
@@ -33,6 +33,20 @@ def bytes_per_parameter(precision: str, optimizer: str = "adamw") -> int:
     work = itemsize(precision)
     master = 4 if work != 4 else 0
     return work + master + 4 + 4 * OPTIMIZER_STATES[optimizer]
+
+
+def sharded_bytes_per_parameter(precision: str, data: int, optimizer: str = "adamw") -> float:
+    """Bytes one parameter holds with `Config.shard_optimizer` over `data` replicas, as
+    `runtime.shard` lays them out: the working weight and the whole fp32 gradient (micro-
+    batches accumulate into it) on every replica; the fp32 master, the block of the summed
+    gradient and the optimizer state 1/data each.
+
+    bf16 with AdamW: 2 + 4 + (4 + 4 + 8)/d = 6 + 16/d (Megatron-Core's 6 + 12/d has no
+    separate gradient block); fp32: 8 + 16/d. d = 1 is unsharded: `bytes_per_parameter`.
+    """
+    if data <= 1:
+        return float(bytes_per_parameter(precision, optimizer))
+    return itemsize(precision) + 4 + (4 + 4 + 4 * OPTIMIZER_STATES[optimizer]) / data
 
 
 @dataclasses.dataclass
