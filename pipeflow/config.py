@@ -97,6 +97,10 @@ class Config:
     keep_host_memory: bool = True
     bucket_mb: float = 25.0    # gradient all-reduce bucket size, MiB
     clip: float = 0.0          # clip gradients to this global norm; 0 turns clipping off
+    # The distributed optimizer (ZeRO-1): with data > 1, each replica keeps the fp32 masters and
+    # optimizer state of 1/data of its stage's parameters; gradients are reduce-scattered and
+    # the working weights all-gathered (pipeflow.runtime.shard). Per-element optimizers only.
+    shard_optimizer: bool = False
     seed: int = 0              # layer i is built under a seed derived from (seed, i)
     # abort when no instruction completes for this long; 0: off. The default, 300 s, can be
     # set for every engine of a job by PIPEFLOW_WATCHDOG_S (a site's or a test suite's choice)
@@ -143,7 +147,8 @@ class Config:
         _number("bucket_mb", self.bucket_mb, 0.0, strict=True)
         _number("clip", self.clip, 0.0, hint="0 turns clipping off", what="a norm")
         _integer("seed", self.seed, None)
-        for name in ("free_sent_outputs", "keep_host_memory", "deterministic"):
+        for name in ("free_sent_outputs", "keep_host_memory", "deterministic",
+                     "shard_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, "true or false", getattr(self, name),
                       f"set {name} = true (the default) or false")

@@ -203,19 +203,37 @@ class Engine:
     def parameters(self) -> Iterable[nn.Parameter]:
         return self.module.parameters()
 
+    @property
+    def shards(self) -> Any:
+        """The distributed optimizer (`runtime.shard.ShardedOptimizer`) where
+        `Config.shard_optimizer` shards this stage's masters over d > 1 replicas; else None."""
+        return self._stage.shards
+
     def named_master_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """(name, the fp32 parameter the optimizer steps), tied names included; trainable
-        parameters only."""
-        return [(n, self.precision.master_of(p))
-                for n, p in self.module.named_parameters(remove_duplicate=False)
-                if p.requires_grad]
+        parameters only. Sharded (`shards`), each replica steps blocks of them: this is then
+        their whole fp32 values, gathered over the data group (call it on every replica)."""
+        named = [(n, p) for n, p in self.module.named_parameters(remove_duplicate=False)
+                 if p.requires_grad]
+        if self.shards is not None:
+            whole = self.shards.full_masters()
+            return [(n, whole[id(p)]) for n, p in named]
+        return [(n, self.precision.master_of(p)) for n, p in named]
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
-        """This stage's state dict with full-precision values (frozen parameters included)."""
+        """This stage's state dict with full-precision values (frozen parameters included).
+        Sharded: gathered over the data group, so every replica calls it."""
         state = {k: v.detach() for k, v in self.module.state_dict().items()}
+        whole = self.shards.full_masters() if self.shards is not None else {}
         for name, p in self.module.named_parameters(remove_duplicate=False):
-            state[name] = self.precision.master_of(p).detach()
+            state[name] = whole[id(p)] if id(p) in whole else \
+                self.precision.master_of(p).detach()
         return state
+
+    def memory_report(self) -> dict[str, Any]:
+        """This rank's bytes of model state and activations (see `runtime.memory`)."""
+        from pipeflow.runtime.memory import memory_report
+        return memory_report(self._stage, self.stats.peak_activation_bytes)
 
     # -- steps ----------------------------------------------------------------------------
     def train_step(self, inputs: Batch | None, targets: Batch | None, **side: Any) -> float:
@@ -389,9 +407,11 @@ class Engine:
     def _load_params(self, params: Mapping[str, torch.Tensor]) -> None:
         """Full-precision values by name: the working weights (cast) and the masters."""
         self.module.load_state_dict({k: v.to(self.device) for k, v in params.items()})
-        self.precision.load_masters({id(p): params[n].to(self.device) for n, p in
-                                     self.module.named_parameters(remove_duplicate=False)
-                                     if n in params})
+        values = {id(p): params[n].to(self.device) for n, p in
+                  self.module.named_parameters(remove_duplicate=False) if n in params}
+        self.precision.load_masters(values)
+        if self.shards is not None:
+            self.shards.load_full(values)       # this replica's blocks of the masters
 
     def save(self, directory: str | os.PathLike) -> str:
         """Write a checkpoint (per-layer shards, atomically, checksummed); returns its folder.
@@ -416,8 +436,31 @@ class Engine:
             named_master_parameters=self.named_master_parameters,
             load_params=self._load_params, optimizer=self.optimizer,
             scaler=self.precision.scaler, device=self.device, model=self._fingerprint,
+            optimizer_entries=self._sharded_entries if self.shards is not None else None,
+            load_optimizer_entries=(self._load_sharded_entries if self.shards is not None
+                                    else None),
             plan={"schedule": self.schedule, "virtual_stages": self._stage.num_chunks,
                   "boundaries": list(self.boundaries)})
+
+    def _names(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.module.named_parameters(remove_duplicate=False)
+                if p.requires_grad]
+
+    def _sharded_entries(self) -> tuple[dict[str, dict], dict[str, dict]]:
+        """Sharded: whole optimizer state and group settings by parameter name, as an
+        unsharded run saves them (gathered over the data group: every replica calls it)."""
+        states, settings = self.shards.full_optimizer_state()
+        named = self._names()
+        return ({n: states[id(p)] for n, p in named if id(p) in states},
+                {n: settings[id(p)] for n, p in named if id(p) in settings})
+
+    def _load_sharded_entries(self, states: dict[str, dict], settings: dict[str, dict]) -> None:
+        """Sharded: whole per-name optimizer state (of a checkpoint of any grid, sharded or
+        not) cut into this replica's blocks."""
+        named = self._names()
+        self.shards.load_optimizer_state({id(p): states[n] for n, p in named if n in states},
+                                         {id(p): settings[n] for n, p in named
+                                          if n in settings})
 
     def close(self) -> None:
         """Check that every rank made the same calls, then free this engine's communicators

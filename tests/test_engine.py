@@ -45,14 +45,32 @@ def test_build_sequential_is_seeded_per_layer():
 
 def test_config_round_trips_through_toml(tmp_path):
     config = pf.Config(pipeline=2, microbatches=8, schedule="gpipe", partition=[0, 2, 7],
-                       clip=1.0, seed=3)
+                       clip=1.0, seed=3, shard_optimizer=True)
     config.save(tmp_path / "c.toml")
     assert pf.Config.load(tmp_path / "c.toml") == config
     assert "[engine]" in (tmp_path / "c.toml").read_text()
+    assert "shard_optimizer = true" in (tmp_path / "c.toml").read_text()
+    assert pf.Config().shard_optimizer is False
+
+
+def test_shard_optimizer_on_one_replica_trains_as_unsharded():
+    # d = 1: nothing to shard; the flag changes nothing, and the memory report says so.
+    layers = toy_layers()
+    engine = pf.Engine(layers, loss_fn, sgd, pf.Config(shard_optimizer=True))
+    assert engine.shards is None
+    for x, y in batches(2, 6):
+        engine.train_step(x, y)
+    reference, _ = train_reference(layers, batches(2, 6), optimizer=sgd)
+    assert_same_parameters(engine.gather_state_dict(), reference.state_dict())
+    report = engine.memory_report()
+    assert report["sharded"] is False and report["masters"] == 0
+    assert report["bytes_per_parameter"]["gradients"] == pytest.approx(4.0)
+    engine.close()
 
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(pipeline=0), "Config.pipeline must be a positive integer, found 0"),
+    (dict(shard_optimizer="yes"), "Config.shard_optimizer must be true or false, found 'yes'"),
     (dict(schedule="zigzag"), "Config.schedule must be one of \\['1f1b', 'gpipe', 'interleaved', "
                               "'zb-h1', 'zbv', 'v-half', 'v-min', 'auto'\\], found 'zigzag'"),
     (dict(schedule="interleaved"), "set virtual_stages >= 2"),

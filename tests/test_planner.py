@@ -21,7 +21,7 @@ from pipeflow.planner.hardware import GB, PRESETS, Cluster, Hardware, HardwareEr
 from pipeflow.planner.plan import make_plan, nice_batch
 from pipeflow.planner.scaling import (APPROACH1_G, BESIROGLU_FIT, HOFFMANN_FIT, TABLE3,
                                       allocate, allocate_for_params, compute_from_gpu_days)
-from pipeflow.planner.search import PlanError, minimum_gpus, search
+from pipeflow.planner.search import PlanError, choose_recompute, minimum_gpus, search
 from pipeflow.planner.shapes import ASPECT_RANGE, Shape, ShapeError, shape_for_params
 from pipeflow.schedules import build_schedule, simulate
 from pipeflow.schedules import registry as schedule_registry
@@ -443,3 +443,51 @@ def test_planner_modules_do_not_import_torch_or_mpi_at_module_level():
                 names = [node.module or ""]
             for name in names:
                 assert name.split(".")[0] not in ("torch", "mpi4py", "numpy"), (path, name)
+
+
+def test_sharded_optimizer_divides_masters_and_state_and_swaps_the_all_reduce():
+    # Config.shard_optimizer as pipeflow lays it out: bf16 weights and whole fp32 gradients
+    # on every replica, masters + the summed gradient's block + Adam's moments 1/d each.
+    shape = Shape(8, 1024, 16)
+    prec = PRECISIONS["bf16"]
+    params = 2 * layer_parameters(shape)["block"]
+    for d in (2, 8):
+        grid = Grid(4, d, 2, 8, "1f1b", shard_optimizer=True)
+        state, _, _ = stage_memory(shape, prec, grid, 1, (3, 5), "none")
+        assert state == pytest.approx(params * (6 + 16 / d))
+    # Time: a reduce-scatter of fp32 gradients and an all-gather of bf16 weights replace
+    # the all-reduce; the optimizer steps 1/d of the parameters.
+    cluster = Cluster(H100, 16, 8)
+    plain = estimate(shape, cluster, Grid(1, 16, 1, 2), "none").stages[0]
+    sharded = estimate(shape, cluster, Grid(1, 16, 1, 2, shard_optimizer=True),
+                       "none").stages[0]
+    bw, lat = H100.inter_node_bandwidth * H100.link_efficiency, H100.inter_node_latency
+    n = sharded.params
+    assert sharded.allreduce_s == pytest.approx(cost.ring_half_time(4 * n, 16, bw, lat)
+                                                + cost.ring_half_time(2 * n, 16, bw, lat))
+    assert sharded.allreduce_s < plain.allreduce_s
+    assert sharded.optimizer_s == pytest.approx(plain.optimizer_s / 16)
+
+
+def test_search_shards_only_where_that_makes_a_grid_fit():
+    # Memory for about 8 bytes a parameter and the activations: unsharded (18 B/param) no
+    # grid of 4 GPUs fits; sharded over d = 4 (6 + 16/4 = 10 B/param) some do. "auto" finds
+    # them; "off" fails naming memory; where the unsharded plan fits, "auto" keeps it.
+    shape = Shape(4, 512, 8, seq_len=256, vocab_size=1024)
+    n = shape.params
+    tight = dataclasses.replace(H100, memory_bytes=n * 12 / (1 - H100.memory_reserve_fraction))
+    cluster = Cluster(tight, 4, 4)
+    found = search(shape, cluster, 16, schedules=["1f1b"], shard_optimizer="auto")
+    assert found.best.grid.shard_optimizer and found.best.grid.data > 1
+    for e in found.ranked:           # each sharded plan fits no other way
+        if e.grid.shard_optimizer:
+            plain = dataclasses.replace(e.grid, shard_optimizer=False)
+            assert choose_recompute(shape, cluster, plain, "bf16", e.boundaries)[0] is None
+    with pytest.raises(PlanError):
+        search(shape, cluster, 16, schedules=["1f1b"], grid_filter=lambda g: g.pipeline == 1,
+               shard_optimizer="off")
+    roomy = Cluster(H100, 4, 4)
+    kept = search(shape, roomy, 16, schedules=["1f1b"], shard_optimizer="auto")
+    assert not any(e.grid.shard_optimizer for e in kept.ranked)
+    forced = search(shape, roomy, 16, schedules=["1f1b"], shard_optimizer="on")
+    assert all(e.grid.shard_optimizer == (e.grid.data > 1) for e in forced.ranked)

@@ -193,6 +193,10 @@ def test_metrics_jsonl_holds_computed_figures(tmp_path):
         assert r["loss_scale"] == 1.0 and r["skipped_steps"] == 0
         (stage,) = r["stages"]
         assert 0.0 <= stage["bubble"] < 1.0 and stage["peak_memory_bytes"] > 2**20
+        (memory,) = r["memory"]            # engine.memory_report() of each rank
+        assert memory["parameters"] > 0 and memory["sharded"] is False
+        assert memory["optimizer_state"] > 0 and memory["gradients"] > 0
+        assert memory["bytes_per_parameter"]["working"] == pytest.approx(4.0)
     assert len({r["tokens_per_s"] for r in steps}) > 1        # measured, not a constant
     train(run, log=lambda *a, **k: None)                       # a new run: a new file
     assert len(metrics.read_text().splitlines()) == len(records)

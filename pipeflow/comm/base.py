@@ -12,7 +12,8 @@ from mpi4py import MPI
 from pipeflow.tree import Header
 
 __all__ = ["TensorMeta", "Communicator", "Request", "Requests", "CommDeviceError",
-           "check_on_device", "meta_of", "ProtocolError", "as_bytes", "as_typed", "completed"]
+           "check_on_device", "meta_of", "ProtocolError", "as_bytes", "as_typed", "completed",
+           "check_blocks"]
 # What a receiver must know to allocate a buffer: shape and dtype. Exchanged once per
 # distinct batch shape and cached by the engine, never sent with every message.
 TensorMeta = tuple[tuple[int, ...], torch.dtype]
@@ -114,6 +115,18 @@ class Communicator(abc.ABC):
         """Start summing `tensor` over the group, in place; done when the request is."""
 
     @abc.abstractmethod
+    def ireduce_scatter_(self, tensor: torch.Tensor, out: torch.Tensor) -> Request:
+        """Start summing `tensor` (contiguous, `size` blocks of `out.numel()` elements) over
+        the group; block `rank` of the sum lands in `out` when the request is done. `tensor`
+        must not change until then (sharded optimizer: the gradient buckets)."""
+
+    @abc.abstractmethod
+    def iallgather_(self, shard: torch.Tensor, out: torch.Tensor) -> Request:
+        """Start gathering every rank's `shard` into `out` (contiguous, `size` blocks of
+        `shard.numel()` elements, in rank order); done when the request is (sharded
+        optimizer: the updated working weights)."""
+
+    @abc.abstractmethod
     def barrier(self) -> None: ...
 
     def arrived_from(self, source: int) -> str | None:
@@ -144,6 +157,20 @@ def as_typed(t: torch.Tensor) -> Any:
     if t.dtype == torch.bfloat16:
         raise TypeError("MPI has no bfloat16 sum: reduce gradients in fp32 or fp16")
     return t.view(-1).numpy()
+
+
+def check_blocks(op: str, whole: torch.Tensor, block: torch.Tensor, size: int,
+                 where: str = "") -> None:
+    """Refuse a reduce-scatter or all-gather whose buffers do not fit: `whole` must be
+    contiguous and hold `size` blocks of `block.numel()` elements of `block`'s dtype."""
+    if whole.numel() != size * block.numel() or whole.dtype != block.dtype \
+            or not whole.is_contiguous() or not block.is_contiguous():
+        raise ValueError(
+            f"{where + ': ' if where else ''}{op} expected a contiguous buffer of {size} x "
+            f"{block.numel()} {block.dtype} elements and a contiguous block of "
+            f"{block.numel()}; found {whole.numel()} {whole.dtype} elements (contiguous: "
+            f"{whole.is_contiguous()}) and a block of {block.numel()} (contiguous: "
+            f"{block.is_contiguous()}); pad the buffer to a multiple of the group's size")
 
 
 def completed(works: list) -> bool:

@@ -18,7 +18,8 @@ from pipeflow.comm import waiting
 from pipeflow.comm.base import Request, as_typed
 
 __all__ = ["CUDA_AWARE_ENV", "cuda_aware_mpi", "PinnedBuffers", "side_stream",
-           "iallreduce_cuda_", "all_reduce_on_side_stream"]
+           "iallreduce_cuda_", "ireduce_scatter_cuda_", "iallgather_cuda_",
+           "all_reduce_on_side_stream", "on_side_stream"]
 
 CUDA_AWARE_ENV = "PIPEFLOW_CUDA_AWARE_MPI"
 
@@ -84,11 +85,13 @@ def side_stream(device: torch.device) -> Any:
 
 
 class _DeviceAllreduce(Request):
-    """An MPI all-reduce of a device tensor through pinned host memory; `wait()` lands the
-    sum in the target."""
+    """An MPI collective of device tensors through pinned host memory; `wait()` lands the
+    result (`host`) in the target and gives the staging buffers (`also`: the send side of a
+    reduce-scatter or all-gather) back."""
 
-    def __init__(self, request: MPI.Request, host: torch.Tensor, target: torch.Tensor) -> None:
-        self._request, self._host, self._target = request, host, target
+    def __init__(self, request: MPI.Request, host: torch.Tensor, target: torch.Tensor,
+                 also: tuple[torch.Tensor, ...] = ()) -> None:
+        self._request, self._host, self._target, self._also = request, host, target, also
 
     def test(self) -> bool:
         return self._request.Test()
@@ -99,7 +102,23 @@ class _DeviceAllreduce(Request):
         self._target.copy_(self._host.view(self._target.shape), non_blocking=True)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self._target.device))
-        _PINNED.give(self._host, done)
+        for buf in (self._host, *self._also):
+            _PINNED.give(buf, done)
+
+
+def _to_pinned(target: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of a CUDA tensor, made on the side stream after what the compute
+    stream queued; this thread waits for the copy, the compute stream does not."""
+    host = _PINNED.take(target.numel(), target.dtype)
+    side = side_stream(target.device)
+    side.wait_stream(torch.cuda.current_stream(target.device))
+    with torch.cuda.stream(side):
+        host.copy_(target.reshape(-1), non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(side)
+    target.record_stream(side)
+    copied.synchronize()
+    return host
 
 
 def iallreduce_cuda_(comm: MPI.Comm, tensor: torch.Tensor) -> Request:
@@ -110,17 +129,29 @@ def iallreduce_cuda_(comm: MPI.Comm, tensor: torch.Tensor) -> Request:
     not CUDA-aware."""
     target = tensor.detach()
     _typed_check(target)
-    host = _PINNED.take(target.numel(), target.dtype)
-    side = side_stream(target.device)
-    side.wait_stream(torch.cuda.current_stream(target.device))
-    with torch.cuda.stream(side):
-        host.copy_(target.reshape(-1), non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record(side)
-    target.record_stream(side)
-    copied.synchronize()       # this thread waits for the copy; the compute stream does not
+    host = _to_pinned(target)
     req = comm.Iallreduce(MPI.IN_PLACE, as_typed(host), op=MPI.SUM)
     return _DeviceAllreduce(req, host, target)
+
+
+def ireduce_scatter_cuda_(comm: MPI.Comm, tensor: torch.Tensor, out: torch.Tensor) -> Request:
+    """`Ireduce_scatter_block` of a CUDA tensor through pinned host buffers (as
+    `iallreduce_cuda_`, for the same reason): block `comm.rank` of the sum into `out`."""
+    _typed_check(tensor)
+    send = _to_pinned(tensor.detach())
+    host = _PINNED.take(out.numel(), out.dtype)
+    req = comm.Ireduce_scatter_block(as_typed(send), as_typed(host), op=MPI.SUM)
+    return _DeviceAllreduce(req, host, out.detach(), also=(send,))
+
+
+def iallgather_cuda_(comm: MPI.Comm, shard: torch.Tensor, out: torch.Tensor) -> Request:
+    """`Iallgather` of a CUDA shard through pinned host buffers, as bytes (bf16 included):
+    every rank's shard into `out`."""
+    send = _to_pinned(shard.detach())
+    host = _PINNED.take(out.numel(), out.dtype)
+    req = comm.Iallgather([send.view(torch.uint8).numpy(), MPI.BYTE],
+                          [host.view(torch.uint8).numpy(), MPI.BYTE])
+    return _DeviceAllreduce(req, host, out.detach(), also=(send,))
 
 
 class _SideStreamWork(Request):
@@ -142,12 +173,21 @@ def all_reduce_on_side_stream(dist: Any, tensor: torch.Tensor, group: Any) -> Re
     """Start an NCCL all-reduce of a CUDA tensor on the GPU's communication stream, after
     what the compute stream has queued so far (the gradients it reduces); the compute stream
     goes on with the backward meanwhile."""
-    device = tensor.device
+    return on_side_stream(lambda: dist.all_reduce(tensor, group=group, async_op=True),
+                          [tensor])
+
+
+def on_side_stream(issue: Callable[[], Any], tensors: list[torch.Tensor]) -> Request:
+    """Issue an NCCL collective (`issue()`, async) over CUDA `tensors` on the GPU's
+    communication stream, ordered after the compute stream's queued work; their memory is
+    not reused before the side stream is done with it."""
+    device = tensors[0].device
     side = side_stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
-        work = dist.all_reduce(tensor, group=group, async_op=True)
-    tensor.record_stream(side)      # its memory is not reused before the side stream is done
+        work = issue()
+    for t in tensors:
+        t.record_stream(side)
     return _SideStreamWork(work, side, device)
 
 

@@ -11,11 +11,12 @@ from mpi4py import MPI
 
 from pipeflow.comm import waiting
 from pipeflow.comm.base import (Communicator, ProtocolError, Request, Requests, TensorMeta,
-                                as_bytes, as_typed)
+                                as_bytes, as_typed, check_blocks)
 from pipeflow.comm import cuda
 from pipeflow.tree import Header, describe
 
-__all__ = ["MpiCommunicator", "HeadersFirst", "mpi_iallreduce_", "FORCE_HOST_STAGING"]
+__all__ = ["MpiCommunicator", "HeadersFirst", "mpi_iallreduce_", "mpi_ireduce_scatter_",
+           "mpi_iallgather_", "FORCE_HOST_STAGING"]
 
 # Stage every all-reduce through a host copy, as GPU tensors are: lets a CPU test run the
 # staging path (a copy out, the sum, the copy back) that only GPUs would take otherwise.
@@ -88,18 +89,24 @@ class _MpiRecv(Request):
 
 
 class _MpiAllreduce(Request):
-    def __init__(self, request: MPI.Request, host: torch.Tensor, target: torch.Tensor) -> None:
+    """A collective whose result MPI writes into `host`: `wait()` copies it into `target`
+    where the two differ (a staged copy); `keep`, the send buffers, live until then."""
+
+    def __init__(self, request: MPI.Request, host: torch.Tensor, target: torch.Tensor,
+                 keep: Sequence[torch.Tensor] = ()) -> None:
         self._request = request
         self._host = host
         self._target = target
+        self._keep = list(keep)
 
     def test(self) -> bool:
         return self._request.Test()
 
     def wait(self) -> None:
         waiting.wait(self._request)
+        self._keep = []
         if self._host is not self._target:
-            self._target.copy_(self._host)
+            self._target.copy_(self._host.view(self._target.shape))
 
 
 def mpi_iallreduce_(comm: MPI.Comm, tensor: torch.Tensor) -> Request:
@@ -117,6 +124,40 @@ def mpi_iallreduce_(comm: MPI.Comm, tensor: torch.Tensor) -> Request:
         host = host.to("cpu", memory_format=torch.contiguous_format, copy=True)
     req = comm.Iallreduce(MPI.IN_PLACE, as_typed(host), op=MPI.SUM)
     return _MpiAllreduce(req, host, tensor.detach())
+
+
+def _staged(tensor: torch.Tensor) -> bool:
+    """Whether a CPU collective goes through a host copy of `tensor` (forced, in tests)."""
+    return FORCE_HOST_STAGING or tensor.device.type != "cpu" or not tensor.is_contiguous()
+
+
+def mpi_ireduce_scatter_(comm: MPI.Comm, tensor: torch.Tensor, out: torch.Tensor) -> Request:
+    """Start `Ireduce_scatter_block`: the sum of `tensor` over `comm`, block `comm.rank` of
+    it into `out`. CUDA tensors go through pinned host staging (`cuda`); CPU ones are read
+    and written where they lie (with `FORCE_HOST_STAGING`, through copies)."""
+    check_blocks("reduce_scatter", tensor, out, comm.size, f"rank {comm.rank}")
+    if tensor.device.type == "cuda" and not FORCE_HOST_STAGING:
+        return cuda.ireduce_scatter_cuda_(comm, tensor, out)
+    send, target = tensor.detach(), out.detach()
+    if _staged(send):
+        send = send.to("cpu", copy=True)
+    host = torch.empty_like(target, device="cpu") if _staged(target) else target
+    req = comm.Ireduce_scatter_block(as_typed(send), as_typed(host), op=MPI.SUM)
+    return _MpiAllreduce(req, host, target, keep=[send])
+
+
+def mpi_iallgather_(comm: MPI.Comm, shard: torch.Tensor, out: torch.Tensor) -> Request:
+    """Start `Iallgather`: every rank's `shard` into `out`, in rank order, as bytes (so
+    bf16 travels too). CUDA tensors go through pinned host staging (`cuda`)."""
+    check_blocks("all_gather", out, shard, comm.size, f"rank {comm.rank}")
+    if shard.device.type == "cuda" and not FORCE_HOST_STAGING:
+        return cuda.iallgather_cuda_(comm, shard, out)
+    send, target = shard.detach(), out.detach()
+    if _staged(send):
+        send = send.to("cpu", copy=True)
+    host = torch.empty_like(target, device="cpu") if _staged(target) else target
+    req = comm.Iallgather(as_bytes(send), as_bytes(host))
+    return _MpiAllreduce(req, host, target, keep=[send])
 
 
 def _on_wire(status: MPI.Status) -> str:
@@ -214,6 +255,12 @@ class MpiCommunicator(Communicator):
 
     def iallreduce_(self, tensor: torch.Tensor) -> Request:
         return mpi_iallreduce_(self.comm, tensor)
+
+    def ireduce_scatter_(self, tensor: torch.Tensor, out: torch.Tensor) -> Request:
+        return mpi_ireduce_scatter_(self.comm, tensor, out)
+
+    def iallgather_(self, shard: torch.Tensor, out: torch.Tensor) -> Request:
+        return mpi_iallgather_(self.comm, shard, out)
 
     def barrier(self) -> None:
         waiting.barrier(self.comm)

@@ -192,6 +192,16 @@ class StrictCommunicator(HeadersFirst, Communicator):
         self._agree("all_reduce", tensor)
         return self.inner.iallreduce_(tensor)
 
+    def ireduce_scatter_(self, tensor: torch.Tensor, out: torch.Tensor) -> Request:
+        self._guard("reduce_scatter", [tensor, out])
+        self._agree("reduce_scatter", tensor)
+        return self.inner.ireduce_scatter_(tensor, out)
+
+    def iallgather_(self, shard: torch.Tensor, out: torch.Tensor) -> Request:
+        self._guard("all_gather", [shard, out])
+        self._agree("all_gather", out)
+        return self.inner.iallgather_(shard, out)
+
     def barrier(self) -> None:
         self._guard("barrier")
         self._agree("barrier")

@@ -10,7 +10,8 @@ import torch
 from mpi4py import MPI
 
 from pipeflow.comm import waiting
-from pipeflow.comm.base import Communicator, Request, TensorMeta, check_on_device, completed
+from pipeflow.comm.base import (Communicator, Request, TensorMeta, check_blocks, check_on_device,
+                                completed)
 from pipeflow.comm.mpi import HeadersFirst, MpiCommunicator
 
 __all__ = ["TorchDistCommunicator", "init_torch_distributed", "rendezvous_address",
@@ -195,6 +196,32 @@ class TorchDistCommunicator(HeadersFirst, Communicator):
             from pipeflow.comm.cuda import all_reduce_on_side_stream
             return all_reduce_on_side_stream(self._dist, tensor, self.group)
         return _DistWork([self._dist.all_reduce(tensor, group=self.group, async_op=True)])
+
+    def ireduce_scatter_(self, tensor: torch.Tensor, out: torch.Tensor) -> Request:
+        self._check("reduce_scatter", [tensor, out])
+        check_blocks("reduce_scatter", tensor, out, self.size, f"rank {self.rank}")
+        # torch >= 2.13 names them `*_single`; the older names warn there, and are all
+        # that older versions have.
+        scatter = getattr(self._dist, "reduce_scatter_single", None) or \
+            self._dist.reduce_scatter_tensor
+        return self._collective(lambda: scatter(out, tensor, group=self.group, async_op=True),
+                                [tensor, out])
+
+    def iallgather_(self, shard: torch.Tensor, out: torch.Tensor) -> Request:
+        self._check("all_gather", [shard, out])
+        check_blocks("all_gather", out, shard, self.size, f"rank {self.rank}")
+        gather = getattr(self._dist, "all_gather_single", None) or \
+            self._dist.all_gather_into_tensor
+        return self._collective(lambda: gather(out, shard, group=self.group, async_op=True),
+                                [shard, out])
+
+    def _collective(self, issue: Any, tensors: list[torch.Tensor]) -> Request:
+        """An async collective: on a GPU on the communication stream (as the buckets'
+        all-reduce), on a CPU (gloo) directly."""
+        if tensors[0].device.type == "cuda":
+            from pipeflow.comm.cuda import on_side_stream
+            return on_side_stream(issue, tensors)
+        return _DistWork([issue()])
 
     def _check(self, op: str, tensors: Sequence[torch.Tensor]) -> None:
         check_on_device(op, tensors, self.device,

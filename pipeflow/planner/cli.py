@@ -104,6 +104,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="recomputation allowed per stage, cheapest first "
                              "(default none,selective,full)")
     search.add_argument("--max-micro-batch", type=_int, default=16)
+    shard = search.add_mutually_exclusive_group()
+    shard.add_argument("--shard-optimizer", dest="shard_optimizer", action="store_const",
+                       const="on", default="auto",
+                       help="shard masters and optimizer state over the data group on every "
+                            "grid with data > 1 (default: only where a grid fits no other way)")
+    shard.add_argument("--no-shard-optimizer", dest="shard_optimizer", action="store_const",
+                       const="off", help="never shard the optimizer")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--write-config", metavar="FILE", help="write the TOML `pipeflow train` runs")
@@ -194,7 +201,8 @@ def _plan(args: argparse.Namespace, rank: int) -> int:
                      seq_len=args.seq_len, vocab_size=args.vocab,
                      global_batch=args.global_batch, global_batch_tokens=args.global_batch_tokens,
                      precision=precision, schedules=args.schedules, recompute=args.recompute,
-                     max_micro_batch=args.max_micro_batch, mfu=args.mfu)
+                     max_micro_batch=args.max_micro_batch, mfu=args.mfu,
+                     shard_optimizer=args.shard_optimizer)
     config_path = args.write_config or "plan.toml"
     if args.write_config:
         # `pipeflow plan ...` and `python -m pipeflow.planner ...` alike: one "plan".

@@ -11,7 +11,7 @@ from pipeflow.models.gpt import layer_parameters
 from pipeflow.runtime.partition import partition_balanced
 from pipeflow.planner.hardware import GB, Cluster
 from pipeflow.planner.shapes import Shape
-from pipeflow.runtime.precision import bytes_per_parameter, itemsize
+from pipeflow.runtime.precision import bytes_per_parameter, itemsize, sharded_bytes_per_parameter
 from pipeflow.schedules import build_schedule, registry, simulate
 from pipeflow.comm.topology import rank_of
 
@@ -19,7 +19,7 @@ __all__ = [
     "PrecisionBytes", "PRECISIONS", "RECOMPUTE", "PLANNED_SCHEDULES", "Grid", "StageCost",
     "Estimate", "activation_bytes_per_layer", "head_activation_bytes", "peak_stash",
     "peak_held", "idle_units", "schedule_chunks", "exposed_allreduce_time", "bubble_fraction",
-    "ring_allreduce_time", "block_forward_flops", "head_forward_flops",
+    "ring_allreduce_time", "ring_half_time", "block_forward_flops", "head_forward_flops",
     "layer_kinds", "time_balanced_boundaries", "stage_memory", "estimate",
 ]
 
@@ -58,6 +58,13 @@ class PrecisionBytes:
         """Per parameter: weights, master, gradient, optimizer state."""
         return bytes_per_parameter(self.name)
 
+    def state_bytes_on(self, grid: "Grid") -> float:
+        """Per parameter on `grid`: with the sharded optimizer, masters, optimizer state
+        and the summed gradient's block are divided by the data size."""
+        if grid.shard_optimizer:
+            return sharded_bytes_per_parameter(self.name, grid.data)
+        return self.state_bytes
+
     @property
     def act_bytes(self) -> int:
         """Per activation element kept or sent between stages."""
@@ -90,6 +97,7 @@ class Grid:
     micro_batch_size: int
     microbatches: int
     schedule: str = "1f1b"
+    shard_optimizer: bool = False   # masters and optimizer state over the data group (d > 1)
 
     @property
     def gpus(self) -> int:
@@ -102,7 +110,8 @@ class Grid:
 
     def describe(self) -> str:
         return (f"p={self.pipeline} d={self.data} b={self.micro_batch_size} "
-                f"m={self.microbatches} {self.schedule}")
+                f"m={self.microbatches} {self.schedule}"
+                + (" sharded" if self.shard_optimizer else ""))
 
 
 # -- formulas ---------------------------------------------------------------------------
@@ -196,6 +205,14 @@ def ring_allreduce_time(nbytes: float, ranks: int, bandwidth: float, latency: fl
     if ranks <= 1:
         return 0.0
     return 2 * (ranks - 1) / ranks * nbytes / bandwidth + 2 * (ranks - 1) * latency
+
+
+def ring_half_time(nbytes: float, ranks: int, bandwidth: float, latency: float) -> float:
+    """A ring reduce-scatter or all-gather: (d-1)/d of the buffer crosses each link, in d-1
+    steps (half an all-reduce)."""
+    if ranks <= 1:
+        return 0.0
+    return (ranks - 1) / ranks * nbytes / bandwidth + (ranks - 1) * latency
 
 
 def block_forward_flops(shape: Shape, micro_batch_size: int) -> float:
@@ -318,14 +335,26 @@ def exposed_allreduce_time(nbytes: float, ranks: int, bandwidth: float, latency:
 
 
 def _gradient_sync_time(shape: Shape, cluster: Cluster, prec: PrecisionBytes, stage: int,
-                        p: int, d: int, params: int, window_s: float) -> tuple[float, float]:
+                        p: int, d: int, params: int, window_s: float,
+                        sharded: bool = False) -> tuple[float, float]:
     """Per step: (the all-reduce over the stage's replicas plus the tied matrix's sum, the
     part of it after the last backward: all but the last bucket overlap the last micro-batch's
-    backward, `window_s`; the tied sum follows the replicas' all-reduce)."""
+    backward, `window_s`; the tied sum follows the replicas' all-reduce).
+
+    Sharded: a reduce-scatter of the fp32 gradients (overlapped as the all-reduce's buckets,
+    half its traffic) and an all-gather of the working weights after the step, counted
+    whole after it (it overlaps only the step of later buckets, itself 1/d as long)."""
     bw, lat = cluster.link([rank_of(stage, r, d) for r in range(d)])
     nbytes = params * prec.grad_reduce_bytes
-    total = ring_allreduce_time(nbytes, d, bw, lat)
-    exposed = exposed_allreduce_time(nbytes, d, bw, lat, window_s)
+    if sharded and d > 1:
+        gather = ring_half_time(params * prec.act_bytes, d, bw, lat)
+        scatter = ring_half_time(nbytes, d, bw, lat)
+        total = scatter + gather
+        exposed = exposed_allreduce_time(nbytes, d, bw, lat, window_s) * scatter \
+            / ring_allreduce_time(nbytes, d, bw, lat) + gather
+    else:
+        total = ring_allreduce_time(nbytes, d, bw, lat)
+        exposed = exposed_allreduce_time(nbytes, d, bw, lat, window_s)
     if p > 1 and stage in (0, p - 1) and shape.tie_embeddings:
         # The tied embedding / head matrix: its gradient is summed between the first and
         # the last stage after the replicas' all-reduce.
@@ -449,7 +478,7 @@ def stage_memory(shape: Shape, precision: PrecisionBytes, grid: Grid, stage: int
                                                 precision.activation_scale) - per_block
     chunks = schedule_chunks(grid.schedule)
     held = peak_held(grid.schedule, grid.pipeline, grid.microbatches, chunks)[stage]
-    return params * precision.state_bytes, held * per_mb / chunks, transient
+    return params * precision.state_bytes_on(grid), held * per_mb / chunks, transient
 
 
 def estimate(shape: Shape, cluster: Cluster, grid: Grid, recompute: str | Sequence[str],
@@ -505,13 +534,17 @@ def _stage_cost(shape: Shape, cluster: Cluster, prec: PrecisionBytes, grid: Grid
     # On calibrated (CPU, mpi4py) hardware MPI moves the buckets mostly when the engine waits
     # for them: nothing hides there.
     window = 0.0 if hw.calibrated else weight or bwd
-    allreduce, exposed = _gradient_sync_time(shape, cluster, prec, st, p, d, params, window)
+    sharded = grid.shard_optimizer and d > 1
+    allreduce, exposed = _gradient_sync_time(shape, cluster, prec, st, p, d, params, window,
+                                             sharded)
     if hw.layer_times is not None:
         optimizer = params * hw.layer_times.optimizer_s_per_param
     else:
         # Adam reads and writes ~30 bytes per parameter (master, gradient, m, v in fp32;
         # the working copy): memory-bound.
         optimizer = params * 30 / hw.memory_bandwidth
+    if sharded:
+        optimizer /= d          # each replica steps 1/d of the masters
     held = peak_held(grid.schedule, p, grid.microbatches, schedule_chunks(grid.schedule))[st]
     return StageCost(st, layers, count["block"], params, mode, held, state, acts, transient,
                      fwd, bwd, p2p, allreduce, optimizer, weight, exposed)

@@ -104,7 +104,7 @@ def make_plan(cluster: Cluster, *, compute: float | None = None, days: float | N
               global_batch: int | None = None, global_batch_tokens: float | None = None,
               precision: str = "bf16", schedules: Sequence[str] = PLANNED_SCHEDULES,
               recompute: Sequence[str] = RECOMPUTE, max_micro_batch: int = 16,
-              mfu: float | None = None) -> Plan:
+              mfu: float | None = None, shard_optimizer: str = "auto") -> Plan:
     """Size the model for the budget (or take the user's), then search the grid.
 
     The budget is `compute` FLOPs, or `days` on the whole cluster at `mfu` (when `mfu` is
@@ -125,7 +125,7 @@ def make_plan(cluster: Cluster, *, compute: float | None = None, days: float | N
             want = global_batch_tokens or default_batch_tokens(s.params)
             batch = nice_batch(want / s.seq_len)
         return batch, search(s, cluster, batch, precision, schedules, recompute,
-                             max_micro_batch)
+                             max_micro_batch, shard_optimizer=shard_optimizer)
 
     if days is None:
         alloc, optimal, shaped = size(compute)
@@ -336,7 +336,8 @@ def render_table(plan: Plan, config_path: str = "plan.toml", top: int = 5) -> st
     lines += [f"{k:<9}{v}" for k, v in kv]
     lines += ["", f"best plan: pipeline {g.pipeline} × data {g.data} = {g.gpus} GPUs, "
                   f"{g.microbatches} micro-batch{'es' if g.microbatches > 1 else ''} of "
-                  f"{g.micro_batch_size}, {g.schedule}"]
+                  f"{g.micro_batch_size}, {g.schedule}"
+                  + (", sharded optimizer" if g.shard_optimizer else "")]
     util = "" if hw.calibrated else f", MFU {plan.mfu:.0%}"
     lines.append(f"  step {best.step_time_s:.4g} s (bubble {best.bubble:.1%}, all-reduce + "
                  f"optimizer {best.tail_s:.3g} s){util}, {plan.train_days:.3g} days")
@@ -381,7 +382,8 @@ def train_toml(plan: Plan, command_line: str = "pipeflow plan") -> str:
                     schedule=g.schedule, partition="time" if v else best.boundaries,
                     precision=plan.precision,
                     recompute=modes[0] if len(set(modes)) == 1 else list(modes),
-                    backend="mpi" if hw.calibrated else "auto", clip=1.0, seed=0)
+                    backend="mpi" if hw.calibrated else "auto", clip=1.0, seed=0,
+                    shard_optimizer=g.shard_optimizer)
     train = {"steps": plan.steps, "batch_size": plan.global_batch,
              "lr": float(f"{default_lr(sh.params):.2g}")}
     a = plan.allocation

@@ -109,9 +109,15 @@ def choose_recompute(shape: Shape, cluster: Cluster, grid: Grid, precision: str,
 def search(shape: Shape, cluster: Cluster, global_batch: int, precision: str = "bf16",
            schedules: Sequence[str] = PLANNED_SCHEDULES, recompute: Sequence[str] = RECOMPUTE,
            max_micro_batch: int = 16,
-           grid_filter: Callable[[Grid], bool] | None = None) -> SearchResult:
+           grid_filter: Callable[[Grid], bool] | None = None,
+           shard_optimizer: str = "auto") -> SearchResult:
     """Evaluate every grid of `enumerate_grids` (those `grid_filter` keeps); rank those that
     fit by step time.
+
+    `shard_optimizer` ("auto", "on", "off") for grids with data > 1: "on" shards every one
+    (`Config.shard_optimizer`); "auto" shards a grid only where the unsharded one does not
+    fit any stage's memory with any recomputation allowed, so a plan that fits as it is
+    keeps the simpler all-reduce, and a plan that fits only sharded is not thrown away.
 
     Raises PlanError, naming what would fit, when none does.
     """
@@ -128,6 +134,9 @@ def search(shape: Shape, cluster: Cluster, global_batch: int, precision: str = "
             raise PlanError(f"unknown recomputation {r!r}; expected some of {list(RECOMPUTE)}")
     if precision not in PRECISIONS:
         raise PlanError(f"unknown precision {precision!r}; expected one of {list(PRECISIONS)}")
+    if shard_optimizer not in ("auto", "on", "off"):
+        raise PlanError(f"shard_optimizer must be 'auto', 'on' or 'off', found "
+                        f"{shard_optimizer!r}")
     prec = PRECISIONS[precision]
     fitting: list[Estimate] = []
     rejected: list[Rejection] = []
@@ -138,7 +147,17 @@ def search(shape: Shape, cluster: Cluster, global_batch: int, precision: str = "
         considered += 1
         bounds = time_balanced_boundaries(shape, cluster, prec, grid.pipeline,
                                           grid.micro_batch_size)
+        if shard_optimizer == "on" and grid.data > 1:
+            grid = dataclasses.replace(grid, shard_optimizer=True)
         modes, least = choose_recompute(shape, cluster, grid, precision, bounds, recompute)
+        if modes is None and shard_optimizer == "auto" and grid.data > 1:
+            sharded = dataclasses.replace(grid, shard_optimizer=True)
+            modes, least_sharded = choose_recompute(shape, cluster, sharded, precision, bounds,
+                                                    recompute)
+            if modes is not None:
+                grid = sharded
+            else:
+                least = least_sharded       # the least any choice reaches
         if modes is None:
             rejected.append(Rejection(grid, _memory_reason(least, cluster, recompute), least / GB))
             continue

@@ -76,6 +76,11 @@ class CheckpointState:
     model: list[str] | None = None         # layers.fingerprint: each layer's class and args
     plan: dict[str, Any] | None = None     # what ran: schedule ("auto" resolved), chunks,
                                            # boundaries ("time" resolved), for a resume
+    # Sharded optimizer (Config.shard_optimizer): whole optimizer state and group settings by
+    # name, gathered over the data group (so every replica calls it, and `master_state_dict`),
+    # and the loader that cuts them into this replica's blocks. None: read `optimizer`.
+    optimizer_entries: Callable[[], tuple[dict[str, dict], dict[str, dict]]] | None = None
+    load_optimizer_entries: Callable[[dict[str, dict], dict[str, dict]], None] | None = None
 
 
 def _layer_name(index: int) -> str:
@@ -111,8 +116,11 @@ def save_checkpoint(state: CheckpointState, directory: str | os.PathLike) -> str
     written: dict[str, tuple[str, int]] = {}
     problem = None
     try:
-        if topo.replica == 0:         # replicas hold identical copies: one writes
-            for i, shard in _shards(state).items():
+        # Replicas hold identical copies (sharded: blocks, gathered by every replica): one
+        # writes, the same per-layer files either way.
+        layers = _shards(state) if topo.replica == 0 or state.optimizer_entries else {}
+        if topo.replica == 0:
+            for i, shard in layers.items():
                 written[_layer_name(i)] = _write(os.path.join(folder, _layer_name(i)), shard)
         rng = _rng_name(topo.rank)
         written[rng] = _write(os.path.join(folder, rng), get_rng_state(state.device))
@@ -232,7 +240,16 @@ def _shards(state: CheckpointState) -> dict[int, dict[str, Any]]:
         i, local = _split_name(name)
         by_layer[i]["params"][local] = tensor.detach().to("cpu")
     opt = state.optimizer
-    if opt is not None:
+    if state.optimizer_entries is not None:
+        optim, groups = state.optimizer_entries()
+        for name in optim.keys() | groups.keys():
+            i, local = _split_name(name)
+            if name in optim:
+                by_layer[i]["optim"][local] = {k: v.detach().to("cpu") if torch.is_tensor(v)
+                                               else v for k, v in optim[name].items()}
+            if name in groups:
+                by_layer[i]["groups"][local] = groups[name]
+    elif opt is not None:
         group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
         for name, p in state.named_master_parameters():
             i, local = _split_name(name)
@@ -388,7 +405,9 @@ def load_checkpoint(state: CheckpointState, directory: str | os.PathLike) -> int
     if state.scaler is not None and meta.get("loss_scaler"):
         for k, v in meta["loss_scaler"].items():
             setattr(state.scaler, k, v)
-    if state.optimizer is not None:
+    if state.load_optimizer_entries is not None:
+        state.load_optimizer_entries(optim, groups)
+    elif state.optimizer is not None:
         _load_optimizer(state, optim, groups)
     _restore_rng(state, folder, meta, checksums)
     return int(meta["step"])

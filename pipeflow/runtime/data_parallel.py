@@ -46,15 +46,7 @@ class GradReducer:
         """`params` are watched for their gradients; `grad_params` (default: the same) hold
         the gradients that are reduced: with mixed precision, the fp32 masters, into which
         each working gradient has been added by a hook registered before this one."""
-        self.comm = comm
-        self.buckets: list[_Bucket] = []
-        self.armed = False
-        # ("launch", bucket) in order, this step's only (for tests).
-        self.events: list[tuple[str, int]] = []
-        self.thread = threading.get_ident()
-        self._ready: list[_Bucket] = []      # final, waiting for the engine's thread
-        self._lock = threading.Lock()
-        self._bucket_of: dict[int, _Bucket] = {}
+        self._setup(comm)
         grad_params = list(params if grad_params is None else grad_params)
         watched = {id(g): p for p, g in zip(params, grad_params)}
         group: list[nn.Parameter] = []
@@ -68,6 +60,19 @@ class GradReducer:
         if group:
             self._add_bucket(group, watched)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def _setup(self, comm: Communicator) -> None:
+        """The state every reducer starts with: no buckets, nothing armed or in flight."""
+        self.comm = comm
+        self.buckets: list[_Bucket] = []
+        self.armed = False
+        # ("launch", bucket) in order, this step's only (for tests).
+        self.events: list[tuple[str, int]] = []
+        self.thread = threading.get_ident()
+        self._ready: list[_Bucket] = []      # final, waiting for the engine's thread
+        self._lock = threading.Lock()
+        self._bucket_of: dict[int, _Bucket] = {}   # watched parameter -> its bucket
+        self._hooks: list = []
 
     def close(self) -> None:
         """Remove the gradient hooks: they hold the reducer, which holds the parameters, a
@@ -97,7 +102,9 @@ class GradReducer:
     def _on_grad(self, p: nn.Parameter) -> None:
         if not self.armed:
             return
-        bucket = self._bucket_of[id(p)]
+        bucket = self._bucket_of.get(id(p))
+        if bucket is None:              # launched by `finish` alone (a sharded tie's bucket)
+            return
         with self._lock:
             bucket.pending -= 1
             if bucket.pending == 0:
@@ -112,7 +119,11 @@ class GradReducer:
             ready, self._ready = self._ready, []
         for bucket in ready:
             self.events.append(("launch", self.buckets.index(bucket)))
-            bucket.request = self.comm.iallreduce_(bucket.flat)
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        """Start the bucket's reduction: here, the sum over the data group, in place."""
+        bucket.request = self.comm.iallreduce_(bucket.flat)
 
     def poll(self) -> None:
         """On the engine's thread: launch the buckets made final since the last call, and let

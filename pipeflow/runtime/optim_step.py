@@ -39,6 +39,8 @@ class StepStage(Protocol):
     precision: Precision
     optimizer: torch.optim.Optimizer | None
     reducer: GradReducer | None
+    shards: Any                         # `runtime.shard.ShardedOptimizer` (sharded) or None
+    data_comm: Communicator | None
     pipe_comm: Communicator
     ties: list[Any]                     # `runtime.stage.Tie`: weights shared across stages
     norm_params: list[nn.Parameter]     # the masters the gradient norm counts (ties once)
@@ -48,12 +50,17 @@ class StepStage(Protocol):
 
 def close_step(stage: StepStage, loss: float, stats: Any) -> None:
     """Sum, check, clip and apply this step's gradients; record the verdict in `stats`."""
-    if stage.reducer is not None:
-        stage.reducer.finish()          # waits only for the buckets still in flight
-    _sum_ties(stage)
     precision = stage.precision
-    precision.unscale_()
-    norm = grad_norm(stage)
+    if stage.shards is not None:
+        stage.shards.finish()           # reduce-scatters (ties summed over stages first)
+        stage.shards.unscale_(1.0 / precision.loss_scale)
+        norm = grad_norm(stage)
+    else:
+        if stage.reducer is not None:
+            stage.reducer.finish()      # waits only for the buckets still in flight
+        _sum_ties(stage)
+        precision.unscale_()
+        norm = grad_norm(stage)
     stats.grad_norm = norm
     finite = math.isfinite(norm) and math.isfinite(loss)
     if precision.scaler is not None:
@@ -63,16 +70,26 @@ def close_step(stage: StepStage, loss: float, stats: Any) -> None:
         return
     stats.nonfinite_in_row = 0
     clip = stage.config.clip
-    if clip > 0:
-        coef = clip / (norm + 1e-6)       # as torch.nn.utils.clip_grad_norm_, whole model
-        if coef < 1.0:
-            for p in precision.masters:
-                if p.grad is not None:
-                    p.grad.detach().mul_(coef)
+    # As torch.nn.utils.clip_grad_norm_, over the whole model.
+    coef = clip / (norm + 1e-6) if clip > 0 else 1.0
+    if stage.shards is not None:
+        stage.shards.step(coef)         # steps the blocks, all-gathers the working weights
+    else:
+        _step(stage, coef)
+    zero_grad(stage)
+
+
+def _step(stage: StepStage, coef: float) -> None:
+    """Unsharded: clip the masters' gradients by `coef` (< 1), step, refresh the working
+    copies."""
+    precision = stage.precision
+    if coef < 1.0:
+        for p in precision.masters:
+            if p.grad is not None:
+                p.grad.detach().mul_(coef)
     if stage.optimizer is not None:
         stage.optimizer.step()
         precision.refresh_working()
-    zero_grad(stage)
 
 
 def _sum_ties(stage: StepStage) -> None:
@@ -114,11 +131,17 @@ def _skip(stage: StepStage, stats: Any, loss: float, norm: float) -> None:
 
 
 def grad_norm(stage: StepStage) -> float:
-    """The whole grid's gradient norm: tied weights once, replicas once (they agree)."""
-    grads = [p.grad.detach() for p in stage.norm_params if p.grad is not None]
-    # Per-tensor norms (no fp64 copy of every gradient), squared and summed in fp64.
-    sq = (torch.stack([torch.linalg.vector_norm(g) for g in grads]).double().square().sum()
-          if grads else torch.zeros((), dtype=torch.float64, device=stage.device))
+    """The whole grid's gradient norm: tied weights once, replicas once (they agree). Sharded,
+    each replica holds a block of the summed gradient: the blocks' squares are summed over
+    the data group first, each element counted once."""
+    if stage.shards is not None:
+        sq = stage.shards.square_sum().to(stage.data_comm.device)
+        stage.data_comm.allreduce_(sq)
+    else:
+        grads = [p.grad.detach() for p in stage.norm_params if p.grad is not None]
+        # Per-tensor norms (no fp64 copy of every gradient), squared and summed in fp64.
+        sq = (torch.stack([torch.linalg.vector_norm(g) for g in grads]).double().square()
+              .sum() if grads else torch.zeros((), dtype=torch.float64, device=stage.device))
     sq = sq.reshape(1).to(stage.pipe_comm.device)    # NCCL groups take CUDA tensors only
     if stage.stages > 1:
         stage.pipe_comm.allreduce_(sq)
@@ -126,7 +149,11 @@ def grad_norm(stage: StepStage) -> float:
 
 
 def zero_grad(stage: StepStage) -> None:
-    if stage.reducer is not None:
+    if stage.shards is not None:
+        # The working grads first: fp32 parameters' `.grad` are views the shards then rebind.
+        stage.precision.zero_grad(masters=False)
+        stage.shards.zero_grad()
+    elif stage.reducer is not None:
         stage.reducer.zero_grad()       # the master gradients are views of its buckets
         stage.precision.zero_grad(masters=False)
     else:

@@ -11,7 +11,7 @@ from torch import nn
 from pipeflow.tree import cast_floating
 
 __all__ = ["DTYPES", "OPTIMIZER_STATES", "Precision", "LossScaler", "cast_floating", "itemsize",
-           "bytes_per_parameter", "class_matches"]
+           "bytes_per_parameter", "sharded_bytes_per_parameter", "class_matches"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # fp32 values the optimizer keeps per parameter: AdamW's first and second moments.
@@ -33,6 +33,20 @@ def bytes_per_parameter(precision: str, optimizer: str = "adamw") -> int:
     work = itemsize(precision)
     master = 4 if work != 4 else 0
     return work + master + 4 + 4 * OPTIMIZER_STATES[optimizer]
+
+
+def sharded_bytes_per_parameter(precision: str, data: int, optimizer: str = "adamw") -> float:
+    """Bytes one parameter holds with `Config.shard_optimizer` over `data` replicas, as
+    `runtime.shard` lays them out: the working weight and the whole fp32 gradient (micro-
+    batches accumulate into it) on every replica; the fp32 master, the block of the summed
+    gradient and the optimizer state 1/data each.
+
+    bf16 with AdamW: 2 + 4 + (4 + 4 + 8)/d = 6 + 16/d (Megatron-Core's 6 + 12/d has no
+    separate gradient block); fp32: 8 + 16/d. d = 1 is unsharded: `bytes_per_parameter`.
+    """
+    if data <= 1:
+        return float(bytes_per_parameter(precision, optimizer))
+    return itemsize(precision) + 4 + (4 + 4 + 4 * OPTIMIZER_STATES[optimizer]) / data
 
 
 @dataclasses.dataclass
@@ -76,8 +90,12 @@ class Precision:
     """
 
     def __init__(self, module: nn.Module, precision: str, fp32_modules: Sequence[Any] = (),
-                 scaler: LossScaler | None = None) -> None:
+                 scaler: LossScaler | None = None, sharded: bool = False) -> None:
+        """`sharded`: the trainable parameters' fp32 masters live in a `ShardedOptimizer`
+        (1/d of each on each replica), not here: this keeps masters of frozen parameters
+        only, and hands the exact fp32 start values over once (`take_initial`)."""
         self.name = precision
+        self.sharded = sharded
         self.dtype = DTYPES[precision]
         self.scaler = scaler
         self.mixed = self.dtype != torch.float32
@@ -87,15 +105,29 @@ class Precision:
             self._cast_down(module, fp32_modules)
         self.all_working = params
         self.working = [p for p in params if p.requires_grad]
-        if self.mixed:
+        self._initial: dict[int, torch.Tensor] = {}
+        if self.mixed and sharded:
+            self._master_of = {id(p): nn.Parameter(exact[id(p)], requires_grad=False)
+                               for p in params if not p.requires_grad}
+            self._initial = {id(p): exact[id(p)] for p in self.working}
+        elif self.mixed:
             self._master_of = {id(p): nn.Parameter(exact[id(p)], requires_grad=p.requires_grad)
                                for p in params}
             for p in self.working:
                 p.register_post_accumulate_grad_hook(_accumulate_into(self._master_of[id(p)]))
         else:
             self._master_of = {id(p): p for p in params}
-        # What the optimizer steps: trainable parameters only.
-        self.masters = [self._master_of[id(p)] for p in self.working]
+        # What the optimizer steps: trainable parameters only (sharded: none of them here).
+        self.masters = [] if sharded else [self._master_of[id(p)] for p in self.working]
+
+    def take_initial(self) -> dict[int, torch.Tensor]:
+        """Sharded: the exact fp32 start values of the trainable parameters, by id of their
+        working parameter (the working copies may be rounded already); given once, then
+        dropped here."""
+        if not self.mixed:
+            return {id(p): p.detach() for p in self.working}
+        initial, self._initial = self._initial, {}
+        return initial
 
     def _cast_down(self, module: nn.Module, fp32_modules: Sequence[Any]) -> None:
         """Cast every module's own parameters and buffers to the working dtype, but those of
@@ -113,6 +145,11 @@ class Precision:
                            recurse=False)
 
     def master_of(self, p: nn.Parameter) -> nn.Parameter:
+        if id(p) not in self._master_of and self.sharded:
+            raise KeyError(
+                f"the fp32 master of a trainable parameter of shape {tuple(p.shape)} is "
+                f"sharded over the data group (Config.shard_optimizer): ask the stage's "
+                f"ShardedOptimizer (full_masters) for its whole value")
         return self._master_of[id(p)]
 
     @property
@@ -145,8 +182,10 @@ class Precision:
         """Set parameters (by id of their working parameter) from full-precision values."""
         for p in self.all_working:
             if id(p) in values:
-                self._master_of[id(p)].copy_(values[id(p)])
-                if self.mixed:
+                master = self._master_of.get(id(p))      # sharded: not here, see above
+                if master is not None:
+                    master.copy_(values[id(p)])
+                if self.mixed or master is None:
                     p.copy_(values[id(p)])
 
     def zero_grad(self, masters: bool = True) -> None:

@@ -19,6 +19,7 @@ from pipeflow.config import Config, ConfigError
 from pipeflow.layers import LayerSpec, build_layer, get_parameter, set_parameter, tie_groups
 from pipeflow.runtime.data_parallel import GradReducer
 from pipeflow.runtime.precision import LossScaler, Precision, class_matches
+from pipeflow.runtime.shard import ShardedOptimizer
 from pipeflow.schedules.ir import Action
 from pipeflow.schedules.plan import Plan
 
@@ -80,13 +81,19 @@ class Stage:
         self.ties = self._tie(layers, built)
         self.module = StageModule(built).to(self.device)
         self.chunk_layers = [[self.module.get_submodule(str(i)) for i in r] for r in ranges]
+        # The distributed optimizer: masters and optimizer state sharded over the replicas.
+        self.sharded = config.shard_optimizer and topo.data > 1
         self.precision = Precision(self.module, config.precision, config.fp32_modules,
-                                   _scaler(config))
+                                   _scaler(config), sharded=self.sharded)
         self.recompute = self.plan.recompute[self.index]   # "auto": resolved on first use
         mark_selective(self.module, config.recompute_modules, self.recompute, self.describe())
         self.backend = choose_backend(config.backend, topo, self.device)
         self.pipe_comm, self.data_comm = self._communicators()
         self._tie_groups()
+        self.shards: ShardedOptimizer | None = None
+        if self.sharded:
+            self._build_sharded(optimizer)
+            return
         masters = self.precision.masters
         self.reducer = (GradReducer(self.precision.working, self.data_comm,
                                     int(config.bucket_mb * 2**20), grad_params=masters)
@@ -96,6 +103,20 @@ class Stage:
         self.norm_params = [self.precision.master_of(p) for p in self.precision.working
                             if id(p) not in later]
         self.optimizer = _make_optimizer(optimizer, masters, topo.describe())
+
+    def _build_sharded(self, factory: OptimizerFactory) -> None:
+        """Config.shard_optimizer on d > 1 replicas: the reducer, the masters and the optimizer
+        are one `ShardedOptimizer` (the norm is summed from its blocks, not `norm_params`)."""
+        working = self.precision.working
+        self.norm_params = []
+        self.reducer = self.optimizer = None
+        if not working:
+            return
+        probe = _make_optimizer(factory, working, self.describe())
+        self.shards = ShardedOptimizer(working, self.precision.take_initial(), self.ties,
+                                       self.data_comm, int(self.config.bucket_mb * 2**20),
+                                       probe, self.describe())
+        self.reducer, self.optimizer = self.shards, self.shards.optimizer
 
     # -- where things are (the plan's facts about this rank) -----------------------------
     @property

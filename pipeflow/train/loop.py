@@ -26,7 +26,8 @@ from pipeflow.train import hub
 from pipeflow.train.data import Batches, load_corpus, packed_positions, token_file
 from pipeflow.engine import Engine
 from pipeflow.runtime.failure import report_and_abort, say
-from pipeflow.train.metrics import MetricsLog, count_parameters, peak_flops, stage_stats
+from pipeflow.train.metrics import (MetricsLog, count_parameters, memory_reports, peak_flops,
+                                   stage_stats)
 from pipeflow.train.model_table import Model, build_model
 from pipeflow.train.run_config import DataConfig, RunConfig, TrainConfig, load_run_config
 from pipeflow.train.trace import write_trace
@@ -482,6 +483,7 @@ def _record(loop: _Loop, step: int, loss: float) -> None:
     engine, t = loop.engine, loop.run.train
     with engine.watched("metrics"):
         stages = stage_stats(engine)
+        memory = memory_reports(engine)
     if not loop.rank0:
         return
     dt = engine.stats.step_time
@@ -491,7 +493,7 @@ def _record(loop: _Loop, step: int, loss: float) -> None:
         "step": step, "loss": loss, "lr": lr_at(step, t), "grad_norm": engine.stats.grad_norm,
         "loss_scale": engine.loss_scale, "skipped_steps": engine.stats.skipped_steps,
         "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
-        "flops_per_token": loop.flops_per_token, "stages": stages})
+        "flops_per_token": loop.flops_per_token, "stages": stages, "memory": memory})
     loop.out.line(f"step {step:5d}  loss {loss:.4f}  lr {lr_at(step, t):.2e}  "
                   f"{tokens_per_s:8.0f} tok/s  MFU {mfu:6.2%}  {dt * 1e3:7.1f} ms/step  "
                   f"bubble {[s['bubble'] for s in stages]}")

@@ -18,7 +18,8 @@ from pipeflow.train.trace import COMPUTE_KINDS, op_kind
 if TYPE_CHECKING:
     from pipeflow.engine import Engine
 
-__all__ = ["bubble_fraction", "peak_flops", "count_parameters", "stage_stats", "MetricsLog"]
+__all__ = ["bubble_fraction", "peak_flops", "count_parameters", "stage_stats", "memory_reports",
+           "MetricsLog"]
 
 # Dense bf16 peaks (FLOP/s) of common accelerators, from their data sheets (no sparsity).
 GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
@@ -118,6 +119,13 @@ def stage_stats(engine: "Engine") -> list[dict[str, Any]] | None:
     return [{"stage": s, "peak_memory_bytes": max(v[0] for v in rows), "memory": rows[0][1],
              "bubble": round(sum(v[2] for v in rows) / len(rows), 4)}
             for s, rows in sorted(stages.items())]
+
+
+def memory_reports(engine: "Engine") -> list[dict[str, Any]] | None:
+    """Every rank's `engine.memory_report()` (bytes of working weights, masters, gradients,
+    optimizer state, activations at peak, and per parameter), by world rank, on world rank
+    0; a collective: every rank calls it at the same step."""
+    return waiting.gather(engine.topo.world, engine.memory_report(), 0)
 
 
 class MetricsLog:

@@ -1,0 +1,380 @@
+"""The distributed optimizer (ZeRO stage 1, Megatron-Core's distributed optimizer): a stage's
+fp32 masters and optimizer state sharded over its data group.
+
+Per bucket of the stage's trainable parameters (one parameter group a bucket, padded to a
+multiple of the data size d), each replica holds:
+
+    weights  the working copies, all of them: every parameter is a view into this buffer
+    flat     the fp32 gradient, all of it: micro-batches accumulate into it (with pipelining
+             the gradient must stay whole until the last micro-batch, so only the optimizer
+             state and the masters are sharded: stage 1 of ZeRO)
+    master   its block (1/d) of the fp32 masters, what the optimizer steps; its `.grad` is the
+             block of the summed gradient the reduce-scatter delivers
+
+A step: after the last backward each bucket is reduce-scattered over the data group as soon
+as it is final (overlapping the rest of the backward, as the all-reduce did); the gradient
+norm is summed from the blocks (each element counted once); each bucket's block is stepped,
+cast to the working dtype and all-gathered into `weights` while the next bucket is stepped.
+
+What overlaps: reduce-scatters with the last backward (bucket by bucket, as `GradReducer`);
+each bucket's all-gather with the optimizer step of the buckets after it. MPI moves
+non-blocking collectives only inside MPI calls, so on the MPI backend the all-gathers
+progress at the `test()` between buckets; NCCL runs them on the communication stream.
+
+A weight tied across stages has a bucket of its own, launched by `finish` only: its whole
+gradient is first summed over the stages that hold it (one replica's holders), then
+reduce-scattered over the replicas; the sum over (stage, replica) is the same, and every
+holder's block, master and state stay identical. Its block counts in the norm on the first
+holder only.
+
+Optimizers: any whose state is per element (SGD, Adam, AdamW, ... see ELEMENTWISE), built by
+the user's factory and then rebuilt over the blocks with every parameter group's settings
+kept. The optimizer is stepped once per bucket (the other blocks' `.grad` hidden), so a
+step hook registered on it runs once per bucket.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from pipeflow.comm.base import Communicator, Request
+from pipeflow.comm.mpi import mpi_iallreduce_
+from pipeflow.config import ConfigError
+from pipeflow.runtime.data_parallel import GradReducer, _Bucket, _bind
+
+__all__ = ["ShardedOptimizer", "ELEMENTWISE", "WHOLE_TENSOR", "check_elementwise"]
+
+# Optimizers whose update of an element reads only that element's gradient and state: a
+# flat block of a bucket steps exactly as the whole tensors would.
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop",
+               "Rprop", "Adadelta", "ASGD")
+# Optimizers known to need whole tensors: factored or matrix state, closures, sparse grads.
+WHOLE_TENSOR = {"LBFGS": "re-evaluates a closure and keeps a history over every parameter "
+                         "flattened together",
+                "Adafactor": "factors its second moment over the rows and columns of each "
+                             "matrix",
+                "SparseAdam": "takes sparse gradients, not flat blocks",
+                "Shampoo": "preconditions each matrix with its own row and column factors",
+                "Muon": "orthogonalises each matrix's update as a whole",
+                "Lamb": "scales each tensor's update by that tensor's norm",
+                "LARS": "scales each tensor's update by that tensor's norm"}
+
+
+def check_elementwise(opt: torch.optim.Optimizer, where: str) -> None:
+    """Refuse an optimizer whose update needs whole tensors (or cannot be shown not to): a
+    block of a flat bucket would step differently. Torch's elementwise optimizers pass; a
+    class of the user's passes when it sets `pipeflow_elementwise = True`."""
+    kind = type(opt)
+    name = kind.__name__
+    if getattr(opt, "pipeflow_elementwise", False) or (
+            kind.__module__.startswith("torch.optim") and name in ELEMENTWISE):
+        return
+    why = next((text for key, text in WHOLE_TENSOR.items() if key.lower() in name.lower()),
+               None)
+    found = f"it {why}" if why else "pipeflow cannot tell whether its state is per element"
+    raise ConfigError(
+        f"{where}: Config.shard_optimizer steps flat blocks of 1/d of each bucket, which "
+        f"needs an optimizer whose update and state are per element ({', '.join(ELEMENTWISE)} "
+        f"of torch.optim); found {kind.__module__}.{name}: {found}. Turn shard_optimizer "
+        f"off for it" + ("" if why else ", or set `pipeflow_elementwise = True` on the "
+                         "optimizer class if its update is per element"))
+
+
+class _ShardBucket(_Bucket):
+    """A bucket of one parameter group: whole working weights and fp32 gradient, and this
+    replica's block of the masters (see the module's docstring)."""
+
+    def __init__(self, params: list[nn.Parameter], flat: torch.Tensor,
+                 weights: torch.Tensor, group: int, block: slice, tie: Any = None) -> None:
+        super().__init__(params, flat)
+        self.weights, self.group, self.block, self.tie = weights, group, block, tie
+        n = block.stop - block.start
+        self.master = nn.Parameter(torch.zeros(n, dtype=torch.float32, device=flat.device))
+        self.master.grad = torch.zeros_like(self.master)
+        # The block cast to the working dtype, sent by the all-gather (fp32: the master).
+        self.send = (torch.empty(n, dtype=weights.dtype, device=flat.device)
+                     if weights.dtype != torch.float32 else None)
+        self.gather: Request | None = None
+
+    def offsets(self) -> list[tuple[nn.Parameter, int, int]]:
+        """(parameter, start, end) of each parameter in the flat buffers."""
+        out, start = [], 0
+        for p in self.params:
+            out.append((p, start, start + p.numel()))
+            start += p.numel()
+        return out
+
+
+class ShardedOptimizer(GradReducer):
+    """Reduce-scatter of the gradient buckets, the optimizer over this replica's blocks, the
+    all-gather of the working weights. Takes `GradReducer`'s place for the runner (`arm`,
+    `poll`, `finish`, `zero_grad`) and the optimizer's for the step closer."""
+
+    def __init__(self, working: Sequence[nn.Parameter], initial: dict[int, torch.Tensor],
+                 ties: Sequence[Any], comm: Communicator, bucket_bytes: int,
+                 probe: torch.optim.Optimizer, where: str) -> None:
+        """`working`: the stage's trainable parameters; `initial`: their exact fp32 start
+        values (by id); `ties`: the stage's `Tie`s; `probe`: the user's optimizer over
+        `working`, read for its type and parameter groups, then rebuilt over the blocks."""
+        self._setup(comm)
+        self.where = where
+        check_elementwise(probe, where)
+        group_of = {id(p): g for g, grp in enumerate(probe.param_groups) for p in grp["params"]}
+        tie_of = {id(t.param): t for t in ties}
+        # A bucket holds one parameter group and one working dtype (fp32_modules stay fp32).
+        open_buckets: dict[tuple[int, torch.dtype], tuple[list[nn.Parameter], int]] = {}
+        for p in reversed(list(working)):     # backward's order: early buckets final early
+            if id(p) in tie_of:
+                self._add_bucket_of([p], group_of[id(p)], initial, tie_of[id(p)])
+                continue
+            key = (group_of[id(p)], p.dtype)
+            params, size = open_buckets.pop(key, ([], 0))
+            params.append(p)
+            size += p.numel() * 4
+            if size >= bucket_bytes:
+                self._add_bucket_of(params, key[0], initial)
+            else:
+                open_buckets[key] = (params, size)
+        for (g, _), (params, _) in open_buckets.items():
+            self._add_bucket_of(params, g, initial)
+        # Each parameter's fp32 gradient: its view of its bucket's `flat`.
+        self._grad_view = {id(p): b.flat[start:end].view_as(p)
+                           for b in self.buckets for p, start, end in b.offsets()}
+        self.optimizer = self._rebuild(probe)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in working]
+        self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for p in working]
+
+    # -- construction ---------------------------------------------------------------------
+    def _add_bucket_of(self, params: list[nn.Parameter], group: int,
+                       initial: dict[int, torch.Tensor], tie: Any = None) -> None:
+        """A padded bucket for `params`: they become views of its working buffer; this
+        replica's block of their fp32 start values becomes its master."""
+        d, r = self.comm.size, self.comm.rank
+        numel = sum(p.numel() for p in params)
+        padded = -(-numel // d) * d
+        device, dtype = params[0].device, params[0].dtype
+        flat = torch.zeros(padded, dtype=torch.float32, device=device)
+        weights = torch.zeros(padded, dtype=dtype, device=device)
+        n = padded // d
+        bucket = _ShardBucket(params, flat, weights, group, slice(r * n, (r + 1) * n), tie)
+        full = torch.zeros(padded, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for p, a, b in bucket.offsets():
+                full[a:b].copy_(initial[id(p)].reshape(-1))
+                weights[a:b].copy_(p.detach().reshape(-1))
+                p.data = weights[a:b].view_as(p)
+            bucket.master.copy_(full[bucket.block])
+        if dtype == torch.float32:
+            _bind(bucket)          # fp32: the parameters' `.grad` are views of `flat`
+        self.buckets.append(bucket)
+        if tie is None:            # a tie's bucket is launched by `finish`, after its sum
+            for p in params:
+                self._bucket_of[id(p)] = bucket
+
+    def _rebuild(self, probe: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The user's optimizer, emptied and filled with the masters' blocks: each block in
+        the group its parameters were in, with that group's settings."""
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in probe.param_groups]
+        probe.param_groups.clear()
+        probe.state.clear()
+        for g, setting in enumerate(settings):
+            blocks = [b.master for b in self.buckets if b.group == g]
+            if blocks:
+                probe.add_param_group({**setting, "params": blocks})
+        return probe
+
+    # -- gradients ------------------------------------------------------------------------
+    def _accumulate(self, p: nn.Parameter) -> None:
+        """Low-precision working weights: add the gradient into its fp32 view of `flat`, free
+        it (fp32 ones accumulate into the view directly)."""
+        if p.dtype == torch.float32:
+            return
+        self._grad_view[id(p)].add_(p.grad)
+        p.grad = None
+
+    def _launch(self, bucket: _Bucket) -> None:
+        """Reduce-scatter: block `rank` of the sum over the data group into `master.grad`."""
+        bucket.request = self.comm.ireduce_scatter_(bucket.flat, bucket.master.grad)
+
+    def finish(self) -> None:
+        """Launch what is left (buckets without gradients this step; ties, once summed over
+        their stages), then wait for every reduce-scatter."""
+        self._launch_ready()
+        with self._lock:
+            self._ready = [b for b in self.buckets if b.request is None and b.tie is None]
+        self._launch_ready()
+        for b in self.buckets:
+            if b.tie is not None:
+                _sum_over_holders(b.tie, b.flat)
+                self.events.append(("launch", self.buckets.index(b)))
+                self._launch(b)
+        for b in self.buckets:
+            b.request.wait()
+            b.request = None
+        self.armed = False
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.flat.zero_()
+            if b.weights.dtype == torch.float32:
+                _bind(b)
+
+    # -- the step -------------------------------------------------------------------------
+    def unscale_(self, inv_scale: float) -> None:
+        for b in self.buckets:
+            b.master.grad.mul_(inv_scale)
+
+    def square_sum(self) -> torch.Tensor:
+        """Sum of squares of this replica's blocks of the summed gradient (fp64, one element),
+        a tie's on its first holder only: summed over the data group and the pipeline it is
+        the squared norm, each element counted once."""
+        norms = [torch.linalg.vector_norm(b.master.grad) for b in self.buckets
+                 if b.tie is None or b.tie.first]
+        if not norms:
+            return torch.zeros(1, dtype=torch.float64)
+        return torch.stack(norms).double().square().sum().reshape(1)
+
+    def step(self, coef: float = 1.0) -> None:
+        """Clip the blocks by `coef` (< 1), step each bucket's block and all-gather its working
+        weights while the next bucket is stepped; return once every gather is done."""
+        grads = [b.master.grad for b in self.buckets]
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        for b in self.buckets:
+            b.master.grad = None
+        try:
+            for b, g in zip(self.buckets, grads):
+                b.master.grad = g
+                self.optimizer.step()
+                b.master.grad = None
+                b.gather = self.comm.iallgather_(self._outgoing(b), b.weights)
+                for other in self.buckets:
+                    if other.gather is not None:
+                        other.gather.test()
+        finally:
+            for b, g in zip(self.buckets, grads):
+                b.master.grad = g
+        for b in self.buckets:
+            if b.gather is not None:
+                b.gather.wait()
+                b.gather = None
+
+    @staticmethod
+    @torch.no_grad()
+    def _outgoing(b: _ShardBucket) -> torch.Tensor:
+        if b.send is None:
+            return b.master.detach()
+        b.send.copy_(b.master.detach())
+        return b.send
+
+    # -- whole values (state dicts, checkpoints) ------------------------------------------
+    def _gathered(self, b: _ShardBucket, block: torch.Tensor) -> torch.Tensor:
+        whole = torch.empty(b.flat.numel(), dtype=block.dtype, device=block.device)
+        self.comm.iallgather_(block.detach().contiguous(), whole).wait()
+        return whole
+
+    def full_masters(self) -> dict[int, torch.Tensor]:
+        """Every trainable parameter's whole fp32 master, by id of its working parameter.
+        Collective over the data group."""
+        out = {}
+        for b in self.buckets:
+            whole = self._gathered(b, b.master)
+            for p, start, end in b.offsets():
+                out[id(p)] = whole[start:end].view_as(p).clone()
+        return out
+
+    def full_optimizer_state(self) -> tuple[dict[int, dict], dict[int, dict]]:
+        """(state, group settings) per trainable parameter (by id of its working parameter),
+        whole, as an unsharded optimizer would hold them: per-element tensors gathered and
+        cut per parameter, anything else (a step count) copied. Collective over the group."""
+        states: dict[int, dict] = {}
+        settings: dict[int, dict] = {}
+        for b in self.buckets:
+            group = self.optimizer.param_groups[self._group_index(b)]
+            kept = {k: v for k, v in group.items() if k != "params"}
+            state = self.optimizer.state.get(b.master, {})
+            whole = {k: self._gathered(b, v) for k, v in sorted(state.items())
+                     if _per_element(v, b.master)}
+            for p, start, end in b.offsets():
+                settings[id(p)] = dict(kept)
+                if state:
+                    states[id(p)] = {k: (whole[k][start:end].view_as(p).clone() if k in whole
+                                         else (v.clone() if torch.is_tensor(v) else v))
+                                     for k, v in state.items()}
+        return states, settings
+
+    def _group_index(self, b: _ShardBucket) -> int:
+        for i, g in enumerate(self.optimizer.param_groups):
+            if any(m is b.master for m in g["params"]):
+                return i
+        raise KeyError(f"{self.where}: a bucket's master is in no parameter group")
+
+    @torch.no_grad()
+    def load_full(self, values: dict[int, torch.Tensor]) -> None:
+        """Set this replica's blocks of the masters from whole values (by id of the working
+        parameter; the working weights themselves are set by `Precision.load_masters`)."""
+        for b in self.buckets:
+            kept = any(id(p) not in values for p in b.params)   # alike on every replica
+            full = self._gathered(b, b.master) if kept else \
+                torch.zeros(b.flat.numel(), dtype=torch.float32, device=b.flat.device)
+            for p, start, end in b.offsets():
+                if id(p) in values:
+                    full[start:end].copy_(values[id(p)].reshape(-1))
+            b.master.copy_(full[b.block])
+
+    def load_optimizer_state(self, states: dict[int, dict], settings: dict[int, dict]) -> None:
+        """Cut whole per-parameter optimizer state (by id of the working parameter, e.g. from
+        a checkpoint of any grid) into this replica's blocks; per-element tensors missing for
+        some parameters of a bucket start at zero, other values come from the first found."""
+        for b in self.buckets:
+            found = [(states[id(p)], start, end) for p, start, end in b.offsets()
+                     if id(p) in states]
+            for p, _, _ in b.offsets():
+                if id(p) in settings:
+                    self.optimizer.param_groups[self._group_index(b)].update(settings[id(p)])
+                    break
+            if not found:
+                self.optimizer.state.pop(b.master, None)
+                continue
+            state: dict[str, Any] = {}
+            for key in found[0][0]:
+                sample = found[0][0][key]
+                if torch.is_tensor(sample) and sample.dim() >= 1 \
+                        and sample.numel() == found[0][2] - found[0][1]:
+                    full = torch.zeros(b.flat.numel(), dtype=sample.dtype,
+                                       device=b.flat.device)
+                    for st, start, end in found:
+                        full[start:end].copy_(st[key].reshape(-1))
+                    state[key] = full[b.block].clone()
+                else:
+                    state[key] = sample.clone() if torch.is_tensor(sample) else sample
+            self.optimizer.state[b.master] = state
+
+    # -- memory ---------------------------------------------------------------------------
+    def memory(self) -> dict[str, int]:
+        """Bytes this replica holds: working buffers (incl. padding and the cast block),
+        master blocks, gradient buffers (whole fp32 buckets and the summed blocks)."""
+        working = sum(b.weights.numel() * b.weights.element_size()
+                      + (b.send.numel() * b.send.element_size() if b.send is not None else 0)
+                      for b in self.buckets)
+        masters = sum(b.master.numel() * 4 for b in self.buckets)
+        grads = sum(b.flat.numel() * 4 + b.master.grad.numel() * 4 for b in self.buckets)
+        return {"working": working, "masters": masters, "gradients": grads}
+
+
+def _per_element(value: Any, master: torch.Tensor) -> bool:
+    """Whether optimizer state `value` holds one entry per element of the block `master`."""
+    return torch.is_tensor(value) and value.dim() >= 1 and value.shape == master.shape
+
+
+def _sum_over_holders(tie: Any, flat: torch.Tensor) -> None:
+    """A tied weight's whole gradient summed over the stages of this replica that hold it."""
+    if tie.dist is None:
+        mpi_iallreduce_(tie.comm, flat).wait()
+    else:
+        tie.dist.allreduce_(flat)
+

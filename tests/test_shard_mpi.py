@@ -1,0 +1,298 @@
+"""The distributed optimizer (`Config(shard_optimizer=True)`): the same training as unsharded
+and as one process, with 1/d of the masters and optimizer state on each replica.
+
+Run under `mpirun -n 2` (grid 1x2) and `-n 4` (grids 2x2 and 1x4) with `--with-mpi`. The toy
+model's tiny buckets (`bucket_mb`) are padded to a multiple of d, so replicas hold blocks of
+unequal real content: a block summed or gathered into the wrong place shows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mpi4py import MPI
+from torch import nn
+
+import pipeflow as pf
+from pipeflow.config import ConfigError
+
+from toy import (VOCAB, Block, Embed, Head, adamw, assert_same_parameters, batches, loss_fn,
+                 pair, sgd, sgd_momentum, toy_layers, train_reference)
+
+WORLD = MPI.COMM_WORLD
+GRIDS = {2: [(1, 2)], 4: [(2, 2), (1, 4)]}.get(WORLD.size, [])
+BATCH = 24
+TINY = 0.0005      # MiB: several buckets a stage
+
+
+class FrozenBlock(Block):
+    """A block whose first projection is frozen (requires_grad False)."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__(width, hidden)
+        self.up.requires_grad_(False)
+
+
+def _run(layers, optimizer, steps, **config):
+    """Train on `steps`; (losses, gathered state on rank 0, engine's stats, working weights)."""
+    engine = pf.Engine(layers, loss_fn, optimizer,
+                       pf.Config(microbatches=3, bucket_mb=TINY, **config))
+    losses = [engine.train_step(x, y) for x, y in steps]
+    state = engine.gather_state_dict()
+    working = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    result = (losses, state, engine.stats.grad_norm, working, engine.loss_scale,
+              engine.stats.skipped_steps)
+    engine.close()
+    return result
+
+
+def _verdict(ok: bool, text: str) -> None:
+    """Every rank fails together (a rank-local assert would leave the others blocked)."""
+    views = WORLD.allgather((ok, text))
+    bad = [f"rank {r}: {t}" for r, (o, t) in enumerate(views) if not o]
+    assert not bad, "; ".join(bad)
+
+
+def _same(state, other, rtol):
+    try:
+        assert_same_parameters(state, other, rtol=rtol)
+    except AssertionError as exc:
+        return False, str(exc)
+    return True, ""
+
+
+def _replicas_agree(working):
+    """Each stage's replicas hold identical working weights after the all-gather."""
+    views = WORLD.allgather(working)
+    for other in views:
+        for k, v in other.items():
+            if k in working and not torch.equal(v, working[k]):
+                return False, f"working weight {k} differs between replicas"
+    return True, ""
+
+
+CASES = {"sgd": (sgd, False, 0.0), "sgd-momentum-tied-clip": (sgd_momentum, True, 0.3),
+         "adamw-tied-clip": (adamw, True, 0.3)}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("pipeline,data", GRIDS)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_sharded_trains_like_unsharded_and_one_process(pipeline, data, schedule, case):
+    optimizer, tied, clip = CASES[case]
+    layers = toy_layers(tied=tied)
+    steps = batches(3, BATCH)
+    grid = dict(pipeline=pipeline, data=data, schedule=schedule, clip=clip)
+    plain = _run(layers, optimizer, steps, **grid)
+    sharded = _run(layers, optimizer, steps, shard_optimizer=True, **grid)
+    assert sharded[0] == pytest.approx(plain[0], rel=1e-6)
+    if clip:
+        assert sharded[2] > clip, "the clip never bit: the test would prove nothing"
+        assert sharded[2] == pytest.approx(plain[2], rel=1e-6)
+    ok, text = True, ""
+    if WORLD.rank == 0:
+        reference, ref_losses = train_reference(layers, steps, clip=clip, optimizer=optimizer)
+        ok, text = _same(sharded[1], plain[1], 1e-6)
+        if ok:
+            ok, text = _same(sharded[1], reference.state_dict(), 1e-5)
+        if ok and sharded[0] != pytest.approx(ref_losses, rel=1e-5):
+            ok, text = False, f"losses {sharded[0]} != one process {ref_losses}"
+    _verdict(ok, text)
+    _verdict(*_replicas_agree(sharded[3]))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("pipeline,data", GRIDS)
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_sharded_equals_unsharded(pipeline, data, precision):
+    # The same fp32 accumulation, sum and update as unsharded: masters agree to fp32 rounding;
+    # against one process in fp32 only within low precision's error.
+    layers = toy_layers(tied=True)
+    steps = batches(3, BATCH)
+    grid = dict(pipeline=pipeline, data=data, precision=precision, clip=0.5)
+    plain = _run(layers, sgd_momentum, steps, **grid)
+    sharded = _run(layers, sgd_momentum, steps, shard_optimizer=True, **grid)
+    assert sharded[0] == pytest.approx(plain[0], rel=1e-6)
+    assert sharded[4] == plain[4]
+    ok, text = True, ""
+    if WORLD.rank == 0:
+        ok, text = _same(sharded[1], plain[1], 1e-6)
+        _, ref_losses = train_reference(layers, steps, clip=0.5, optimizer=sgd_momentum)
+        if ok and sharded[0] != pytest.approx(ref_losses, rel=2e-2):
+            ok, text = False, f"losses {sharded[0]} far from one process's {ref_losses}"
+    _verdict(ok, text)
+    _verdict(*_replicas_agree(sharded[3]))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("pipeline,data", GRIDS)
+def test_fp16_overflow_skips_on_every_rank_alike(pipeline, data):
+    # A loss scale of 2^30 overflows fp16 gradients: the first steps are skipped everywhere,
+    # the scale backs off alike, and the weights follow the unsharded run's.
+    layers = toy_layers()
+    steps = batches(4, BATCH)
+    grid = dict(pipeline=pipeline, data=data, precision="fp16", loss_scale=2.0 ** 30)
+    plain = _run(layers, sgd, steps, **grid)
+    sharded = _run(layers, sgd, steps, shard_optimizer=True, **grid)
+    views = WORLD.allgather((sharded[4], sharded[5]))
+    assert sharded[5] >= 1, "no step overflowed: the test would prove nothing"
+    assert views == [views[0]] * WORLD.size
+    assert (sharded[4], sharded[5]) == (plain[4], plain[5])
+    ok, text = _same(sharded[1], plain[1], 1e-6) if WORLD.rank == 0 else (True, "")
+    _verdict(ok, text)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("pipeline,data", GRIDS)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_frozen_parameters_stay_put_and_are_not_sharded(pipeline, data, precision):
+    layers = toy_layers(blocks=3)
+    layers[2] = pf.LayerSpec(FrozenBlock, layers[2].args[0], layers[2].args[1])
+    steps = batches(3, BATCH)
+    grid = dict(pipeline=pipeline, data=data, precision=precision)
+    plain = _run(layers, adamw, steps, **grid)
+    sharded = _run(layers, adamw, steps, shard_optimizer=True, **grid)
+    ok, text = True, ""
+    if WORLD.rank == 0:
+        start = pf.build_sequential(layers, 0).state_dict()
+        ok, text = _same(sharded[1], plain[1], 1e-6)
+        if ok and not torch.equal(sharded[1]["2.up.weight"], start["2.up.weight"]):
+            ok, text = False, "the frozen weight 2.up.weight moved"
+        if ok and precision == "fp32":
+            reference, _ = train_reference(layers, steps, optimizer=adamw)
+            ok, text = _same(sharded[1], reference.state_dict(), 1e-5)
+    _verdict(ok, text)
+
+
+def _wide_layers(width: int = 64) -> list[pf.LayerSpec]:
+    return [pf.LayerSpec(Embed, VOCAB, width), pf.LayerSpec(Block, width, 4 * width),
+            pf.LayerSpec(Block, width, 4 * width), pf.LayerSpec(Head, width, VOCAB)]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("pipeline,data", GRIDS)
+def test_sharded_bytes_per_parameter_meet_the_formula(pipeline, data):
+    # bf16 + AdamW. Megatron-Core's 6 + 12/d bytes a parameter: 2 (bf16 weights) + 4 (fp32
+    # gradients, whole: micro-batches accumulate into them) + 12/d (fp32 master and two
+    # moments, sharded). pipeflow's model states (masters + optimizer state + gradient
+    # buffers, weights not counted) measure 4 + 16/d: the same 4 + 12/d plus the block of
+    # the summed gradient the reduce-scatter writes (4/d), plus padding; at most
+    # 6 + 12/d + 0.5 for d >= 2. Unsharded they are 4 + 4 + 8 = 16.
+    config = dict(pipeline=pipeline, data=data, microbatches=2, precision="bf16")
+    reports = {}
+    for shard in (False, True):
+        engine = pf.Engine(_wide_layers(), loss_fn, adamw,
+                           pf.Config(shard_optimizer=shard, **config))
+        engine.train_step(*batches(1, 4 * data)[0])    # the optimizer's state exists now
+        reports[shard] = engine.memory_report()
+        engine.close()
+    per = reports[True]["bytes_per_parameter"]
+    states = per["model_states"]
+    ok = states <= 6 + 12 / data + 0.5 and states == pytest.approx(4 + 16 / data, abs=0.05) \
+        and reports[False]["bytes_per_parameter"]["model_states"] == pytest.approx(16, abs=0.01)
+    _verdict(ok, f"sharded model states {states:.3f} B/param (formula 6 + 12/{data} + 0.5 = "
+                 f"{6 + 12 / data + 0.5:.2f}, expected 4 + 16/{data}); unsharded "
+                 f"{reports[False]['bytes_per_parameter']['model_states']:.3f}; {per}")
+    assert per["optimizer_state"] == pytest.approx(8 / data, abs=0.05)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("optimizer", [adamw, sgd_momentum], ids=["adamw", "sgd-momentum"])
+def test_sharded_checkpoint_resumes_on_other_data_sizes(tmp_path_factory, optimizer):
+    # Saved at d = 2 sharded (each pair of ranks); resumed at d = 1 (unsharded, one rank)
+    # and, on 4 ranks, at d = 4 sharded: the same as two more steps of the d = 2 run.
+    layers = toy_layers(tied=True)
+    steps = batches(4, BATCH)
+    folder = WORLD.bcast(str(tmp_path_factory.mktemp("shard")) if WORLD.rank == 0 else None)
+    folder = f"{folder}/pair{WORLD.rank // 2}"
+    comm = pair()
+    config = dict(pipeline=1, microbatches=3, bucket_mb=TINY, shard_optimizer=True)
+    engine = pf.Engine(layers, loss_fn, optimizer, pf.Config(data=2, **config), comm=comm)
+    for x, y in steps[:2]:
+        engine.train_step(x, y)
+    engine.save(folder)
+    for x, y in steps[2:]:
+        engine.train_step(x, y)
+    uninterrupted = engine.gather_state_dict()
+    engine.close()
+    comm.Free()
+    results = []
+    for data in [1, 4][:WORLD.size // 2]:
+        sub = MPI.COMM_SELF if data == 1 else WORLD
+        source = WORLD.bcast(folder if WORLD.rank == 0 else None) if data == 4 else folder
+        resumed = pf.Engine(layers, loss_fn, optimizer, pf.Config(data=data, **config),
+                            comm=sub)
+        resumed.load(source)
+        for x, y in steps[2:]:
+            resumed.train_step(x, y)
+        results.append((data, resumed.gather_state_dict()))
+        resumed.close()
+    # The whole states are on the first rank of each engine's ranks: the uninterrupted one
+    # on ranks 0 and 2 (each pair's first), d = 1 on every rank, d = 4 on rank 0.
+    ok, text = True, ""
+    for data, state in results:
+        if ok and state is not None and uninterrupted is not None:
+            ok, text = _same(state, uninterrupted, 1e-6)
+            text = f"resumed at d = {data}: {text}"
+    _verdict(ok, text)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("backend", ["gloo", "strict"])
+def test_torch_distributed_and_strict_paths_match_mpi(backend):
+    # reduce_scatter_tensor / all_gather_into_tensor (NCCL's code path, gloo on CPUs), and
+    # the MPI collectives under NCCL's rules (every rank issues the same collectives).
+    pipeline, data = GRIDS[0]
+    layers = toy_layers(tied=True)
+    steps = batches(2, BATCH)
+    grid = dict(pipeline=pipeline, data=data, clip=0.3, shard_optimizer=True)
+    via_mpi = _run(layers, sgd, steps, backend="mpi", **grid)
+    other = _run(layers, sgd, steps, backend=backend, **grid)
+    ok, text = _same(other[1], via_mpi[1], 1e-6) if WORLD.rank == 0 else (True, "")
+    _verdict(ok, f"backend {backend}: {text}")
+
+
+class _Whole(torch.optim.Optimizer):
+    """An optimizer of the user's that does not say its state is per element."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    def step(self, closure=None):
+        return None
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("make,named", [
+    (lambda ps: torch.optim.LBFGS(ps), "LBFGS"),
+    (lambda ps: _Whole(ps), "_Whole")], ids=["lbfgs", "unknown"])
+def test_whole_tensor_optimizers_are_refused(make, named):
+    pipeline, data = GRIDS[0]
+    with pytest.raises(ConfigError, match=f"shard_optimizer.*{named}"):
+        pf.Engine(toy_layers(), loss_fn, make,
+                  pf.Config(pipeline=pipeline, data=data, shard_optimizer=True))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_param_group_settings_are_kept_per_group():
+    # No weight decay on biases, decay on the rest: each block steps in its own group.
+    def grouped(params):
+        biases = [p for p in params if p.dim() == 1]
+        rest = [p for p in params if p.dim() != 1]
+        return torch.optim.AdamW([{"params": rest, "weight_decay": 0.5},
+                                  {"params": biases, "weight_decay": 0.0, "lr": 0.03}],
+                                 lr=1e-2)
+
+    pipeline, data = GRIDS[0]
+    layers = toy_layers()
+    steps = batches(2, BATCH)
+    plain = _run(layers, grouped, steps, pipeline=pipeline, data=data)
+    sharded = _run(layers, grouped, steps, pipeline=pipeline, data=data, shard_optimizer=True)
+    ok, text = True, ""
+    if WORLD.rank == 0:
+        reference, _ = train_reference(layers, steps, optimizer=grouped)
+        ok, text = _same(sharded[1], plain[1], 1e-6)
+        if ok:
+            ok, text = _same(sharded[1], reference.state_dict(), 1e-5)
+    _verdict(ok, text)
