@@ -12,7 +12,8 @@ from pipeflow.runtime.partition import partition_balanced
 from pipeflow.planner.hardware import GB, Cluster
 from pipeflow.planner.shapes import Shape
 from pipeflow.runtime.precision import bytes_per_parameter, itemsize, sharded_bytes_per_parameter
-from pipeflow.schedules import build_schedule, registry, simulate
+from pipeflow.schedules import registry, simulate
+from pipeflow.schedules.plan import Plan
 from pipeflow.comm.topology import rank_of
 
 __all__ = [
@@ -165,8 +166,8 @@ def _simulated(schedule: str, pipeline: int, microbatches: int,
     step = spec.microbatch_multiple(pipeline)         # interleaved: groups of p micro-batches
     m0 = chunks * pipeline
     if microbatches <= m0 + step:
-        r = simulate(build_schedule(schedule, pipeline, microbatches, chunks),
-                     forward_time=1.0, backward_input_time=1.0, weight_time=1.0)
+        plan = Plan.build(schedule, pipeline, microbatches, chunks)   # what the engine runs
+        r = simulate(plan.programs, forward_time=1.0, backward_input_time=1.0, weight_time=1.0)
         return (tuple(r.peak_stash), tuple(r.peak_held), (r.makespan - 3 * microbatches,))
     low = _simulated(schedule, pipeline, m0, chunks)
     high = _simulated(schedule, pipeline, m0 + step, chunks)
