@@ -32,6 +32,8 @@ def gpus_here(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(topology, "_nccl_available", lambda: True)
     monkeypatch.setattr(topology, "_gpu_identity", lambda device: ("node1", "GPU-a"))
+    # The fake world answers a plain allgather; the wait policy's is MPI's non-blocking one.
+    monkeypatch.setattr(topology.waiting, "allgather", lambda comm, obj: comm.allgather(obj))
 
 
 def test_explicit_nccl_with_two_ranks_on_one_gpu_is_refused_before_nccl_is(gpus_here):

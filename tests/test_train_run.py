@@ -141,7 +141,8 @@ def test_resume_continues_with_the_next_batch(tmp_path, monkeypatch):
     used = []
     original = train_mod._batch
     monkeypatch.setattr(train_mod, "_batch",
-                        lambda b, i, e: (used.append((b.batch_size, i)), original(b, i, e))[1])
+                        lambda b, i, e, eot=None: (used.append((b.batch_size, i)),
+                                                   original(b, i, e, eot))[1])
     data = _token_file(tmp_path, n=20000, vocab=256)
     base = [f'data.train="{data}"', "data.seq_len=16", "train.steps=6"]
     whole = train(_run(tmp_path, FACTORY, *base), log=lambda *a, **k: None)
