@@ -29,7 +29,8 @@ from pipeflow.runtime.hostmem import keep_freed_memory
 from pipeflow.layers import build_layer
 from pipeflow.models import GPTConfig, gpt_layers, gpt_loss, num_parameters
 from pipeflow.runtime.partition import partition_uniform
-from pipeflow.schedules import build_schedule, simulate, stage_layout
+from pipeflow.schedules import build_schedule, simulate
+from pipeflow.schedules.ir import looped_layout, v_layout
 
 from _common import (add_model_args, busy_note, header, load_average,  # noqa: E402 (benchmarks/
                      sync, time_block, write_section)                 # is the script folder)
@@ -45,7 +46,7 @@ GRAD_TOL = 1e-4
 @dataclasses.dataclass(frozen=True)
 class Kind:
     """One pipeline schedule under test: its label, its model chunks a rank, its layout name
-    (`pipeflow.schedules.stage_layout`) and the bound it is judged against."""
+    (`pipeflow.schedules.ir.looped_layout`, `v_layout`) and the bound it is judged against."""
 
     label: str
     chunks: int
@@ -147,7 +148,7 @@ def make_peer(name: str, layers, cfg: GPTConfig, args, seed: int) -> PeerRun:
     p = COMM.size
     num_stages = p * kind.chunks
     bounds = partition_uniform(len(layers), num_stages)
-    layout = stage_layout(kind.layout, p, kind.chunks)
+    layout = (v_layout if kind.layout == "zbv" else looped_layout)(p, kind.chunks)
     mine = layout[COMM.rank]
     built = [make_peer_stage(layers, bounds, i, cfg, args, seed) for i in mine]
     stages = [stage for _, stage in built]
