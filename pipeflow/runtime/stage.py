@@ -131,10 +131,6 @@ class Stage:
     def boundaries(self) -> list[int]:
         return list(self.plan.boundaries)
 
-    def virtual(self, chunk: int) -> int:
-        """The virtual stage of this rank's chunk `chunk`."""
-        return self.plan.virtual(self.index, chunk)
-
     @property
     def last_virtual(self) -> int:
         return self.plan.last_virtual
@@ -158,10 +154,6 @@ class Stage:
     @property
     def split_backward(self) -> bool:
         return self.plan.split_backward
-
-    @property
-    def last_backward(self) -> Action | None:
-        return self.plan.last_gradient_action(self.index)
 
     @property
     def expected_peak_stash(self) -> list[int]:
