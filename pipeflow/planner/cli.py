@@ -9,7 +9,7 @@ import os
 import re
 import shlex
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from pipeflow.planner.cost import PLANNED_SCHEDULES, PRECISIONS, RECOMPUTE
 from pipeflow.planner.hardware import PRESETS, Cluster, Hardware, HardwareError, get_hardware
@@ -90,7 +90,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                               "--save-hardware")
     cluster.add_argument("--efficiency", type=float,
                          help="fraction of peak FLOP/s the layers reach (preset: 0.5)")
-    search = parser.add_argument_group("search")
+    _add_search_arguments(parser.add_argument_group("search"))
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print one JSON object")
+    out.add_argument("--write-config", metavar="FILE", help="write the TOML `pipeflow train` runs")
+    out.add_argument("--top", type=_int, default=5, help="runners-up to show")
+    cal = parser.add_argument_group("calibration")
+    cal.add_argument("--calibrate", action="store_true",
+                     help="measure this machine (layer time, optimizer; link bandwidth under "
+                          "mpirun -n 2) and plan for it")
+    cal.add_argument("--save-hardware", metavar="JSON",
+                     help="with --calibrate: save the measured hardware for --hardware-file")
+
+
+def _add_search_arguments(search: Any) -> None:
+    """The options of the grid search: batch, precision, schedules, recompute, sharding."""
     search.add_argument("--global-batch-tokens", type=parse_number,
                         help="tokens per optimizer step (default: GPT-3's for the size)")
     search.add_argument("--global-batch", type=_int, metavar="SEQUENCES",
@@ -111,16 +125,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "grid with data > 1 (default: only where a grid fits no other way)")
     shard.add_argument("--no-shard-optimizer", dest="shard_optimizer", action="store_const",
                        const="off", help="never shard the optimizer")
-    out = parser.add_argument_group("output")
-    out.add_argument("--json", action="store_true", help="print one JSON object")
-    out.add_argument("--write-config", metavar="FILE", help="write the TOML `pipeflow train` runs")
-    out.add_argument("--top", type=_int, default=5, help="runners-up to show")
-    cal = parser.add_argument_group("calibration")
-    cal.add_argument("--calibrate", action="store_true",
-                     help="measure this machine (layer time, optimizer; link bandwidth under "
-                          "mpirun -n 2) and plan for it")
-    cal.add_argument("--save-hardware", metavar="JSON",
-                     help="with --calibrate: save the measured hardware for --hardware-file")
 
 
 def _shape_from_args(args: argparse.Namespace) -> Shape | None:

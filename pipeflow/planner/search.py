@@ -121,22 +121,7 @@ def search(shape: Shape, cluster: Cluster, global_batch: int, precision: str = "
 
     Raises PlanError, naming what would fit, when none does.
     """
-    if not isinstance(global_batch, int) or global_batch < 1:
-        raise PlanError(f"the global batch must be a positive number of sequences, found "
-                        f"{global_batch!r}")
-    for s in schedules:
-        if s not in PLANNED_SCHEDULES:
-            known = "the cost model does not time it yet" if s in SCHEDULES else "unknown"
-            raise PlanError(f"schedule {s!r}: {known}; expected some of "
-                            f"{list(PLANNED_SCHEDULES)}")
-    for r in recompute:
-        if r not in RECOMPUTE:
-            raise PlanError(f"unknown recomputation {r!r}; expected some of {list(RECOMPUTE)}")
-    if precision not in PRECISIONS:
-        raise PlanError(f"unknown precision {precision!r}; expected one of {list(PRECISIONS)}")
-    if shard_optimizer not in ("auto", "on", "off"):
-        raise PlanError(f"shard_optimizer must be 'auto', 'on' or 'off', found "
-                        f"{shard_optimizer!r}")
+    _check_search(global_batch, precision, schedules, recompute, shard_optimizer)
     prec = PRECISIONS[precision]
     fitting: list[Estimate] = []
     rejected: list[Rejection] = []
@@ -147,17 +132,8 @@ def search(shape: Shape, cluster: Cluster, global_batch: int, precision: str = "
         considered += 1
         bounds = time_balanced_boundaries(shape, cluster, prec, grid.pipeline,
                                           grid.micro_batch_size)
-        if shard_optimizer == "on" and grid.data > 1:
-            grid = dataclasses.replace(grid, shard_optimizer=True)
-        modes, least = choose_recompute(shape, cluster, grid, precision, bounds, recompute)
-        if modes is None and shard_optimizer == "auto" and grid.data > 1:
-            sharded = dataclasses.replace(grid, shard_optimizer=True)
-            modes, least_sharded = choose_recompute(shape, cluster, sharded, precision, bounds,
-                                                    recompute)
-            if modes is not None:
-                grid = sharded
-            else:
-                least = least_sharded       # the least any choice reaches
+        grid, modes, least = _fit(shape, cluster, grid, precision, bounds, recompute,
+                                  shard_optimizer)
         if modes is None:
             rejected.append(Rejection(grid, _memory_reason(least, cluster, recompute), least / GB))
             continue
@@ -175,6 +151,45 @@ def search(shape: Shape, cluster: Cluster, global_batch: int, precision: str = "
     fitting.sort(key=lambda e: (float(f"{e.step_time_s:.9g}"), e.grid.gpus, e.grid.microbatches,
                                 e.peak_memory_bytes, SCHEDULES.index(e.grid.schedule)))
     return SearchResult(tuple(fitting), tuple(rejected), considered)
+
+
+def _check_search(global_batch: int, precision: str, schedules: Sequence[str],
+                  recompute: Sequence[str], shard_optimizer: str) -> None:
+    """`search`'s arguments, each refused with what is expected."""
+    if not isinstance(global_batch, int) or global_batch < 1:
+        raise PlanError(f"the global batch must be a positive number of sequences, found "
+                        f"{global_batch!r}")
+    for s in schedules:
+        if s not in PLANNED_SCHEDULES:
+            known = "the cost model does not time it yet" if s in SCHEDULES else "unknown"
+            raise PlanError(f"schedule {s!r}: {known}; expected some of "
+                            f"{list(PLANNED_SCHEDULES)}")
+    for r in recompute:
+        if r not in RECOMPUTE:
+            raise PlanError(f"unknown recomputation {r!r}; expected some of {list(RECOMPUTE)}")
+    if precision not in PRECISIONS:
+        raise PlanError(f"unknown precision {precision!r}; expected one of {list(PRECISIONS)}")
+    if shard_optimizer not in ("auto", "on", "off"):
+        raise PlanError(f"shard_optimizer must be 'auto', 'on' or 'off', found "
+                        f"{shard_optimizer!r}")
+
+
+def _fit(shape: Shape, cluster: Cluster, grid: Grid, precision: str, bounds: Sequence[int],
+         recompute: Sequence[str], shard_optimizer: str
+         ) -> tuple[Grid, list[str] | None, float]:
+    """(the grid as planned, its recomputation per stage or None when nothing fits, the
+    least peak memory any choice reaches), sharding the optimizer as `search` says."""
+    if shard_optimizer == "on" and grid.data > 1:
+        grid = dataclasses.replace(grid, shard_optimizer=True)
+    modes, least = choose_recompute(shape, cluster, grid, precision, bounds, recompute)
+    if modes is None and shard_optimizer == "auto" and grid.data > 1:
+        sharded = dataclasses.replace(grid, shard_optimizer=True)
+        modes, least_sharded = choose_recompute(shape, cluster, sharded, precision, bounds,
+                                                recompute)
+        if modes is not None:
+            return sharded, modes, least_sharded
+        least = least_sharded               # the least any choice reaches
+    return grid, modes, least
 
 
 def _memory_reason(least: float, cluster: Cluster, recompute: Sequence[str]) -> str:
