@@ -131,6 +131,17 @@ def _staged(tensor: torch.Tensor) -> bool:
     return FORCE_HOST_STAGING or tensor.device.type != "cpu" or not tensor.is_contiguous()
 
 
+def _host_pair(source: torch.Tensor, out: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(what MPI reads, what it writes, where the result belongs) of a collective from
+    `source` into `out`: each used where it lies unless it needs host staging (`_staged`)."""
+    send, target = source.detach(), out.detach()
+    if _staged(send):
+        send = send.to("cpu", copy=True)
+    host = torch.empty_like(target, device="cpu") if _staged(target) else target
+    return send, host, target
+
+
 def mpi_ireduce_scatter_(comm: MPI.Comm, tensor: torch.Tensor, out: torch.Tensor) -> Request:
     """Start `Ireduce_scatter_block`: the sum of `tensor` over `comm`, block `comm.rank` of
     it into `out`. CUDA tensors go through pinned host staging (`cuda`); CPU ones are read
@@ -138,10 +149,7 @@ def mpi_ireduce_scatter_(comm: MPI.Comm, tensor: torch.Tensor, out: torch.Tensor
     check_blocks("reduce_scatter", tensor, out, comm.size, f"rank {comm.rank}")
     if tensor.device.type == "cuda" and not FORCE_HOST_STAGING:
         return cuda.ireduce_scatter_cuda_(comm, tensor, out)
-    send, target = tensor.detach(), out.detach()
-    if _staged(send):
-        send = send.to("cpu", copy=True)
-    host = torch.empty_like(target, device="cpu") if _staged(target) else target
+    send, host, target = _host_pair(tensor, out)
     req = comm.Ireduce_scatter_block(as_typed(send), as_typed(host), op=MPI.SUM)
     return _MpiAllreduce(req, host, target, keep=[send])
 
@@ -152,10 +160,7 @@ def mpi_iallgather_(comm: MPI.Comm, shard: torch.Tensor, out: torch.Tensor) -> R
     check_blocks("all_gather", out, shard, comm.size, f"rank {comm.rank}")
     if shard.device.type == "cuda" and not FORCE_HOST_STAGING:
         return cuda.iallgather_cuda_(comm, shard, out)
-    send, target = shard.detach(), out.detach()
-    if _staged(send):
-        send = send.to("cpu", copy=True)
-    host = torch.empty_like(target, device="cpu") if _staged(target) else target
+    send, host, target = _host_pair(shard, out)
     req = comm.Iallgather(as_bytes(send), as_bytes(host))
     return _MpiAllreduce(req, host, target, keep=[send])
 

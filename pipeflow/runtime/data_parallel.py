@@ -142,6 +142,10 @@ class GradReducer:
         with self._lock:
             self._ready = [b for b in self.buckets if b.request is None]
         self._launch_ready()
+        self._wait_all()
+
+    def _wait_all(self) -> None:
+        """Wait for every bucket's reduction, then disarm until the next step's last backward."""
         for b in self.buckets:
             b.request.wait()
             b.request = None

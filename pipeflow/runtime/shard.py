@@ -211,10 +211,7 @@ class ShardedOptimizer(GradReducer):
                 _sum_over_holders(b.tie, b.flat)
                 self.events.append(("launch", self.buckets.index(b)))
                 self._launch(b)
-        for b in self.buckets:
-            b.request.wait()
-            b.request = None
-        self.armed = False
+        self._wait_all()
 
     def zero_grad(self) -> None:
         for b in self.buckets:
