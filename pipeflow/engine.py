@@ -418,6 +418,7 @@ class Engine:
         Call it on every rank."""
         with self.watchdog:
             self._agree("save")
+        with self.watchdog.allow(self._io_allowance_s()):
             return save_checkpoint(self._checkpoint_state(), directory)
 
     def load(self, directory: str | os.PathLike) -> None:
@@ -425,7 +426,19 @@ class Engine:
         rank."""
         with self.watchdog:
             self._agree("load")
+        with self.watchdog.allow(self._io_allowance_s()):
             self.step_count = load_checkpoint(self._checkpoint_state(), directory)
+
+    def _io_allowance_s(self) -> float:
+        """Seconds a checkpoint's I/O may take beyond `watchdog_s`: the largest rank's bytes
+        (masters and optimizer state) at `CHECKPOINT_IO_BYTES_S`, a slow shared file system's
+        rate; agreed, so the ranks that wait on the writers allow as long as they write."""
+        mine = sum(p.numel() * 4 for p in self.module.parameters())
+        state = self.optimizer.state if self.optimizer is not None else {}
+        blocks = self.topo.data if self.shards is not None else 1   # sharded: 1/d held here
+        mine += blocks * sum(v.numel() * v.element_size() for st in state.values()
+                             for v in st.values() if torch.is_tensor(v))
+        return max(waiting.allgather(self._control, mine)) / CHECKPOINT_IO_BYTES_S
 
     def _checkpoint_state(self) -> CheckpointState:
         """What a checkpoint reads and writes: a narrow view, not the engine."""
@@ -569,6 +582,9 @@ class Engine:
 
 
 _OPEN: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+# The slowest disk a checkpoint's watchdog allowance assumes (bytes a second): 20 s a GB, a
+# loaded shared file system's rate; the allowance is added to `watchdog_s` for save and load.
+CHECKPOINT_IO_BYTES_S = 50e6
 
 
 def use_deterministic_algorithms() -> None:

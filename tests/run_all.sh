@@ -42,7 +42,7 @@ done
 # agreed collectives, no device synchronize in a step, one thread): the equivalence, trainer
 # and checkpoint tests again, so CPU CI fails where a GPU run with NCCL would.
 STRICT_FILES=(tests/test_engine_mpi.py tests/test_data_parallel_mpi.py tests/test_trainer_mpi.py
-              tests/test_checkpoint_mpi.py tests/test_shard_mpi.py)
+              tests/test_checkpoint_mpi.py tests/test_shard_mpi.py tests/test_collective_order_mpi.py)
 export PIPEFLOW_STRICT_COMM=1
 for n in 2 4; do
   files=("${STRICT_FILES[@]}")

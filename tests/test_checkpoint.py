@@ -10,6 +10,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -370,3 +371,39 @@ def test_a_step_saved_again_that_fails_between_its_renames_keeps_the_old_copy(tm
     assert all(torch.equal(a, b) for a, b in zip(_masters(other).values(), saved.values()))
     for e in (engine, other):
         e.close()
+
+
+@pytest.mark.parametrize("disk", ["slow", "as assumed"])
+def test_the_watchdog_allows_a_long_save_and_load_and_still_watches_them(tmp_path, monkeypatch,
+                                                                         disk):
+    # A checkpoint of many GB a rank is one long stretch of I/O (and of waiting on the ranks
+    # that write): `watchdog_s`, sized for a step, must not abort it mid-save. Each of the 4
+    # files here takes 0.4 s against a watchdog of 1 s; the allowance is the bytes at the assumed disk
+    # rate, so with the rate set far above the real one the watchdog fires as before.
+    from pipeflow import engine as pf_engine
+    from pipeflow.runtime import checkpoint, failure
+    expired = []
+    monkeypatch.setattr(failure.Watchdog, "_expire", lambda self, idle: expired.append(idle))
+    real_write, real_read = checkpoint._write, checkpoint._read
+
+    def slow_write(*args):
+        time.sleep(0.4)
+        return real_write(*args)
+
+    def slow_read(*args):
+        time.sleep(0.4)
+        return real_read(*args)
+
+    monkeypatch.setattr(checkpoint, "_write", slow_write)
+    monkeypatch.setattr(checkpoint, "_read", slow_read)
+    monkeypatch.setattr(pf_engine, "CHECKPOINT_IO_BYTES_S", 1e3 if disk == "slow" else 1e15)
+    engine = _engine(toy_layers(blocks=1), watchdog_s=1.0)
+    engine.train_step(*batches(1, 4)[0])
+    expired.clear()
+    engine.save(tmp_path)
+    engine.load(tmp_path)
+    engine.close()
+    if disk == "slow":
+        assert expired == []
+    else:
+        assert expired, "the watchdog never fired: the test proves nothing"

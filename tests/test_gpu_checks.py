@@ -304,7 +304,7 @@ def test_buckets_start_before_the_last_backward_ends_when_hooks_run_off_thread(n
     class Comm:
         launch_from_any_thread = nccl
 
-        def iallreduce_(self, tensor):
+        def iallreduce_(self, tensor, key=None):
             timeline.append((f"launch on {threading.current_thread().name}", time.monotonic()))
             return Done()
 

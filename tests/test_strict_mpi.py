@@ -50,7 +50,7 @@ def test_training_through_the_strict_communicator_equals_one_process(pipeline, d
     full = engine.gather_state_dict()
     if WORLD.rank == 0:
         assert_same_parameters(full, reference.state_dict())
-    assert engine.pipe_comm.collectives > 0      # the checks ran
+    assert engine.pipe_comm.collectives + engine.pipe_comm.object_collectives > 0   # checked
     engine.close()
 
 
@@ -108,6 +108,28 @@ def test_ranks_issuing_different_collectives_are_refused_on_every_rank():
     t = torch.ones(4)
     comm.allreduce_(t)
     assert t.tolist() == [float(WORLD.size)] * 4
+    comm.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_collectives_of_equal_size_issued_in_different_orders_are_refused():
+    # Two gradient buckets of one size launched in different orders on two replicas: MPI
+    # and NCCL would pair them silently and sum the wrong buckets. Shape and dtype agree, so
+    # only the name the caller gives each collective tells them apart.
+    comm = StrictCommunicator(WORLD)
+    first = "gradient bucket 0" if WORLD.rank == 0 else "gradient bucket 1"
+    with pytest.raises(StrictCommError, match=r"collective 0 of this group differs between "
+                       r"ranks \(rank 0: all_reduce\[gradient bucket 0\]\(\(4,\), "
+                       r"'torch.float32'\); rank 1: all_reduce\[gradient bucket 1\]"):
+        comm.iallreduce_(torch.ones(4), key=first).wait()
+    for op in ("all_reduce", "reduce_scatter", "all_gather"):   # the same name: it runs
+        t = torch.ones(2 * WORLD.size)
+        if op == "all_reduce":
+            comm.iallreduce_(t, key="bucket").wait()
+        elif op == "reduce_scatter":
+            comm.ireduce_scatter_(t, torch.empty(2), key="bucket").wait()
+        else:
+            comm.iallgather_(torch.ones(2), t, key="bucket").wait()
     comm.free()
 
 

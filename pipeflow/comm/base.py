@@ -110,18 +110,24 @@ class Communicator(abc.ABC):
         self.iallreduce_(tensor).wait()
         return tensor
 
+    # Every collective takes an optional `key`: what the caller calls this operation (e.g.
+    # "gradient bucket 3"). The backends ignore it; the strict one compares it across ranks
+    # with the shape and dtype, so two operations of one size issued in different orders on
+    # different ranks (which MPI and NCCL would silently pair) are an error there.
     @abc.abstractmethod
-    def iallreduce_(self, tensor: torch.Tensor) -> Request:
+    def iallreduce_(self, tensor: torch.Tensor, key: str | None = None) -> Request:
         """Start summing `tensor` over the group, in place; done when the request is."""
 
     @abc.abstractmethod
-    def ireduce_scatter_(self, tensor: torch.Tensor, out: torch.Tensor) -> Request:
+    def ireduce_scatter_(self, tensor: torch.Tensor, out: torch.Tensor,
+                         key: str | None = None) -> Request:
         """Start summing `tensor` (contiguous, `size` blocks of `out.numel()` elements) over
         the group; block `rank` of the sum lands in `out` when the request is done. `tensor`
         must not change until then (sharded optimizer: the gradient buckets)."""
 
     @abc.abstractmethod
-    def iallgather_(self, shard: torch.Tensor, out: torch.Tensor) -> Request:
+    def iallgather_(self, shard: torch.Tensor, out: torch.Tensor,
+                    key: str | None = None) -> Request:
         """Start gathering every rank's `shard` into `out` (contiguous, `size` blocks of
         `shard.numel()` elements, in rank order); done when the request is (sharded
         optimizer: the updated working weights)."""

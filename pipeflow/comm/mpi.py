@@ -258,13 +258,15 @@ class MpiCommunicator(Communicator):
     def bcast_object(self, obj: Any, root: int) -> Any:
         return waiting.bcast(self.control, obj, root)
 
-    def iallreduce_(self, tensor: torch.Tensor) -> Request:
+    def iallreduce_(self, tensor: torch.Tensor, key: str | None = None) -> Request:
         return mpi_iallreduce_(self.comm, tensor)
 
-    def ireduce_scatter_(self, tensor: torch.Tensor, out: torch.Tensor) -> Request:
+    def ireduce_scatter_(self, tensor: torch.Tensor, out: torch.Tensor,
+                         key: str | None = None) -> Request:
         return mpi_ireduce_scatter_(self.comm, tensor, out)
 
-    def iallgather_(self, shard: torch.Tensor, out: torch.Tensor) -> Request:
+    def iallgather_(self, shard: torch.Tensor, out: torch.Tensor,
+                    key: str | None = None) -> Request:
         return mpi_iallgather_(self.comm, shard, out)
 
     def barrier(self) -> None:

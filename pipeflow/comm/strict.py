@@ -9,7 +9,11 @@ refuses
   tag is ignored): each message carries a header (its index on the link, its tag, its
   shapes), and the receiver compares it with what it asked for;
 - a collective that the ranks of the group do not all issue as their next one (same op, same
-  shape and dtype): NCCL would hang or sum unrelated buffers;
+  shape and dtype, and the same name where the caller gives one: two gradient buckets of one
+  size issued in different orders): NCCL would hang or sum unrelated buffers. Tensor
+  collectives and object collectives (which travel over MPI under every backend) are two
+  sequences, each checked in its own order; a tensor collective is checked without blocking
+  the host, as NCCL's are issued, and started once every rank's signature agrees;
 - a send that completes before the peer has posted its receive: NCCL's sends do not finish
   until the peer receives (no buffering to hide an order that only works with it), so every
   tensor here is sent synchronously (`MPI_Issend`);
@@ -23,9 +27,11 @@ refuses
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import threading
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -105,19 +111,69 @@ class _StrictRecv(Request):
         return self._data.wait()
 
 
+class _PendingCollective(Request):
+    """A tensor collective under the strict backend: its signature's digest all-gathered
+    without blocking; the collective itself started once every rank's digest is in and equal
+    (`StrictCommunicator._advance`, in order of issue)."""
+
+    def __init__(self, owner: "StrictCommunicator", sig: tuple, index: int,
+                 issue: Callable[[], Request]) -> None:
+        self.owner, self.sig, self.index, self.issue = owner, sig, index, issue
+        digest = hashlib.blake2b(repr(sig).encode(), digest_size=8).digest()
+        self.mine = np.frombuffer(digest, dtype=np.int64).copy()
+        self.views = np.empty(owner.size, dtype=np.int64)
+        self.check = owner.tensor_checks.Iallgather(self.mine, self.views)
+        self.inner: Request | None = None
+
+    def check_done(self, block: bool) -> bool:
+        """Whether every rank's digest is in (waiting for it with `block`)."""
+        if block:
+            waiting.wait(self.check)
+            return True
+        return self.check.Test()
+
+    def verify(self) -> None:
+        """A mismatch raises on every rank, each naming what every rank issued."""
+        if (self.views != self.mine[0]).any():
+            views = waiting.allgather(self.owner.texts, self.sig)
+            ranks = "; ".join(f"rank {r}: {v[0]}{v[1]}" for r, v in enumerate(views))
+            raise StrictCommError(
+                f"rank {self.owner.rank}: collective {self.index} of this group differs "
+                f"between ranks ({ranks}); every rank of an NCCL group must issue the same "
+                f"collectives in the same order")
+        return True
+
+    def start(self) -> None:
+        self.inner = self.issue()
+
+    def test(self) -> bool:
+        if self.inner is None:
+            self.owner._advance()
+        return self.inner is not None and self.inner.test()
+
+    def wait(self) -> Any:
+        if self.inner is None:
+            self.owner._advance(until=self)
+        return self.inner.wait()
+
+
 class StrictCommunicator(HeadersFirst, Communicator):
     """Host-staged MPI with NCCL's rules checked on every call (see the module's docstring)."""
 
     def __init__(self, comm: MPI.Comm, device: torch.device | str = "cpu") -> None:
         self.inner = MpiCommunicator(comm, synchronous=True)
         self.headers = comm.Dup()       # one header per message, matched by order
-        self.checks = comm.Dup()        # each collective's signature, compared across ranks
+        self.checks = comm.Dup()        # each object collective's signature, compared at once
+        self.tensor_checks = comm.Dup()  # each tensor collective's signature (digest), async
+        self.texts = comm.Dup()         # the signatures in full, where the digests differ
         self.rank, self.size = comm.rank, comm.size
         self.device = torch.device(device)
         self.thread = threading.get_ident()
         self._sent: dict[int, int] = {}
         self._posted: dict[int, int] = {}
-        self.collectives = 0
+        self.collectives = 0             # tensor collectives issued
+        self.object_collectives = 0
+        self._queue: list[_PendingCollective] = []   # issued, their check not yet complete
 
     @property
     def bytes_sent(self) -> int:
@@ -133,19 +189,46 @@ class StrictCommunicator(HeadersFirst, Communicator):
                 f"it from the engine's thread")
         check_on_device(op, tensors, self.device, f"rank {self.rank} (strict communicator)")
 
-    def _agree(self, op: str, tensor: torch.Tensor | None = None) -> None:
-        """Every rank of the group issues this same collective as its next one."""
-        sig = (op, None if tensor is None else (tuple(tensor.shape), str(tensor.dtype)))
-        views = waiting.allgather(self.checks, sig)
-        index = self.collectives
-        self.collectives += 1
-        if any(v != sig for v in views):
-            ranks = "; ".join(f"rank {r}: {v[0]}{'' if v[1] is None else v[1]}"
-                              for r, v in enumerate(views))
+    def _agree(self, op: str) -> None:
+        """Every rank of the group issues this same object collective as its next one (these
+        travel over MPI under every backend: a sequence of their own, checked at once)."""
+        views = waiting.allgather(self.checks, op)
+        index = self.object_collectives
+        self.object_collectives += 1
+        if any(v != op for v in views):
             raise StrictCommError(
-                f"rank {self.rank}: collective {index} of this group differs between ranks "
-                f"({ranks}); every rank of an NCCL group must issue the same collectives in "
-                f"the same order")
+                f"rank {self.rank}: object collective {index} of this group differs between "
+                f"ranks ({'; '.join(f'rank {r}: {v}' for r, v in enumerate(views))}); every "
+                f"rank must issue the same collectives in the same order")
+
+    def _collective(self, op: str, tensor: torch.Tensor, key: str | None,
+                    issue: Callable[[], Request]) -> Request:
+        """A tensor collective (NCCL's, on a GPU) checked as NCCL would need it: the same
+        operation, shape, dtype and caller's `key` as every other rank's collective of the
+        same index. Issued as NCCL issues it, without waiting for the others: its signature
+        travels in a nonblocking all-gather, and the collective itself starts, in order of
+        issue, once every rank's signature is in and equal (so a mismatch is named before
+        MPI could pair unrelated buffers)."""
+        name = op if key is None else f"{op}[{key}]"
+        sig = (name, (tuple(tensor.shape), str(tensor.dtype)))
+        pending = _PendingCollective(self, sig, self.collectives, issue)
+        self.collectives += 1
+        self._queue.append(pending)
+        self._advance()
+        return pending
+
+    def _advance(self, until: "_PendingCollective | None" = None) -> None:
+        """Start the queued collectives whose check is complete, in order of issue; with
+        `until`, wait for the checks up to and including that one."""
+        while self._queue:
+            head = self._queue[0]
+            if not head.check_done(block=until is not None):
+                return
+            self._queue.pop(0)
+            head.verify()
+            head.start()
+            if head is until:
+                return
 
     # -- point to point ---------------------------------------------------------------
     def isend(self, tensors: Sequence[torch.Tensor], dest: int, tag: int) -> Request:
@@ -187,20 +270,21 @@ class StrictCommunicator(HeadersFirst, Communicator):
         self._agree(f"bcast_object(root={root})")
         return self.inner.bcast_object(obj, root)
 
-    def iallreduce_(self, tensor: torch.Tensor) -> Request:
+    def iallreduce_(self, tensor: torch.Tensor, key: str | None = None) -> Request:
         self._guard("all_reduce", [tensor])
-        self._agree("all_reduce", tensor)
-        return self.inner.iallreduce_(tensor)
+        return self._collective("all_reduce", tensor, key, lambda: self.inner.iallreduce_(tensor))
 
-    def ireduce_scatter_(self, tensor: torch.Tensor, out: torch.Tensor) -> Request:
+    def ireduce_scatter_(self, tensor: torch.Tensor, out: torch.Tensor,
+                         key: str | None = None) -> Request:
         self._guard("reduce_scatter", [tensor, out])
-        self._agree("reduce_scatter", tensor)
-        return self.inner.ireduce_scatter_(tensor, out)
+        return self._collective("reduce_scatter", tensor, key,
+                                lambda: self.inner.ireduce_scatter_(tensor, out))
 
-    def iallgather_(self, shard: torch.Tensor, out: torch.Tensor) -> Request:
+    def iallgather_(self, shard: torch.Tensor, out: torch.Tensor,
+                    key: str | None = None) -> Request:
         self._guard("all_gather", [shard, out])
-        self._agree("all_gather", out)
-        return self.inner.iallgather_(shard, out)
+        return self._collective("all_gather", out, key,
+                                lambda: self.inner.iallgather_(shard, out))
 
     def barrier(self) -> None:
         self._guard("barrier")
@@ -210,4 +294,5 @@ class StrictCommunicator(HeadersFirst, Communicator):
     def free(self) -> None:
         self.inner.free()
         self.headers.Free()
-        self.checks.Free()
+        for comm in (self.checks, self.tensor_checks, self.texts):
+            comm.Free()

@@ -190,14 +190,15 @@ class TorchDistCommunicator(HeadersFirst, Communicator):
     def bcast_object(self, obj: Any, root: int) -> Any:
         return self.objects.bcast_object(obj, root)
 
-    def iallreduce_(self, tensor: torch.Tensor) -> Request:
+    def iallreduce_(self, tensor: torch.Tensor, key: str | None = None) -> Request:
         self._check("all_reduce", [tensor])
         if tensor.device.type == "cuda":
             from pipeflow.comm.cuda import all_reduce_on_side_stream
             return all_reduce_on_side_stream(self._dist, tensor, self.group)
         return _DistWork([self._dist.all_reduce(tensor, group=self.group, async_op=True)])
 
-    def ireduce_scatter_(self, tensor: torch.Tensor, out: torch.Tensor) -> Request:
+    def ireduce_scatter_(self, tensor: torch.Tensor, out: torch.Tensor,
+                         key: str | None = None) -> Request:
         self._check("reduce_scatter", [tensor, out])
         check_blocks("reduce_scatter", tensor, out, self.size, f"rank {self.rank}")
         # torch >= 2.13 names them `*_single`; the older names warn there, and are all
@@ -207,7 +208,8 @@ class TorchDistCommunicator(HeadersFirst, Communicator):
         return self._collective(lambda: scatter(out, tensor, group=self.group, async_op=True),
                                 [tensor, out])
 
-    def iallgather_(self, shard: torch.Tensor, out: torch.Tensor) -> Request:
+    def iallgather_(self, shard: torch.Tensor, out: torch.Tensor,
+                    key: str | None = None) -> Request:
         self._check("all_gather", [shard, out])
         check_blocks("all_gather", out, shard, self.size, f"rank {self.rank}")
         gather = getattr(self._dist, "all_gather_single", None) or \

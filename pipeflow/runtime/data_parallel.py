@@ -18,6 +18,7 @@ class _Bucket:
         self.params = params
         self.flat = flat
         self.pending = len(params)
+        self.ready = False              # every gradient of the step's last backward is in
         self.request: Request | None = None
 
 
@@ -30,6 +31,15 @@ class GradReducer:
     final early in the last micro-batch's backward and its reduction runs while backward goes on
     through the earlier layers. Gradients arrive pre-scaled (the loss carries 1 / (m · d)), so
     the sum is the global mean.
+
+    One order of collectives on every replica: buckets are launched in index order, a final
+    bucket held until every bucket before it has launched. The order in which gradients become
+    final differs between replicas whenever a parameter gets no gradient in the last backward
+    on one of them (an expert no token was routed to, a branch not taken): launched as they
+    became final, the same index would name different buckets on different replicas, and
+    collectives on one communicator match by order (MPI and NCCL alike), so equal sizes
+    would sum the wrong buckets and unequal ones fail or hang. In the usual case buckets
+    become final in index order anyway (they are built in backward's order) and nothing waits.
 
     Where a reduction is issued from: on the engine's own thread (CPU) the hook launches its
     bucket directly. On CUDA, autograd runs gradient hooks on its device thread while the
@@ -69,10 +79,15 @@ class GradReducer:
         # ("launch", bucket) in order, this step's only (for tests).
         self.events: list[tuple[str, int]] = []
         self.thread = threading.get_ident()
-        self._ready: list[_Bucket] = []      # final, waiting for the engine's thread
+        self._next = 0                       # index in `_ordered` of the next launch
         self._lock = threading.Lock()
         self._bucket_of: dict[int, _Bucket] = {}   # watched parameter -> its bucket
         self._hooks: list = []
+
+    @property
+    def _ordered(self) -> list[_Bucket]:
+        """The buckets the hooks launch, in the one order every replica issues them."""
+        return self.buckets
 
     def close(self) -> None:
         """Remove the gradient hooks: they hold the reducer, which holds the parameters, a
@@ -94,9 +109,10 @@ class GradReducer:
         """The next backward is the step's last: launch each bucket as it becomes final."""
         self.armed = True
         self.events = []
-        self._ready = []
+        self._next = 0
         for b in self.buckets:
             b.pending = len(b.params)
+            b.ready = False
             b.request = None
 
     def _on_grad(self, p: nn.Parameter) -> None:
@@ -108,22 +124,33 @@ class GradReducer:
         with self._lock:
             bucket.pending -= 1
             if bucket.pending == 0:
-                self._ready.append(bucket)
+                bucket.ready = True
         if threading.get_ident() == self.thread:
             self.poll()
         elif self.comm.launch_from_any_thread:
             self._launch_ready()
 
-    def _launch_ready(self) -> None:
+    def _launch_ready(self, everything: bool = False) -> None:
+        """Launch, in index order, the buckets that are final and whose predecessors have all
+        launched (`everything`: the rest too, final or not). Under the lock, launch included:
+        with NCCL a hook on autograd's device thread and the engine's thread may both get here,
+        and the order of issue is what must agree."""
         with self._lock:
-            ready, self._ready = self._ready, []
-        for bucket in ready:
-            self.events.append(("launch", self.buckets.index(bucket)))
-            self._launch(bucket)
+            ordered = self._ordered
+            while self._next < len(ordered) and (everything or ordered[self._next].ready):
+                bucket = ordered[self._next]
+                self._next += 1
+                self.events.append(("launch", self.buckets.index(bucket)))
+                self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
         """Start the bucket's reduction: here, the sum over the data group, in place."""
-        bucket.request = self.comm.iallreduce_(bucket.flat)
+        bucket.request = self.comm.iallreduce_(bucket.flat, key=self._key(bucket))
+
+    def _key(self, bucket: _Bucket) -> str:
+        """What the strict backend compares across ranks besides shape and dtype, so that two
+        buckets of one size issued in different orders are told apart."""
+        return f"gradient bucket {self.buckets.index(bucket)}"
 
     def poll(self) -> None:
         """On the engine's thread: launch the buckets made final since the last call, and let
@@ -137,11 +164,9 @@ class GradReducer:
                 b.request.test()
 
     def finish(self) -> None:
-        """Wait for every reduction; launch those whose parameters got no gradient this step."""
-        self._launch_ready()
-        with self._lock:
-            self._ready = [b for b in self.buckets if b.request is None]
-        self._launch_ready()
+        """Launch what is left in order (buckets some of whose parameters got no gradient in
+        the last backward), then wait for every reduction."""
+        self._launch_ready(everything=True)
         self._wait_all()
 
     def _wait_all(self) -> None:

@@ -7,12 +7,13 @@ on its own, so a rank never prints a second, misleading report.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import time
 import traceback
-from typing import Callable
+from typing import Callable, Iterator
 
 from mpi4py import MPI
 
@@ -96,6 +97,7 @@ class Watchdog:
     def __init__(self, timeout_s: float, describe: Callable[[], str]) -> None:
         self.timeout_s = float(timeout_s)
         self.describe = describe
+        self._extra_s = 0.0          # an allowance on top of timeout_s (checkpoint I/O)
         self._last = time.monotonic()
         self._depth = 0
         self._stop = threading.Event()
@@ -119,11 +121,23 @@ class Watchdog:
     def close(self) -> None:
         self._stop.set()
 
+    @contextlib.contextmanager
+    def allow(self, extra_s: float) -> Iterator[None]:
+        """Armed, with `extra_s` more seconds without progress allowed: a checkpoint of many GB
+        a rank is written (or read) as one long stretch of disk I/O on the writer, and of
+        waiting on the others; `watchdog_s`, sized for a step, would abort it mid-save."""
+        self._extra_s = max(0.0, float(extra_s))
+        try:
+            with self:
+                yield
+        finally:
+            self._extra_s = 0.0
+
     def _watch(self) -> None:
         period = min(1.0, self.timeout_s / 4)
         while not self._stop.wait(period):
             idle = time.monotonic() - self._last
-            if self._depth > 0 and idle > self.timeout_s:
+            if self._depth > 0 and idle > self.timeout_s + self._extra_s:
                 self._expire(idle)
                 return
 
@@ -134,8 +148,9 @@ class Watchdog:
             where = self.describe()
         except Exception as exc:  # noqa: BLE001 - the report must not stop the abort
             where = f"rank {MPI.COMM_WORLD.rank} (its report failed: {exc!r})"
+        allowed = f" + {self._extra_s:.0f} s for checkpoint I/O" if self._extra_s else ""
         say(f"\npipeflow: {where}: no progress for {idle:.1f} s (watchdog_s = "
-            f"{self.timeout_s:g}); a rank is stuck or never arrived. Aborting all ranks. "
+            f"{self.timeout_s:g}{allowed}); a rank is stuck or never arrived. Aborting all ranks. "
             f"Raise watchdog_s for steps that are legitimately this slow.\n{_main_stack()}")
         abort_world()
 

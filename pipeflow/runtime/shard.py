@@ -195,17 +195,21 @@ class ShardedOptimizer(GradReducer):
         self._grad_view[id(p)].add_(p.grad)
         p.grad = None
 
+    @property
+    def _ordered(self) -> list[_Bucket]:
+        """The hooks launch every bucket but the ties' (`finish` launches those, after their
+        sum over the stages that hold them), in index order."""
+        return [b for b in self.buckets if b.tie is None]
+
     def _launch(self, bucket: _Bucket) -> None:
         """Reduce-scatter: block `rank` of the sum over the data group into `master.grad`."""
-        bucket.request = self.comm.ireduce_scatter_(bucket.flat, bucket.master.grad)
+        bucket.request = self.comm.ireduce_scatter_(bucket.flat, bucket.master.grad,
+                                                    key=self._key(bucket))
 
     def finish(self) -> None:
-        """Launch what is left (buckets without gradients this step; ties, once summed over
-        their stages), then wait for every reduce-scatter."""
-        self._launch_ready()
-        with self._lock:
-            self._ready = [b for b in self.buckets if b.request is None and b.tie is None]
-        self._launch_ready()
+        """Launch what is left, in order (buckets without gradients this step; then ties, once
+        summed over their stages), then wait for every reduce-scatter."""
+        self._launch_ready(everything=True)
         for b in self.buckets:
             if b.tie is not None:
                 _sum_over_holders(b.tie, b.flat)
@@ -248,7 +252,8 @@ class ShardedOptimizer(GradReducer):
                 b.master.grad = g
                 self.optimizer.step()
                 b.master.grad = None
-                b.gather = self.comm.iallgather_(self._outgoing(b), b.weights)
+                b.gather = self.comm.iallgather_(self._outgoing(b), b.weights,
+                                                 key=self._key(b))
                 for other in self.buckets:
                     if other.gather is not None:
                         other.gather.test()
