@@ -83,3 +83,22 @@ def test_a_hang_report_tells_a_silent_peer_from_an_unmatched_message():
         assert pipe.arrived_from(0).startswith("nothing")
     pipe.free()
     comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_engines_on_sub_communicators_of_one_node_take_different_gpus(monkeypatch):
+    # Two engines of one rank each on one node: within its own communicator each rank is
+    # the node's rank 0, so choosing the GPU by that would put both on GPU 0.
+    from pipeflow.comm.topology import Topology
+    from pipeflow.runtime.stage import default_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    node = WORLD.Split_type(MPI.COMM_TYPE_SHARED, key=WORLD.rank)
+    alone = WORLD.Split(color=WORLD.rank, key=0)
+    topo = Topology(alone, pipeline=1)
+    assert topo.local_rank == 0
+    assert default_device(topo) == torch.device("cuda", node.rank % 8)
+    assert len(set(WORLD.allgather(topo.gpu_slot))) == WORLD.size
+    topo.free()
+    alone.Free()
+    node.Free()

@@ -60,7 +60,7 @@ def test_a_bare_cuda_device_means_this_ranks_own_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     for local_rank, index in [(0, 0), (3, 3), (5, 1)]:
-        topo = types.SimpleNamespace(local_rank=local_rank, describe=lambda: "rank")
+        topo = types.SimpleNamespace(gpu_slot=local_rank, describe=lambda: "rank")
         assert default_device(topo, torch.device("cuda")) == torch.device("cuda", index)
         assert default_device(topo, torch.device("cuda", 2)) == torch.device("cuda", 2)
         assert default_device(topo, None) == torch.device("cuda", index)

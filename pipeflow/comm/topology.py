@@ -56,6 +56,10 @@ class Topology:
         self.data_group = comm.Split(color=self.stage, key=self.replica)
         local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
         self.local_rank, self.local_size = local.rank, local.size
+        # Which of its node's GPUs this rank takes: its place among the job's ranks on the
+        # node, not among this engine's (two engines on sub-communicators of one node would
+        # both take GPU 0).
+        self.gpu_slot = node_slot(comm, local.rank)
         self.local_cores = waiting.node_cores(local)    # cores this node's ranks may use
         local.Free()
 
@@ -166,3 +170,23 @@ def grid_communicators(topo: Topology, backend: str, device: torch.device, ring:
             f"of its {MPI.COMM_WORLD.size} ranks; use backend 'mpi', or one engine over "
             f"the whole job")
     return torch_grid_communicators(topo, backend, device, ring=ring)
+
+
+# What launchers set for a rank's place among the job's ranks on its node: Open MPI, MPICH's
+# hydra, PMI/PMIx, Cray PALS, Slurm's srun, torchrun.
+LOCAL_RANK_ENV = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK",
+                  "PMIX_LOCAL_RANK", "PALS_LOCAL_RANKID", "SLURM_LOCALID", "LOCAL_RANK")
+
+
+def node_slot(comm: MPI.Comm, local_rank: int) -> int:
+    """This rank's place among the job's ranks on its node. On the whole world that is its
+    rank on the node's shared-memory group; on a sub-communicator the launcher's variable
+    says (no collective over the world: other ranks may be building other engines), else
+    the rank within this communicator's node group."""
+    if comm.size == MPI.COMM_WORLD.size:
+        return local_rank
+    for name in LOCAL_RANK_ENV:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return local_rank

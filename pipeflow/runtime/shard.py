@@ -2,7 +2,7 @@
 fp32 masters and optimizer state sharded over its data group.
 
 Per bucket of the stage's trainable parameters (one parameter group a bucket, padded to a
-multiple of the data size d), each replica holds:
+multiple of d x SHARD_ALIGN elements, so that every block starts aligned), each replica holds:
 
     weights  the working copies, all of them: every parameter is a view into this buffer
     flat     the fp32 gradient, all of it: micro-batches accumulate into it (with pipelining
@@ -46,6 +46,11 @@ from pipeflow.config import ConfigError
 from pipeflow.runtime.data_parallel import GradReducer, _Bucket, _bind
 
 __all__ = ["ShardedOptimizer", "ELEMENTWISE", "WHOLE_TENSOR", "check_elementwise"]
+
+# A block of a bucket is a multiple of this many elements, so every replica's block starts
+# aligned (256 bytes of fp32, 128 of bf16) for the collectives' and the optimizer's kernels,
+# as Megatron-Core pads its buckets; at most d x 64 elements of padding a bucket.
+SHARD_ALIGN = 64
 
 # Optimizers whose update of an element reads only that element's gradient and state: a
 # flat block of a bucket steps exactly as the whole tensors would.
@@ -154,7 +159,8 @@ class ShardedOptimizer(GradReducer):
         replica's block of their fp32 start values becomes its master."""
         d, r = self.comm.size, self.comm.rank
         numel = sum(p.numel() for p in params)
-        padded = -(-numel // d) * d
+        unit = d * SHARD_ALIGN          # every block starts on a 256-byte boundary (fp32)
+        padded = -(-numel // unit) * unit
         device, dtype = params[0].device, params[0].dtype
         flat = torch.zeros(padded, dtype=torch.float32, device=device)
         weights = torch.zeros(padded, dtype=dtype, device=device)
@@ -331,7 +337,11 @@ class ShardedOptimizer(GradReducer):
     def load_optimizer_state(self, states: dict[int, dict], settings: dict[int, dict]) -> None:
         """Cut whole per-parameter optimizer state (by id of the working parameter, e.g. from
         a checkpoint of any grid) into this replica's blocks; per-element tensors missing for
-        some parameters of a bucket start at zero, other values come from the first found."""
+        some parameters of a bucket start at zero, other values come from the first found.
+        Loaded through the optimizer's own `load_state_dict`, so its rules hold as in an
+        unsharded resume (a fused or capturable AdamW's `step` on the parameters' device,
+        state cast to the parameters' dtype) and its load hooks run."""
+        blocks: dict[int, dict[str, Any]] = {}
         for b in self.buckets:
             found = [(states[id(p)], start, end) for p, start, end in b.offsets()
                      if id(p) in states]
@@ -339,22 +349,28 @@ class ShardedOptimizer(GradReducer):
                 if id(p) in settings:
                     self.optimizer.param_groups[self._group_index(b)].update(settings[id(p)])
                     break
-            if not found:
-                self.optimizer.state.pop(b.master, None)
-                continue
-            state: dict[str, Any] = {}
-            for key in found[0][0]:
-                sample = found[0][0][key]
-                if torch.is_tensor(sample) and sample.dim() >= 1 \
-                        and sample.numel() == found[0][2] - found[0][1]:
-                    full = torch.zeros(b.flat.numel(), dtype=sample.dtype,
-                                       device=b.flat.device)
-                    for st, start, end in found:
-                        full[start:end].copy_(st[key].reshape(-1))
-                    state[key] = full[b.block].clone()
-                else:
-                    state[key] = sample.clone() if torch.is_tensor(sample) else sample
-            self.optimizer.state[b.master] = state
+            if found:
+                blocks[id(b.master)] = self._block_state(b, found)
+        whole = self.optimizer.state_dict()
+        order = [m for g in self.optimizer.param_groups for m in g["params"]]
+        whole["state"] = {i: blocks[id(m)] for i, m in enumerate(order) if id(m) in blocks}
+        self.optimizer.load_state_dict(whole)
+
+    @staticmethod
+    def _block_state(b: _ShardBucket, found: list[tuple[dict, int, int]]) -> dict[str, Any]:
+        """This replica's block of a bucket's optimizer state from per-parameter entries."""
+        state: dict[str, Any] = {}
+        for key in found[0][0]:
+            sample = found[0][0][key]
+            if torch.is_tensor(sample) and sample.dim() >= 1 \
+                    and sample.numel() == found[0][2] - found[0][1]:
+                full = torch.zeros(b.flat.numel(), dtype=sample.dtype, device=b.flat.device)
+                for st, start, end in found:
+                    full[start:end].copy_(st[key].reshape(-1))
+                state[key] = full[b.block].clone()
+            else:
+                state[key] = sample.clone() if torch.is_tensor(sample) else sample
+        return state
 
     # -- memory ---------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:

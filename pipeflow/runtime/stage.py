@@ -280,12 +280,13 @@ def _make_optimizer(factory: OptimizerFactory, masters: list[nn.Parameter],
 
 def default_device(topo: Topology, requested: torch.device | None = None) -> torch.device:
     """The device this rank runs on: `requested`, where a bare "cuda" (no index) means this
-    rank's own GPU (its local rank modulo the node's GPUs), not GPU 0 for every rank; by
+    rank's own GPU (its place among the job's ranks on its node, modulo the node's GPUs),
+    not GPU 0 for every rank; by
     default that GPU where there is one, else the CPU."""
     if requested is not None and (requested.type != "cuda" or requested.index is not None):
         return requested
     if torch.cuda.is_available():
-        return torch.device("cuda", topo.local_rank % torch.cuda.device_count())
+        return torch.device("cuda", topo.gpu_slot % torch.cuda.device_count())
     if requested is not None:
         raise ConfigError(f"{topo.describe()}: device 'cuda' asked for, and this rank sees no "
                           f"GPU (torch.cuda.is_available() is False); use device='cpu'")
