@@ -112,9 +112,27 @@ def pipeflow_step(cfg: GPTConfig, device: torch.device, precision: str,
     return engine.train_step, engine
 
 
+def _grad_norm(params: list[torch.Tensor]) -> float:
+    """The whole model's gradient norm, read on the host as pipeflow's non-finite check and
+    clipping do every step (one foreach norm, one synchronisation)."""
+    return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+
+
+def _keep_fp32(model: torch.nn.Module, kinds: tuple[type, ...]) -> None:
+    """What pipeflow's bf16 does with `Config.fp32_modules` (LayerNorm by default): those
+    modules keep fp32 weights and run in fp32, their inputs cast up and outputs back down."""
+    for sub in model.modules():
+        if isinstance(sub, kinds):
+            sub.float()
+            sub.register_forward_pre_hook(
+                lambda m, args: tuple(a.float() if torch.is_tensor(a) else a for a in args))
+            sub.register_forward_hook(lambda m, args, out: out.to(torch.bfloat16))
+
+
 def plain_step(cfg: GPTConfig, device: torch.device, precision: str) -> tuple[Callable, None]:
-    """The same step without pipeflow: bf16 working weights with fp32 masters and AdamW
-    (or the fp32 model itself for fp32/tf32), written as one would by hand."""
+    """The same step without pipeflow, written as one would by hand, doing the same work:
+    bf16 working weights (LayerNorm kept in fp32, as pipeflow keeps it) with fp32 masters and
+    AdamW, or the fp32 model itself for fp32/tf32; the gradient norm read every step."""
     model = pf.build_sequential(gpt_layers(cfg), 0).to(device)
     if precision in ("fp32", "tf32"):
         opt = _adamw(device)(list(model.parameters()))
@@ -122,11 +140,13 @@ def plain_step(cfg: GPTConfig, device: torch.device, precision: str) -> tuple[Ca
         def step(x, y):
             loss = gpt_loss(model(x.to(device)), y.to(device))
             loss.backward()
+            _grad_norm(list(model.parameters()))
             opt.step()
             opt.zero_grad(set_to_none=True)
         return step, None
     masters = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
     model.to(torch.bfloat16)
+    _keep_fp32(model, (torch.nn.LayerNorm,))
     opt = _adamw(device)(masters)
     working = list(model.parameters())
 
@@ -136,6 +156,7 @@ def plain_step(cfg: GPTConfig, device: torch.device, precision: str) -> tuple[Ca
         for w, m in zip(working, masters):
             m.grad = w.grad.float()
             w.grad = None
+        _grad_norm(masters)
         opt.step()
         opt.zero_grad(set_to_none=True)
         with torch.no_grad():

@@ -40,6 +40,17 @@ def _env_choice(name: str, default: str, allowed: tuple) -> str:
     return raw or default
 
 
+def _env_flag(name: str, default: bool) -> bool:
+    """A default on/off from the environment variable `name`, if set: 1/0, true/false."""
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+        raise ConfigError(f"{name} must be 1 or 0; found {raw!r}. Set it to 1 (on) or 0 "
+                          f"(off), or unset it for the default {int(default)}")
+    return raw in ("1", "true", "yes", "on")
+
+
 def _env_seconds(name: str, default: float) -> float:
     """A default in seconds from the environment variable `name`, if set."""
     raw = os.environ.get(name, "").strip()
@@ -115,7 +126,10 @@ class Config:
     # Deterministic kernels (torch.use_deterministic_algorithms, and cuBLAS's workspace set
     # for it): on a GPU, bit-for-bit claims (resume, recompute, replicas) need it; some ops
     # get slower, and one without a deterministic kernel raises. CPUs are deterministic.
-    deterministic: bool = False
+    # PIPEFLOW_DETERMINISTIC=1 sets the default for every engine of a job (the GPU test
+    # scripts do, for their bit-for-bit claims).
+    deterministic: bool = dataclasses.field(
+        default_factory=lambda: _env_flag("PIPEFLOW_DETERMINISTIC", False))
     max_nonfinite_steps: int = 3   # abort after this many non-finite steps in a row
     # How a rank waits on MPI (pipeflow.comm.waiting): "spin" inside MPI, "yield" its core between
     # tests, or "auto": yield where a node runs more ranks than it has cores, else spin.

@@ -201,3 +201,41 @@ def test_single_rank_failure_raises_with_the_instruction():
                                            "broken layer"):
         engine.train_step(*batches(1, 4)[0])
     engine.close()
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_the_summed_loss_check_looks_at_one_row_and_still_tells_a_mean(reduction):
+    # The first step checks that a loss under count_items is a sum. It evaluated the loss on
+    # the whole micro-batch concatenated with itself: logits of twice the micro-batch, so
+    # step 1's peak memory (an LM's logits are the largest activation) exceeded every other's.
+    rows_seen = []
+
+    def loss(logits, targets):
+        rows_seen.append(logits.shape[0])
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                                 reduction=reduction)
+
+    engine = pf.Engine(toy_layers(), loss, sgd, pf.Config(microbatches=2),
+                       count_items=lambda t: t.numel())
+    x, y = batches(1, 8)[0]
+    if reduction == "mean":
+        with pytest.raises(pf.ConfigError, match="does not grow with the items"):
+            engine.train_step(x, y)
+    else:
+        engine.train_step(x, y)
+        engine.train_step(x, y)                          # checked once: the first step
+        assert sorted(rows_seen) == [1, 2] + [4] * 4, rows_seen
+    assert max(rows_seen) == 4                           # never more than a micro-batch
+    engine.close()
+
+
+def test_deterministic_kernels_can_be_asked_for_a_whole_job(monkeypatch):
+    # The GPU scripts' bit-for-bit claims (resume, recompute) need deterministic kernels in
+    # every engine the tests build, without editing each test's Config.
+    monkeypatch.setenv("PIPEFLOW_DETERMINISTIC", "1")
+    assert pf.Config().deterministic is True
+    monkeypatch.setenv("PIPEFLOW_DETERMINISTIC", "0")
+    assert pf.Config().deterministic is False
+    monkeypatch.setenv("PIPEFLOW_DETERMINISTIC", "maybe")
+    with pytest.raises(pf.ConfigError, match="PIPEFLOW_DETERMINISTIC must be 1 or 0"):
+        pf.Config()

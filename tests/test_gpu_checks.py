@@ -3,6 +3,7 @@ backend a grid gets, which GPU a rank binds, what MPI is handed (host or device 
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -398,3 +399,41 @@ def test_a_stuck_nccl_link_is_named_in_the_hang_report():
     stuck.done = True
     assert comm.in_flight() == [] and "still waiting" not in engine._report_where()
     engine.close()
+
+
+def test_nccl_waits_as_long_as_the_watchdog_and_launches_in_issue_order(monkeypatch):
+    # torch's default NCCL timeout (10 minutes) outlives any watchdog_s, so a stuck collective
+    # was ended by pipeflow's watchdog or never; and operations of several communicators in
+    # flight on one GPU (a link per direction, the data group) must launch in the host's
+    # order, the schedule's, or NCCL may deadlock.
+    import torch.distributed as dist
+    from pipeflow.comm import torch_dist
+    seen = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch_dist, "_rendezvous_store", lambda world: "store")
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.update(kw))
+    monkeypatch.delenv("NCCL_LAUNCH_ORDER_IMPLICIT", raising=False)
+    torch_dist.init_torch_distributed("gloo", torch.device("cpu"), timeout_s=30.0)
+    assert seen["timeout"].total_seconds() == 30.0 + torch_dist.NCCL_TIMEOUT_MARGIN_S
+    assert os.environ["NCCL_LAUNCH_ORDER_IMPLICIT"] == "1"
+    monkeypatch.setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "0")          # the user's word stands
+    seen.clear()
+    torch_dist.init_torch_distributed("gloo", torch.device("cpu"), timeout_s=0.0)
+    assert "timeout" not in seen and os.environ["NCCL_LAUNCH_ORDER_IMPLICIT"] == "0"
+
+
+def test_mfu_counts_a_gpu_that_ranks_share_once(monkeypatch):
+    # Four ranks sharing one GPU over MPI do the work of one GPU: dividing by the peak of
+    # four understated MFU fourfold.
+    from pipeflow.train import metrics
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(uuid=f"GPU-{device.index}"))
+    engine = types.SimpleNamespace(device=torch.device("cuda", 0),
+                                   topo=types.SimpleNamespace(world="world", rank=0))
+    views = {}
+    monkeypatch.setattr(metrics.waiting, "allgather", lambda comm, mine: views["all"])
+    views["all"] = [("node1", "GPU-0")] * 4
+    assert metrics.devices_in_use(engine) == 1
+    views["all"] = [("node1", "GPU-0"), ("node1", "GPU-1"), ("node2", "GPU-0"),
+                    ("node2", "GPU-0")]
+    assert metrics.devices_in_use(engine) == 3

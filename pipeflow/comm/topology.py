@@ -152,9 +152,11 @@ def _nccl_available() -> bool:
     return dist.is_available() and dist.is_nccl_available()
 
 
-def grid_communicators(topo: Topology, backend: str, device: torch.device, ring: bool
-                       ) -> tuple[Any, Any]:
-    """This rank's pipeline communicator and, with replicas, its stage's data group's."""
+def grid_communicators(topo: Topology, backend: str, device: torch.device, ring: bool,
+                       timeout_s: float = 0.0) -> tuple[Any, Any]:
+    """This rank's pipeline communicator and, with replicas, its stage's data group's;
+    `timeout_s` (the watchdog's) bounds torch.distributed's own wait (see
+    `init_torch_distributed`)."""
     from pipeflow.comm.mpi import MpiCommunicator
     from pipeflow.comm.torch_dist import torch_grid_communicators
     from pipeflow.comm.strict import StrictCommunicator
@@ -169,7 +171,7 @@ def grid_communicators(topo: Topology, backend: str, device: torch.device, ring:
             f"MPI.COMM_WORLD, but this engine runs on a communicator of {topo.world.size} "
             f"of its {MPI.COMM_WORLD.size} ranks; use backend 'mpi', or one engine over "
             f"the whole job")
-    return torch_grid_communicators(topo, backend, device, ring=ring)
+    return torch_grid_communicators(topo, backend, device, ring=ring, timeout_s=timeout_s)
 
 
 # What launchers set for a rank's place among the job's ranks on its node: Open MPI, MPICH's

@@ -18,17 +18,36 @@ __all__ = ["TorchDistCommunicator", "init_torch_distributed", "rendezvous_addres
            "torch_grid_communicators", "torch_family_communicators"]
 
 
-def init_torch_distributed(backend: str, device: torch.device) -> None:
+# How much longer than pipeflow's watchdog torch.distributed waits before it ends a stuck
+# collective itself: the watchdog's report (rank, instruction, peer) comes first.
+NCCL_TIMEOUT_MARGIN_S = 60.0
+
+
+def init_torch_distributed(backend: str, device: torch.device, timeout_s: float = 0.0) -> None:
     """Start torch.distributed over all MPI ranks with nothing set by hand.
 
     Rank and world size come from MPI.COMM_WORLD; rank 0 opens the rendezvous store (on the
     address other nodes reach it by, on a port the system picks) and broadcasts where it
     is. MASTER_ADDR / MASTER_PORT, when set, override the address and the port.
+
+    `timeout_s` (the engine's `watchdog_s`; 0: torch's default) ties NCCL's own timeout to
+    the watchdog: NCCL's watchdog ends a stuck collective `NCCL_TIMEOUT_MARGIN_S` after
+    pipeflow's has had the chance to name the rank and the operation, never 10 minutes later.
+
+    Operations of several NCCL communicators can be in flight on one GPU at once (a link per
+    direction, the data group, the tie groups), which NCCL documents as a deadlock risk unless
+    they are ordered: `NCCL_LAUNCH_ORDER_IMPLICIT=1` (NCCL >= 2.26; older versions ignore it)
+    makes NCCL launch them in the host's order of issue, which is the schedule's order, the
+    order the simulator proves free of deadlock. A value the user set is kept.
     """
+    import datetime
+    import os
+
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
+    os.environ.setdefault("NCCL_LAUNCH_ORDER_IMPLICIT", "1")
     world = MPI.COMM_WORLD
     store = _rendezvous_store(world)
     kwargs = {}
@@ -38,6 +57,8 @@ def init_torch_distributed(backend: str, device: torch.device) -> None:
         torch.cuda.set_device(device)
     if backend == "nccl":
         kwargs["device_id"] = device       # NCCL binds each rank's communicators to its GPU
+    if timeout_s > 0:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s + NCCL_TIMEOUT_MARGIN_S)
     dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size,
                             **kwargs)
 
@@ -238,7 +259,8 @@ class TorchDistCommunicator(HeadersFirst, Communicator):
         self.objects.free()
 
 
-def torch_grid_communicators(topo: Any, backend: str, device: torch.device, ring: bool
+def torch_grid_communicators(topo: Any, backend: str, device: torch.device, ring: bool,
+                             timeout_s: float = 0.0
                              ) -> tuple[TorchDistCommunicator, TorchDistCommunicator | None]:
     """This rank's pipeline and data-group communicators over torch.distributed.
 
@@ -261,7 +283,7 @@ def torch_grid_communicators(topo: Any, backend: str, device: torch.device, ring
     or ZB-H1; Megatron pairs them by hand for each schedule. Hence the links split by
     direction.
     """
-    init_torch_distributed(backend, device)
+    init_torch_distributed(backend, device, timeout_s)
     p, d = topo.pipeline, topo.data
     pipelines = [[topo.rank_of(s, r) for s in range(p)] for r in range(d)]
     pipe_group = _split_family(pipelines, backend, "pipeline")

@@ -207,10 +207,12 @@ class SummedLossCheck:
     global batch's count. A mean-reduced loss (`causal_lm_loss` for `causal_lm_loss_sum`)
     would train with a loss as many times too small as a micro-batch has items.
 
-    When `armed` (the first training step), the next call also evaluates the loss on the
-    micro-batch taken twice (outputs and targets concatenated with themselves along dim 0):
-    a sum doubles, a mean stays. `problem` then holds the text to raise on every rank (the
-    engine agrees on it with the step's loss), or None.
+    When `armed` (the first training step), the next call also evaluates the loss on one
+    row of the micro-batch, alone and taken twice (concatenated with itself along dim 0): a
+    sum doubles, a mean stays. One row, not the whole micro-batch twice over: the check's
+    extra logits are those of two rows, so the first step's peak memory is the others'.
+    `problem` then holds the text to raise on every rank (the engine agrees on it with the
+    step's loss), or None.
     """
 
     def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
@@ -224,19 +226,28 @@ class SummedLossCheck:
     def __call__(self, outputs: Any, targets: Any) -> torch.Tensor:
         loss = self.loss_fn(outputs, targets)
         if self.count_items is not None:
-            self._check(outputs, targets, loss)
+            self._check(outputs, targets)
         return loss
 
-    def _check(self, outputs: Any, targets: Any, loss: torch.Tensor) -> None:
-        """Compare the loss of the micro-batch twice over with its loss; inconclusive on a
-        micro-batch with no loss (all items ignored): the next one is checked instead."""
-        def twice(x: Any) -> Any:
-            return tree.map_tensors(lambda t: torch.cat([t, t]) if t.dim() else t, x)
-        single = float(loss.detach().double())
-        if single == 0.0 or not torch.isfinite(loss.detach()).all():
+    def _check(self, outputs: Any, targets: Any) -> None:
+        """Compare the loss of a row taken twice over with its loss alone, on the first row
+        with a loss (a row with every item ignored is inconclusive); a micro-batch without
+        one leaves the check to the next."""
+        rows = _rows(targets)
+        if not rows:
             return
+        def cut(x: Any, index: list[int]) -> Any:    # rows `index` of the batch-sized leaves
+            return tree.map_tensors(
+                lambda t: t[index] if t.dim() and t.shape[0] == rows else t, x)
         with torch.no_grad():
-            doubled = float(self.loss_fn(twice(outputs), twice(targets)).double())
+            for r in range(rows):
+                alone = self.loss_fn(cut(outputs, [r]), cut(targets, [r])).detach()
+                single = float(alone.double())
+                if single != 0.0 and bool(torch.isfinite(alone).all()):
+                    break
+            else:
+                return
+            doubled = float(self.loss_fn(cut(outputs, [r, r]), cut(targets, [r, r])).double())
         items, self.count_items = int(self.count_items(targets)), None
         ratio = doubled / single
         if abs(ratio - 2.0) <= 0.02:
@@ -245,8 +256,8 @@ class SummedLossCheck:
         self.problem = (
             f"count_items is set, so loss_fn must return each micro-batch's summed loss (the "
             f"engine divides the sum over the global batch by its item count), but {name} "
-            f"does not grow with the items: on the first micro-batch taken twice over it gave "
-            f"{doubled:.6g}, on the micro-batch once {single:.6g} (ratio {ratio:.3g}; a sum "
+            f"does not grow with the items: on a row of the first micro-batch taken twice over "
+            f"it gave {doubled:.6g}, on the row once {single:.6g} (ratio {ratio:.3g}; a sum "
             f"gives 2). A mean-reduced loss trains with a loss about {items}x too small (the "
             f"micro-batch's {items} items): pass the summed form (hf.causal_lm_loss_sum, "
             f"cross_entropy(..., reduction=\"sum\")), or drop count_items to keep a mean loss")

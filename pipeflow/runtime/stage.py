@@ -194,7 +194,7 @@ class Stage:
         """The pipeline's communicator and, with replicas, the stage's data group's. Only
         the interleaved schedule needs the ring's wrap-around link (ZBV turns on one rank)."""
         return grid_communicators(self.topo, self.backend, self.device,
-                                  ring=self.plan.ring)
+                                  ring=self.plan.ring, timeout_s=self.config.watchdog_s)
 
     def _tie_groups(self) -> None:
         """Under torch.distributed, a group per spanning tie and replica, made on every rank

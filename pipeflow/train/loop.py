@@ -26,8 +26,8 @@ from pipeflow.train import hub
 from pipeflow.train.data import Batches, load_corpus, packed_positions, token_file
 from pipeflow.engine import Engine
 from pipeflow.runtime.failure import report_and_abort, say
-from pipeflow.train.metrics import (MetricsLog, count_parameters, memory_reports, peak_flops,
-                                   stage_stats)
+from pipeflow.train.metrics import (MetricsLog, count_parameters, devices_in_use,
+                                    memory_reports, peak_flops, stage_stats)
 from pipeflow.train.model_table import Model, build_model
 from pipeflow.train.run_config import DataConfig, RunConfig, TrainConfig, load_run_config
 from pipeflow.train.trace import write_trace
@@ -344,7 +344,7 @@ class _Loop:
     position: int                    # index of the next training batch
     tokens: int                      # tokens per global batch
     flops_per_token: float
-    peak_flops: float                # per rank
+    peak_flops: float                # the job's: a device's peak x the devices in use
     first_step: int = 0
     losses: list[float] = dataclasses.field(default_factory=list)
     eot: int | None = None           # [data] packed: the end-of-text id
@@ -405,6 +405,7 @@ def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
     elif model.pretrained:
         _load_pretrained(engine, model)
     flops = model.flops_per_token or 6 * count_parameters(engine)
+    devices = devices_in_use(engine)     # ranks sharing a GPU share its peak
     peak = waiting.bcast(comm, peak_flops(engine.device, t.peak_tflops) if comm.rank == 0 else None,
                          0)
     out = None
@@ -425,7 +426,7 @@ def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
         if eot is not None:
             out.line(f"pipeflow: packed rows: position_ids restart after token {eot}")
     return _Loop(run, engine, batches, val, out, position, t.batch_size * batches.seq_len,
-                 flops, peak[0], first_step=engine.step_count, eot=eot,
+                 flops, peak[0] * devices, first_step=engine.step_count, eot=eot,
                  hf_config=model.hf_config)
 
 
@@ -488,7 +489,7 @@ def _record(loop: _Loop, step: int, loss: float) -> None:
         return
     dt = engine.stats.step_time
     tokens_per_s = loop.tokens / dt
-    mfu = loop.flops_per_token * tokens_per_s / (loop.peak_flops * engine.topo.world.size)
+    mfu = loop.flops_per_token * tokens_per_s / loop.peak_flops
     loop.out.record({
         "step": step, "loss": loss, "lr": lr_at(step, t), "grad_norm": engine.stats.grad_norm,
         "loss_scale": engine.loss_scale, "skipped_steps": engine.stats.skipped_steps,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import socket
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -78,6 +79,19 @@ def peak_flops(device: torch.device, tflops: float = 0.0) -> tuple[float, str]:
         # thousands of percent).
         return _measured_matmul_flops(device), f"measured bf16 matmul on {name}"
     return _measured_matmul_flops(device), f"measured fp32 matmul on {device.type}"
+
+
+def devices_in_use(engine: "Engine") -> int:
+    """The distinct devices the job's ranks run on, the count MFU's peak is multiplied by:
+    ranks that share one GPU (several ranks over MPI on one device) share its peak. A CPU
+    rank counts as a device of its own (its peak is measured per rank). A collective."""
+    device = engine.device
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        mine: tuple = (socket.gethostname(), str(getattr(props, "uuid", device.index)))
+    else:
+        mine = (socket.gethostname(), engine.topo.rank)
+    return len(set(waiting.allgather(engine.topo.world, mine)))
 
 
 def count_parameters(engine: "Engine") -> int:
