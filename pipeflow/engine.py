@@ -254,6 +254,8 @@ class Engine:
             checking = st.batches.items is not None and not self._loss_checked
             if checking and self.count_items is not None:
                 self._loss_check.arm(self.count_items)
+            if self._stage.reducer is not None:
+                self._stage.reducer.begin_step()     # the views, after a user's zero_grad
             self._measure(lambda: self.runner.run(self._stage.program, st))
             loss = self._guarded("loss", lambda: self._global_loss(st.losses, st))
             if checking:        # before the update: a wrong loss never moves the weights

@@ -69,7 +69,13 @@ class GradReducer:
                 group, size = [], 0
         if group:
             self._add_bucket(group, watched)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self._watch(params, grad_params)
+
+    def _watch(self, params: Sequence[nn.Parameter], grad_params: Sequence[nn.Parameter]) -> None:
+        """Hook every watched parameter; remember which gradient parameter each one feeds."""
+        self._watched = list(params)
+        self._grad_of = {id(p): g for p, g in zip(params, grad_params)}
+        self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     def _setup(self, comm: Communicator) -> None:
         """The state every reducer starts with: no buckets, nothing armed or in flight."""
@@ -83,6 +89,13 @@ class GradReducer:
         self._lock = threading.Lock()
         self._bucket_of: dict[int, _Bucket] = {}   # watched parameter -> its bucket
         self._hooks: list = []
+        # Which watched parameters got a gradient this step on this replica, and after
+        # `finish` on any replica (`untouched`): torch.optim skips a parameter whose `.grad`
+        # is None, and so must the engine, whose gradients are views that are never None.
+        self._watched: list[nn.Parameter] = []
+        self._touched: set[int] = set()
+        self._flags: Request | None = None
+        self._flag_buffer: torch.Tensor | None = None
 
     @property
     def _ordered(self) -> list[_Bucket]:
@@ -116,6 +129,7 @@ class GradReducer:
             b.request = None
 
     def _on_grad(self, p: nn.Parameter) -> None:
+        self._touched.add(id(p))
         if not self.armed:
             return
         bucket = self._bucket_of.get(id(p))
@@ -167,16 +181,44 @@ class GradReducer:
         """Launch what is left in order (buckets some of whose parameters got no gradient in
         the last backward), then wait for every reduction."""
         self._launch_ready(everything=True)
+        self._launch_flags()
         self._wait_all()
+
+    def _launch_flags(self) -> None:
+        """After the buckets, in the same place on every replica: the count of replicas on
+        which each watched parameter got a gradient this step (one small sum)."""
+        flags = torch.tensor([float(id(p) in self._touched) for p in self._watched])
+        self._flag_buffer = flags.to(self.buckets[0].flat.device) if self.buckets else flags
+        self._flags = self.comm.iallreduce_(self._flag_buffer, key="gradients present")
+
+    def untouched(self) -> list[nn.Parameter]:
+        """The gradient parameters (masters) that got no gradient on any replica this step:
+        the optimizer skips them, as torch.optim skips a `.grad` of None. After `finish`."""
+        if self._flag_buffer is None:
+            return []
+        present = self._flag_buffer.tolist()
+        return [self._grad_of[id(p)] for p, n in zip(self._watched, present) if n == 0.0]
+
+    def begin_step(self) -> None:
+        """Before a step's first backward: the gradients are this reducer's views again, had
+        the user's own `optimizer.zero_grad()` (set_to_none, every plain loop's habit) dropped
+        them between steps; a gradient made outside the buckets would never be summed over
+        the replicas, which would drift apart without a word."""
+        for b in self.buckets:
+            _bind(b)
 
     def _wait_all(self) -> None:
         """Wait for every bucket's reduction, then disarm until the next step's last backward."""
         for b in self.buckets:
             b.request.wait()
             b.request = None
+        if self._flags is not None:
+            self._flags.wait()
+            self._flags = None
         self.armed = False
 
     def zero_grad(self) -> None:
+        self._touched = set()
         for b in self.buckets:
             b.flat.zero_()
             # An optimizer's zero_grad(set_to_none=True) would break the views: restore them.

@@ -88,6 +88,10 @@ def _step(stage: StepStage, coef: float) -> None:
             if p.grad is not None:
                 p.grad.detach().mul_(coef)
     if stage.optimizer is not None:
+        # A parameter no replica had a gradient for is skipped, as torch.optim skips a
+        # `.grad` of None (the buckets' views never are); `zero_grad` binds them again.
+        for master in stage.reducer.untouched() if stage.reducer is not None else ():
+            master.grad = None
         stage.optimizer.step()
         precision.refresh_working()
 

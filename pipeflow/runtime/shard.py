@@ -150,7 +150,7 @@ class ShardedOptimizer(GradReducer):
                            for b in self.buckets for p, start, end in b.offsets()}
         self.optimizer = self._rebuild(probe)
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in working]
-        self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for p in working]
+        self._watch(working, working)
 
     # -- construction ---------------------------------------------------------------------
     def _add_bucket_of(self, params: list[nn.Parameter], group: int,
@@ -221,11 +221,22 @@ class ShardedOptimizer(GradReducer):
                 _sum_over_holders(b.tie, b.flat)
                 self.events.append(("launch", self.buckets.index(b)))
                 self._launch(b)
+        self._launch_flags()
         self._wait_all()
 
     def zero_grad(self) -> None:
+        self._touched = set()
         for b in self.buckets:
             b.flat.zero_()
+            if b.weights.dtype == torch.float32:
+                _bind(b)
+
+    def begin_step(self) -> None:
+        """As `GradReducer.begin_step`, and the blocks' gradients back where the user's
+        `optimizer.zero_grad()` (which sees the blocks) set them to None."""
+        for b in self.buckets:
+            if b.master.grad is None:
+                b.master.grad = torch.zeros_like(b.master)
             if b.weights.dtype == torch.float32:
                 _bind(b)
 
@@ -253,10 +264,13 @@ class ShardedOptimizer(GradReducer):
                 g.mul_(coef)
         for b in self.buckets:
             b.master.grad = None
+        skipped = {id(p) for p in self.untouched()}
         try:
             for b, g in zip(self.buckets, grads):
                 b.master.grad = g
+                kept = self._untouched_elements(b, skipped)
                 self.optimizer.step()
+                self._restore(b, kept)
                 b.master.grad = None
                 b.gather = self.comm.iallgather_(self._outgoing(b), b.weights,
                                                  key=self._key(b))
@@ -270,6 +284,37 @@ class ShardedOptimizer(GradReducer):
             if b.gather is not None:
                 b.gather.wait()
                 b.gather = None
+
+    def _untouched_elements(self, b: _ShardBucket, skipped: set[int]) -> list[tuple]:
+        """The block's elements of parameters no replica had a gradient for this step, with
+        their master values and per-element optimizer state as they are before the step:
+        restored after it, so those parameters are skipped as torch.optim skips a `.grad` of
+        None (no weight decay, no momentum). A step count is the block's own: a parameter
+        skipped in some steps then has its bias correction counted from the block's steps."""
+        if not skipped:
+            return []
+        kept = []
+        state = self.optimizer.state.get(b.master, {})
+        for p, start, end in b.offsets():
+            lo, hi = max(start, b.block.start), min(end, b.block.stop)
+            if id(p) in skipped and lo < hi:
+                part = slice(lo - b.block.start, hi - b.block.start)
+                saved = {k: v[part].clone() for k, v in state.items() if _per_element(v, b.master)}
+                kept.append((part, b.master.detach()[part].clone(), saved))
+        return kept
+
+    @torch.no_grad()
+    def _restore(self, b: _ShardBucket, kept: list[tuple]) -> None:
+        """Put back what `_untouched_elements` kept; per-element state this step created
+        (the block's first step) is zero there, as a parameter that never stepped has none."""
+        state = self.optimizer.state.get(b.master, {})
+        for part, value, saved in kept:
+            b.master[part] = value
+            for k, v in state.items():
+                if k in saved:
+                    v[part] = saved[k]
+                elif _per_element(v, b.master):
+                    v[part] = 0
 
     @staticmethod
     @torch.no_grad()
