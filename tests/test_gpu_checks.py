@@ -401,25 +401,38 @@ def test_a_stuck_nccl_link_is_named_in_the_hang_report():
     engine.close()
 
 
-def test_nccl_waits_as_long_as_the_watchdog_and_launches_in_issue_order(monkeypatch):
-    # torch's default NCCL timeout (10 minutes) outlives any watchdog_s, so a stuck collective
-    # was ended by pipeflow's watchdog or never; and operations of several communicators in
-    # flight on one GPU (a link per direction, the data group) must launch in the host's
-    # order, the schedule's, or NCCL may deadlock.
+def test_nccl_waits_as_long_as_the_watchdog(monkeypatch):
+    # torch's default NCCL timeout (10 minutes) outlives any watchdog_s: a stuck collective
+    # was ended by pipeflow's watchdog or never.
     import torch.distributed as dist
     from pipeflow.comm import torch_dist
     seen = {}
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(torch_dist, "_rendezvous_store", lambda world: "store")
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.update(kw))
-    monkeypatch.delenv("NCCL_LAUNCH_ORDER_IMPLICIT", raising=False)
     torch_dist.init_torch_distributed("gloo", torch.device("cpu"), timeout_s=30.0)
     assert seen["timeout"].total_seconds() == 30.0 + torch_dist.NCCL_TIMEOUT_MARGIN_S
-    assert os.environ["NCCL_LAUNCH_ORDER_IMPLICIT"] == "1"
-    monkeypatch.setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "0")          # the user's word stands
     seen.clear()
     torch_dist.init_torch_distributed("gloo", torch.device("cpu"), timeout_s=0.0)
-    assert "timeout" not in seen and os.environ["NCCL_LAUNCH_ORDER_IMPLICIT"] == "0"
+    assert "timeout" not in seen
+
+
+def test_an_nccl_launch_order_that_would_deadlock_the_schedule_is_refused(monkeypatch):
+    # NCCL_LAUNCH_ORDER_IMPLICIT=1 runs a GPU's NCCL operations in host order, each waiting
+    # for its peer: 1F1B's sends and receives to its two neighbours would then wait for each
+    # other (the direction-split links exist so that they never do). GPipe survives it.
+    from pipeflow.comm.torch_dist import check_nccl_launch_order
+    from pipeflow.schedules import build_schedule
+    from pipeflow.schedules.links import ordered_launch_stalls
+    assert ordered_launch_stalls(build_schedule("1f1b", 4, 8)) != []
+    assert ordered_launch_stalls(build_schedule("gpipe", 4, 8)) == []
+    monkeypatch.setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "1")
+    with pytest.raises(pf.ConfigError, match=r"rank 0: NCCL_LAUNCH_ORDER_IMPLICIT=1 .* would "
+                                              r"then deadlock \(ranks \["):
+        check_nccl_launch_order(build_schedule("1f1b", 4, 8), "rank 0")
+    check_nccl_launch_order(build_schedule("gpipe", 4, 8), "rank 0")
+    monkeypatch.setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "0")
+    check_nccl_launch_order(build_schedule("1f1b", 4, 8), "rank 0")
 
 
 def test_mfu_counts_a_gpu_that_ranks_share_once(monkeypatch):

@@ -193,6 +193,9 @@ class Stage:
     def _communicators(self) -> tuple[Communicator, Communicator | None]:
         """The pipeline's communicator and, with replicas, the stage's data group's. Only
         the interleaved schedule needs the ring's wrap-around link (ZBV turns on one rank)."""
+        if self.backend == "nccl":
+            from pipeflow.comm.torch_dist import check_nccl_launch_order
+            check_nccl_launch_order(self.plan.programs, self.describe())
         return grid_communicators(self.topo, self.backend, self.device,
                                   ring=self.plan.ring, timeout_s=self.config.watchdog_s)
 

@@ -79,7 +79,14 @@ def check_link_order(programs: Sequence[Sequence[Action]],
                     f"order alone: receive them in the order they are sent")
 
 
-def batched_rendezvous_stalls(programs: Programs) -> list[int]:
+def ordered_launch_stalls(programs: Programs) -> list[int]:
+    """The ranks left stuck if every send and receive ran in the host's order of issue on
+    one queue per GPU, each completing only once its peer is at the matching operation:
+    NCCL's communicators on one GPU with `NCCL_LAUNCH_ORDER_IMPLICIT=1`. Empty: safe."""
+    return batched_rendezvous_stalls(programs, batched=False)
+
+
+def batched_rendezvous_stalls(programs: Programs, batched: bool = True) -> list[int]:
     """The ranks left stuck if each run of consecutive sends and receives were one batch on
     one shared stream per pipeline (Megatron-Core's single P2P group), where a send completes
     only once its receiver has posted the matching receive, i.e. sits in the batch that
@@ -88,7 +95,7 @@ def batched_rendezvous_stalls(programs: Programs) -> list[int]:
     says which schedules a one-group design could batch naively (see
     `comm.torch_dist.torch_grid_communicators`)."""
     layout = programs.layout
-    items = [_comm_runs(prog) for prog in programs]
+    items = [_comm_runs(prog, batched) for prog in programs]
     at = [0] * len(programs)
     done: list[set[tuple[Message, bool]]] = [set() for _ in programs]
 
@@ -121,13 +128,13 @@ def batched_rendezvous_stalls(programs: Programs) -> list[int]:
     return [r for r in range(len(programs)) if at[r] < len(items[r])]
 
 
-def _comm_runs(prog: Sequence[Action]) -> list[list[Action]]:
-    """The program as items: each run of consecutive sends and receives one batch, each
-    computation an empty item."""
+def _comm_runs(prog: Sequence[Action], batched: bool = True) -> list[list[Action]]:
+    """The program as items: each run of consecutive sends and receives one batch (or, not
+    `batched`, each its own), each computation an empty item."""
     out: list[list[Action]] = []
     for act in prog:
         if act.op in SENDS or act.op in RECVS:
-            if out and out[-1]:
+            if batched and out and out[-1]:
                 out[-1].append(act)
                 continue
             out.append([act])
