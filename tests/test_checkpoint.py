@@ -292,7 +292,7 @@ def test_a_shard_that_reached_the_disk_short_fails_the_save(tmp_path, monkeypatc
 
     monkeypatch.setattr(ckpt, "atomic_write_bytes", short)
     with pytest.raises(pf.CheckpointError, match=r"checkpoint of step 2 was not saved: "
-                       r"'.*layer-00001.pt' holds (\d+) bytes after the save, \d+ were written"
+                       r"'.*layer-00001.pt' holds \d+ bytes after the save, \d+ were written"
                        r".*the previous checkpoint 'step-00000001' is untouched"):
         engine.save(tmp_path)
     monkeypatch.undo()
