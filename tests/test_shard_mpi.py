@@ -167,6 +167,59 @@ def test_frozen_parameters_stay_put_and_are_not_sharded(pipeline, data, precisio
     _verdict(ok, text)
 
 
+
+MARK = VOCAB - 1     # the token whose rows a `Gated` layer adds its bias to
+
+
+class Gated(nn.Module):
+    """A bias added only to the rows that hold `MARK`: in a micro-batch without one the bias
+    is not in the graph at all (no gradient, not a zero one), as an expert of a mixture that
+    no token was routed to."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(width))
+
+    def forward(self, x):
+        h, tokens = x
+        rows = (tokens == MARK).any(-1)
+        if rows.any():
+            h = h + self.bias * rows[:, None, None].to(h.dtype)
+        return h, tokens
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("pipeline,data", GRIDS)
+def test_a_parameter_without_gradient_on_some_replicas_trains_like_one_process(pipeline,
+                                                                              data):
+    # Step 1 marks a row of the first replica only, step 2 one of the last replica only,
+    # step 3 none: the gated bias's bucket gets a gradient on one replica and none on the
+    # others (whose hooks never fire for it), then none anywhere. Every replica must still
+    # reduce-scatter that bucket, and the update is one process's.
+    layers = toy_layers(blocks=2)
+    layers.insert(2, pf.LayerSpec(Gated, layers[1].args[0]))
+    steps = []
+    for k, marked in enumerate([0, BATCH - 1, None]):
+        x, y = batches(1, BATCH, seed=k + 3)[0]
+        x = x % MARK
+        if marked is not None:
+            x[marked, 2] = MARK
+        steps.append((x, y))
+    grid = dict(pipeline=pipeline, data=data)
+    plain = _run(layers, sgd, steps, **grid)
+    sharded = _run(layers, sgd, steps, shard_optimizer=True, **grid)
+    ok, text = True, ""
+    if WORLD.rank == 0:
+        start = pf.build_sequential(layers, 0).state_dict()
+        reference, _ = train_reference(layers, steps, optimizer=sgd)
+        ok, text = _same(sharded[1], reference.state_dict(), 1e-5)
+        if ok:
+            ok, text = _same(sharded[1], plain[1], 1e-6)
+        if ok and torch.equal(sharded[1]["2.bias"], start["2.bias"]):
+            ok, text = False, "the gated bias never moved: the test would prove nothing"
+    _verdict(ok, text)
+    _verdict(*_replicas_agree(sharded[3]))
+
 def _wide_layers(width: int = 64) -> list[pf.LayerSpec]:
     return [pf.LayerSpec(Embed, VOCAB, width), pf.LayerSpec(Block, width, 4 * width),
             pf.LayerSpec(Block, width, 4 * width), pf.LayerSpec(Head, width, VOCAB)]
