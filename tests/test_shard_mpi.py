@@ -167,7 +167,6 @@ def test_frozen_parameters_stay_put_and_are_not_sharded(pipeline, data, precisio
     _verdict(ok, text)
 
 
-
 MARK = VOCAB - 1     # the token whose rows a `Gated` layer adds its bias to
 
 
@@ -197,8 +196,9 @@ def test_a_parameter_without_gradient_on_some_replicas_trains_like_one_process(p
     # others (whose hooks never fire for it), then none anywhere. Every replica must still
     # reduce its bucket, and the update is one process's. The marks are in each replica's
     # first micro-batch: no replica's bucket is final in the last backward, so every replica
-    # launches it at the end (a mark in the last micro-batch launches it early on that
-    # replica only, and today's launch order then differs between replicas: see issue 36).
+    # launches it at the end. (A mark in a replica's last micro-batch makes the bucket final
+    # there only, and launched there early: the replicas' launch orders then differ, which
+    # today sums unrelated buckets; that case waits for the fixed launch order.)
     layers = toy_layers(blocks=2)
     layers.insert(len(layers) - 1, pf.LayerSpec(Gated, layers[1].args[0]))
     steps = []
@@ -222,6 +222,7 @@ def test_a_parameter_without_gradient_on_some_replicas_trains_like_one_process(p
             ok, text = False, "the gated bias never moved: the test would prove nothing"
     _verdict(ok, text)
     _verdict(*_replicas_agree(sharded[3]))
+
 
 def _wide_layers(width: int = 64) -> list[pf.LayerSpec]:
     return [pf.LayerSpec(Embed, VOCAB, width), pf.LayerSpec(Block, width, 4 * width),
@@ -362,7 +363,6 @@ def test_param_group_settings_are_kept_per_group():
         if ok:
             ok, text = _same(sharded[1], reference.state_dict(), 1e-5)
     _verdict(ok, text)
-
 
 
 def _two_groups(params):
