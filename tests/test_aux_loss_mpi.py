@@ -9,8 +9,8 @@ from mpi4py import MPI
 
 import pipeflow as pf
 
-from toy import (VOCAB, WIDTH, Block, Embed, Head, assert_same_parameters, batches, loss_fn,
-                 sgd, sub_world)
+from toy import (VOCAB, WIDTH, Block, Embed, Head, assert_same_parameters, assert_same_update,
+                 batches, loss_fn, sgd, sub_world, update_of)
 
 COEF = 0.3
 BATCH, STEPS = 16, 3
@@ -87,3 +87,43 @@ def test_add_aux_loss_outside_an_engine_is_ignored_and_checks_its_value():
     assert [float(g) for g in got] == [2.0]
     with pytest.raises(ValueError, match="expects a scalar tensor"):
         pf.add_aux_loss(torch.ones(3))
+
+
+def _summed(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                             reduction="sum")
+
+
+# Tolerance on the update against one process in fp32: fp32's arithmetic differs only in
+# order; bf16 and fp16 weights and activations round at 2^-8 and 2^-11.
+_RTOL = {"fp32": 1e-5, "bf16": 0.05, "fp16": 0.02}
+
+
+@pytest.mark.parametrize("counted", [False, True], ids=["mean", "count_items"])
+@pytest.mark.parametrize("precision", list(_RTOL))
+def test_aux_losses_weigh_alike_under_every_precision_and_loss_normalisation(precision,
+                                                                             counted):
+    # The auxiliary loss is a per-micro-batch mean weighted 1/(m x d), whatever the main
+    # loss's normalisation (count_items divides the summed main loss by the items, not the
+    # auxiliary loss), and under fp16 it is multiplied by the loss scale with the main loss
+    # (then unscaled with every gradient). Plain SGD: the update is the gradient, so an
+    # auxiliary gradient weighted 1/items (here 1/80 for 1/2) or left unscaled (1/1024 after
+    # the unscale) shows as a smaller update of every block.
+    layers = aux_layers(blocks=2)
+    x, y = batches(1, BATCH)[0]
+    start = pf.build_sequential(layers, 0).state_dict()
+    ref, _ = reference(layers, [(x, y)], sgd)
+    expected = {k: v - start[k] for k, v in ref.state_dict().items()}
+    plain = pf.build_sequential(layers, 0)
+    loss_fn(plain(x), y).backward()
+    without = {k: -0.5 * p.grad for k, p in plain.named_parameters()}
+    engine = pf.Engine(layers, _summed if counted else loss_fn, sgd,
+                       pf.Config(microbatches=2, precision=precision, loss_scale=1024.0),
+                       count_items=(lambda t: t.numel()) if counted else None)
+    update = update_of(engine, x, y)
+    assert engine.stats.skipped_steps == 0
+    engine.close()
+    aux_part = max(((expected[k] - without[k]).norm() / expected[k].norm()).item()
+                   for k in update)
+    assert aux_part > 5 * _RTOL[precision], "the auxiliary gradient is too small to see"
+    assert_same_update(update, expected, rtol=_RTOL[precision])

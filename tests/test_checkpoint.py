@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 import pipeflow as pf
+from pipeflow.layers import fingerprint
 from pipeflow.runtime.rng import get_rng_state, rank_seed, seed_everything, set_rng_state
 
 from toy import (adamw, assert_same_parameters, batches, dropout_layers, loss_fn, toy_layers,
@@ -273,6 +275,35 @@ def test_a_failed_save_keeps_the_previous_checkpoint_loadable(tmp_path, monkeypa
         e.close()
 
 
+
+def test_a_shard_that_reached_the_disk_short_fails_the_save(tmp_path, monkeypatch):
+    # A write that returned but left the file short (a network filesystem or a quota that
+    # reports late): the save compares each file's size with what was written and fails,
+    # naming the file, instead of publishing a checkpoint the next load refuses.
+    import pipeflow.runtime.checkpoint as ckpt
+    engine = _engine()
+    engine.train_step(*batches(2, 4)[0])
+    engine.save(tmp_path)
+    saved = _masters(engine)
+    engine.train_step(*batches(2, 4)[1])
+    real = ckpt.atomic_write_bytes
+
+    def short(path, data, **kwargs):
+        real(path, data[:-7] if os.path.basename(path) == "layer-00001.pt" else data, **kwargs)
+
+    monkeypatch.setattr(ckpt, "atomic_write_bytes", short)
+    with pytest.raises(pf.CheckpointError, match=r"checkpoint of step 2 was not saved: "
+                       r"'.*layer-00001.pt' holds \d+ bytes after the save, \d+ were written"
+                       r".*the previous checkpoint 'step-00000001' is untouched"):
+        engine.save(tmp_path)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000001"]
+    other = _engine()
+    other.load(tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(_masters(other).values(), saved.values()))
+    for e in (engine, other):
+        e.close()
+
 FILE_LIMIT_SAVE = textwrap.dedent("""
     import os, resource, signal, sys
     sys.path.insert(0, {here!r})
@@ -407,3 +438,42 @@ def test_the_watchdog_allows_a_long_save_and_load_and_still_watches_them(tmp_pat
         assert expired == []
     else:
         assert expired, "the watchdog never fired: the test proves nothing"
+
+def _activation():
+    """A new function object each call: the same code, another address."""
+    def act(x):
+        return torch.tanh(x)
+    return act
+
+
+class Activated(torch.nn.Module):
+    def __init__(self, width: int, act) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+        self.act = act
+
+    def forward(self, x):
+        return self.act(self.lin(x))
+
+
+def test_the_same_model_with_a_function_argument_loads_its_own_checkpoint(tmp_path):
+    # A layer argument printed with its address (`<function act at 0x7f3a...>`) differs from
+    # one process, or one build, to the next: the fingerprint leaves every hex digit of the
+    # address out, so the rebuilt model is the same model and loads its checkpoint.
+    acts = [_activation() for _ in range(8)]
+    saved = next(a for a in acts if re.search("[a-f]", hex(id(a))[2:]))
+    again = next(a for a in acts if a is not saved)
+    assert fingerprint([pf.LayerSpec(Activated, 4, saved)]) == \
+        fingerprint([pf.LayerSpec(Activated, 4, again)])
+    mse = lambda out, t: (out - t).pow(2).mean()                       # noqa: E731
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)                       # noqa: E731
+    engine = pf.Engine([pf.LayerSpec(Activated, 4, saved)], mse, sgd, pf.Config())
+    engine.train_step(torch.ones(2, 4), torch.zeros(2, 4))
+    engine.save(tmp_path)
+    other = pf.Engine([pf.LayerSpec(Activated, 4, again)], mse, sgd, pf.Config())
+    other.load(tmp_path)
+    assert other.step_count == 1
+    assert torch.equal(other.module.state_dict()["0.lin.weight"],
+                       engine.module.state_dict()["0.lin.weight"])
+    for e in (engine, other):
+        e.close()

@@ -131,3 +131,24 @@ def test_eot_of_the_token_file_meta_is_the_default(tmp_path):
     os.remove(tmp_path / "meta.json")
     with pytest.raises(ConfigError, match="set \\[data\\] eot = ID"):
         _packing_eot(DataConfig(train=tokens, packed=True))
+
+
+def test_an_export_records_the_dtype_of_the_tensors_it_writes(tmp_path):
+    # A bf16 source (its config says bfloat16) trained and exported from fp32 masters: the
+    # exported config.json must say float32, or `from_pretrained(dtype="auto")` casts the
+    # trained weights down to bf16 and gives other logits than the engine's.
+    from hub_run import hub_config
+    from pipeflow import build_sequential
+    from pipeflow.models import hf
+    from pipeflow.train.hub import write_folder
+    cfg = hub_config("llama")
+    cfg.dtype = torch.bfloat16            # as transformers sets it for a bf16 checkpoint
+    state = build_sequential(hf.causal_lm_layers(cfg), seed=0).state_dict()
+    out = write_folder(state, cfg, str(tmp_path / "out"))
+    written = {str(t.dtype).removeprefix("torch.") for t in safetensors_of(out).values()}
+    with open(os.path.join(out, "config.json")) as f:
+        recorded = json.load(f)["dtype"]
+    assert written == {"float32"}
+    assert recorded == "float32", f"config.json says {recorded}, the tensors are {written}"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}

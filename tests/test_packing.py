@@ -74,3 +74,47 @@ def test_packed_runs_are_deterministic_and_resume_at_their_batch(tmp_path):
     assert part + rest == whole
     # The positions reach the model: the same run unpacked trains otherwise.
     assert train(load_run_config(path, ["data.packed=false"]), **quiet) != whole
+
+
+def test_positions_of_a_packed_batch_restart_after_each_end_of_text_of_its_inputs():
+    # The rule: position 0 at a row's first input token and at each input token right after
+    # an end-of-text *in the inputs*. The targets are the inputs shifted by one: positions
+    # from them restart one token early, inside the previous document.
+    from types import SimpleNamespace
+
+    from pipeflow.train.data import Batches
+    from pipeflow.train.loop import _batch
+    tokens = np.arange(1, 401) % 7 + 6
+    tokens[::5] = EOT
+    engine = SimpleNamespace(topo=SimpleNamespace(replica=0), config=SimpleNamespace(data=1),
+                             is_first=True, is_last=True)
+    (x, y), side = _batch(Batches(tokens, 4, 12, seed=3), 0, engine, EOT)
+    expected = []
+    for row in x.tolist():
+        positions = [0]
+        for before in row[:-1]:
+            positions.append(0 if before == EOT else positions[-1] + 1)
+        expected.append(positions)
+    assert (x[:, :-1] == EOT).any(), "no end-of-text inside a row: the test would prove nothing"
+    assert side["position_ids"].tolist() == expected
+
+
+def test_an_end_of_text_id_of_0_is_an_id_not_unset(tmp_path):
+    # 0 is a token id like any other; only -1 means "read meta.json". [data] eot = 0 and
+    # meta.json's "eot": 0 are both read as 0, and eot = 0 without packed is refused like
+    # any other id.
+    from pipeflow.config import ConfigError
+    from pipeflow.train.loop import _packing_eot
+    from pipeflow.train.run_config import DataConfig
+    tokens = str(tmp_path / "tokens.bin")
+    np.zeros(64, dtype=np.uint16).tofile(tokens)
+    meta = tmp_path / "meta.json"
+    meta.write_text(f'{{"dtype": "uint16", "vocab_size": {VOCAB}, "eot": {EOT}}}')
+    assert _packing_eot(DataConfig(train=tokens, packed=True, eot=0)) == 0
+    meta.write_text(f'{{"dtype": "uint16", "vocab_size": {VOCAB}, "eot": 0}}')
+    assert _packing_eot(DataConfig(train=tokens, packed=True)) == 0
+    hub = str(tmp_path / "hub")
+    path = run_toml(str(tmp_path), f'pretrained = "{hub}"', data_extra="eot = 0",
+                    tokens=tokens)
+    with pytest.raises(ConfigError, match=r"\[data\] eot = 0 is read only with packed = true"):
+        load_run_config(path)

@@ -111,6 +111,20 @@ def test_ranks_issuing_different_collectives_are_refused_on_every_rank():
     comm.free()
 
 
+
+@pytest.mark.mpi(min_size=2)
+def test_a_collective_of_the_same_shape_in_another_dtype_is_refused():
+    # One rank's bucket in fp32, another's reinterpreted as int32 (or bf16 beside fp16): the
+    # same shape and bytes, so MPI sums without a word; NCCL would sum unrelated numbers.
+    comm = StrictCommunicator(WORLD)
+    t = torch.ones(4) if WORLD.rank == 0 else torch.ones(4, dtype=torch.int32)
+    with pytest.raises(StrictCommError, match=r"collective 0 of this group differs between "
+                                              r"ranks \(rank 0: all_reduce\(\(4,\), "
+                                              r"'torch.float32'\); rank 1: all_reduce\(\(4,\), "
+                                              r"'torch.int32'\)"):
+        comm.allreduce_(t)
+    comm.free()
+
 @pytest.mark.mpi(min_size=2)
 def test_collectives_of_equal_size_issued_in_different_orders_are_refused():
     # Two gradient buckets of one size launched in different orders on two replicas: MPI
