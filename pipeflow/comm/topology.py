@@ -11,6 +11,7 @@ import torch
 from mpi4py import MPI
 
 from pipeflow.comm import waiting
+from pipeflow.grid import rank_of
 from pipeflow.config import ConfigError
 
 __all__ = ["Topology", "TopologyError", "rank_of", "bind_device",
@@ -19,10 +20,6 @@ __all__ = ["Topology", "TopologyError", "rank_of", "bind_device",
 STRICT_ENV = "PIPEFLOW_STRICT_COMM"   # =1: the MPI backend runs under NCCL's rules (tests)
 
 
-def rank_of(stage: int, replica: int, data: int) -> int:
-    """World rank of `(stage, replica)` in a grid of `data` replicas: pipeline-outermost, so
-    a stage's replicas are neighbouring ranks (see `Topology`)."""
-    return stage * data + replica
 
 
 class TopologyError(ConfigError):

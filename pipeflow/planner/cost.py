@@ -7,14 +7,14 @@ import functools
 import math
 from typing import Sequence
 
-from pipeflow.models.gpt import layer_parameters
-from pipeflow.runtime.partition import partition_balanced
+from pipeflow.models.gpt_shape import layer_parameters
+from pipeflow.runtime.balance import partition_balanced
 from pipeflow.planner.hardware import GB, Cluster
 from pipeflow.planner.shapes import Shape
-from pipeflow.runtime.precision import bytes_per_parameter, itemsize, sharded_bytes_per_parameter
+from pipeflow.runtime.sizes import bytes_per_parameter, itemsize, sharded_bytes_per_parameter
 from pipeflow.schedules import registry, simulate
 from pipeflow.schedules.plan import Plan
-from pipeflow.comm.topology import rank_of
+from pipeflow.grid import rank_of
 
 __all__ = [
     "PrecisionBytes", "PRECISIONS", "RECOMPUTE", "PLANNED_SCHEDULES", "Grid", "StageCost",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pipeflow.models.gpt import GPTConfig, num_parameters
+from pipeflow.models.gpt_shape import GPTConfig, num_parameters
 
 __all__ = ["Shape", "ShapeError", "shape_for_params", "smallest_shape", "DEFAULT_SEQ_LEN",
            "DEFAULT_VOCAB", "ASPECT_RANGE"]

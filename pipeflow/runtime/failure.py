@@ -13,11 +13,12 @@ import sys
 import threading
 import time
 import traceback
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from mpi4py import MPI
 
-__all__ = ["abort_world", "report_and_abort", "install_excepthook", "Watchdog", "CollectiveError"]
+__all__ = ["abort_world", "report_and_abort", "install_excepthook", "uncaught", "Watchdog",
+           "CollectiveError"]
 
 
 class CollectiveError(RuntimeError):
@@ -70,15 +71,16 @@ def install_excepthook() -> None:
     engine exists is covered too. A hook the user set is left alone.
     """
     if sys.excepthook is not sys.__excepthook__:
-        return
+        return                  # the user's, or pipeflow's own from its import
+    sys.excepthook = uncaught
 
-    def hook(kind, exc, tb):
-        sys.__excepthook__(kind, exc, tb)
-        say(f"pipeflow: rank {MPI.COMM_WORLD.rank} raised an uncaught {kind.__name__}; "
-            f"aborting all ranks\n")
-        abort_world()
 
-    sys.excepthook = hook
+def uncaught(kind: type, exc: BaseException, tb: Any) -> None:
+    """The excepthook under a multi-rank launch: the traceback, then the end of the job."""
+    sys.__excepthook__(kind, exc, tb)
+    say(f"pipeflow: rank {MPI.COMM_WORLD.rank} raised an uncaught {kind.__name__}; "
+        f"aborting all ranks\n")
+    abort_world()
 
 
 class Watchdog:

@@ -8,45 +8,14 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from pipeflow.runtime.sizes import (OPTIMIZER_STATES, bytes_per_parameter, itemsize,
+                                    sharded_bytes_per_parameter)
 from pipeflow.tree import cast_floating
 
 __all__ = ["DTYPES", "OPTIMIZER_STATES", "Precision", "LossScaler", "cast_floating", "itemsize",
            "bytes_per_parameter", "sharded_bytes_per_parameter", "class_matches"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# fp32 values the optimizer keeps per parameter: AdamW's first and second moments.
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}
-
-
-def itemsize(precision: str) -> int:
-    """Bytes of one working value (weight, activation) under `precision`."""
-    return DTYPES[precision].itemsize
-
-
-def bytes_per_parameter(precision: str, optimizer: str = "adamw") -> int:
-    """Bytes one parameter holds under `Precision`: the working weight; under mixed precision
-    an fp32 master too; the fp32 gradient the micro-batches accumulate into (the master's, the
-    low-precision one is freed as soon as it is added); and the optimizer's fp32 state.
-
-    bf16/fp16 with AdamW: 2 + 4 + 4 + 8 = 18 bytes; fp32: 4 + 4 + 8 = 16.
-    """
-    work = itemsize(precision)
-    master = 4 if work != 4 else 0
-    return work + master + 4 + 4 * OPTIMIZER_STATES[optimizer]
-
-
-def sharded_bytes_per_parameter(precision: str, data: int, optimizer: str = "adamw") -> float:
-    """Bytes one parameter holds with `Config.shard_optimizer` over `data` replicas, as
-    `runtime.shard` lays them out: the working weight and the whole fp32 gradient (micro-
-    batches accumulate into it) on every replica; the fp32 master, the block of the summed
-    gradient and the optimizer state 1/data each.
-
-    bf16 with AdamW: 2 + 4 + (4 + 4 + 8)/d = 6 + 16/d (Megatron-Core's 6 + 12/d has no
-    separate gradient block); fp32: 8 + 16/d. d = 1 is unsharded: `bytes_per_parameter`.
-    """
-    if data <= 1:
-        return float(bytes_per_parameter(precision, optimizer))
-    return itemsize(precision) + 4 + (4 + 4 + 4 * OPTIMIZER_STATES[optimizer]) / data
 
 
 @dataclasses.dataclass

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 from pipeflow import schedules as sched
 from pipeflow.config import ConfigError
-from pipeflow.runtime.partition import partition_uniform
+from pipeflow.runtime.balance import partition_uniform
 from pipeflow.runtime.recompute import _fmt
 from pipeflow.schedules import registry
 from pipeflow.schedules.plan import Plan
