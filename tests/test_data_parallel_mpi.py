@@ -90,6 +90,41 @@ def test_gradient_reduction_overlaps_the_last_backward():
     engine.close()
 
 
+# Two stages with two replicas: four ranks (the 2-rank run has no grid with both).
+if WORLD.size >= 4:
+    @pytest.mark.mpi(min_size=2)
+    @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+    def test_every_chunks_buckets_overlap_that_chunks_last_backward(schedule):
+        # Two chunks a rank: the later chunk's last backward comes well before the earlier
+        # chunk's, and its buckets must be on the wire while that one still runs (armed only at
+        # the step's very last backward, they waited for finish(), fully exposed).
+        layers = toy_layers(blocks=6)
+        config = pf.Config(pipeline=2, data=WORLD.size // 2, microbatches=4, schedule=schedule,
+                           bucket_mb=0.0005, **({"virtual_stages": 2} if schedule == "interleaved"
+                                                else {}))
+        engine = pf.Engine(layers, loss_fn, plain_sgd, config)
+        reducer, stage = engine.reducer, engine._stage
+        last = stage.plan.last_gradient_actions(stage.index)
+        final = max(last.values(), key=stage.plan.programs[stage.index].index)
+        early = [c for c, act in last.items() if act != final]
+        assert early, last
+        # Mark the moment the step's last gradient action starts its backward.
+        first = next(p for layer in stage.chunk_layers[final.chunk] for p in layer.parameters())
+        first.register_post_accumulate_grad_hook(
+            lambda p: reducer.events.append(("final chunk", -1))
+            if reducer.armed and id(p) in reducer._armed_ids else None)
+        steps = batches(2, 8 * (WORLD.size // 2))
+        for x, y in steps:
+            engine.train_step(x, y)
+        kinds = [kind for kind, _ in reducer.events]
+        assert "launch" in kinds[:kinds.index("final chunk")], reducer.events
+        reference, _ = train_reference(layers, steps, optimizer=plain_sgd)
+        full = engine.gather_state_dict()
+        if WORLD.rank == 0:
+            assert_same_parameters(full, reference.state_dict())
+        engine.close()
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("optimizer,clip", [(adamw, 0.3), (plain_sgd, 0.0)],
                          ids=["adamw-clip", "sgd"])

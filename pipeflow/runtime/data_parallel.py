@@ -86,6 +86,7 @@ class GradReducer:
         self.events: list[tuple[str, int]] = []
         self.thread = threading.get_ident()
         self._next = 0                       # index in `_ordered` of the next launch
+        self._armed_ids: set[int] = set()    # parameters in their step's last backward
         self._lock = threading.Lock()
         self._bucket_of: dict[int, _Bucket] = {}   # watched parameter -> its bucket
         self._hooks: list = []
@@ -118,19 +119,24 @@ class GradReducer:
         for p in params:
             self._bucket_of[id(watched[id(p)])] = bucket
 
-    def arm(self) -> None:
-        """The next backward is the step's last: launch each bucket as it becomes final."""
-        self.armed = True
-        self.events = []
-        self._next = 0
-        for b in self.buckets:
-            b.pending = len(b.params)
-            b.ready = False
-            b.request = None
+    def arm(self, params: Sequence[nn.Parameter] | None = None) -> None:
+        """The next backward is the last of `params` (default: of every watched parameter)
+        this step: launch each bucket as its gradients become final. With several chunks a
+        rank, each chunk's parameters are armed at that chunk's last backward."""
+        if not self.armed:
+            self.armed = True
+            self.events = []
+            self._next = 0
+            self._armed_ids: set[int] = set()
+            for b in self.buckets:
+                b.pending = len(b.params)
+                b.ready = False
+                b.request = None
+        self._armed_ids.update(id(p) for p in (self._watched if params is None else params))
 
     def _on_grad(self, p: nn.Parameter) -> None:
         self._touched.add(id(p))
-        if not self.armed:
+        if not self.armed or id(p) not in self._armed_ids:
             return
         bucket = self._bucket_of.get(id(p))
         if bucket is None:              # launched by `finish` alone (a sharded tie's bucket)

@@ -149,6 +149,18 @@ class Runner:
         self.free_sent_outputs = stage.config.free_sent_outputs
         self._announced: dict[tuple[int, int], Header] = {}   # (peer, chunk) -> last sent
         self._heard: dict[tuple[int, int], Header] = {}       # (peer, chunk) -> last received
+        # What each instruction needs from the plan, looked up once (O(1) an instruction):
+        # its route, whether its chunk is the pipeline's first or last virtual stage, and
+        # which parameters' buckets arm after it (each parameter at the last gradient action
+        # of the last of its chunks, for a parameter two chunks of this rank share).
+        plan, rank = stage.plan, stage.index
+        self._routes = {a: plan.route(a, rank)
+                        for prog in (plan.programs[rank], plan.eval_programs[rank]) for a in prog
+                        if a.op in sched.SENDS or a.op in sched.RECVS}
+        self._first_chunk = {c for c, v in enumerate(plan.layout[rank]) if v == 0}
+        self._last_chunk = {c for c, v in enumerate(plan.layout[rank])
+                            if v == plan.last_virtual}
+        self._arm_at = _arming(plan, rank, stage.chunk_layers)
         # The class's functions, not bound methods: a runner holding its own methods is a
         # cycle, which keeps a dropped engine's stage alive until the garbage collector runs.
         cls = type(self)
@@ -201,7 +213,7 @@ class Runner:
     def route(self, act: sched.Action) -> sched.Route:
         """Peer, receiving chunk and tag of the message `act` sends or receives (the plan's
         `route`: one function for the engine, the simulator and the link order)."""
-        return self.stage.plan.route(act, self.stage.index)
+        return self._routes[act]
 
     def describe(self, act: sched.Action, probe: bool = False) -> str:
         """The instruction, and for a message the rank it waits on, for reports. With `probe`
@@ -240,12 +252,12 @@ class Runner:
     def forward(self, act: sched.Action, st: StepState) -> None:
         stage, key = self.stage, (act.mb, act.chunk)
         mb = st.batches.micro[act.mb]
-        if stage.plan.virtual(stage.index, act.chunk) == 0:
+        if act.chunk in self._first_chunk:
             x, needs_grad = stage.precision.cast_input(mb.inputs), []
         else:
             x, needs_grad = st.received.pop(key)
         layers = stage.chunk_layers[act.chunk]
-        last = stage.plan.virtual(stage.index, act.chunk) == stage.plan.last_virtual
+        last = act.chunk in self._last_chunk
         if st.train and stage.recompute == "auto":
             self._resolve_auto(layers, x, mb.targets if last else None)
         meter = self.activation_meter if st.train and self.measure_activations \
@@ -314,7 +326,7 @@ class Runner:
         split-backward schedule the weight gradients wait for this chunk's W."""
         stage, key = self.stage, (act.mb, act.chunk)
         needs_grad, out, extra = st.stash.pop(key)
-        if stage.plan.virtual(stage.index, act.chunk) == stage.plan.last_virtual:
+        if act.chunk in self._last_chunk:
             outs, grads = [out * st.loss_multiplier], None
             if extra is not None and extra.requires_grad:
                 outs = [outs[0] + extra * st.aux_multiplier]
@@ -333,8 +345,8 @@ class Runner:
             st.grads_out[key] = [g if g is not None else torch.zeros_like(t)
                                  for t, g in zip(needs_grad, got)]
             return
-        if stage.reducer is not None and act == stage.plan.last_gradient_action(stage.index):
-            stage.reducer.arm()
+        if stage.reducer is not None and act in self._arm_at:
+            stage.reducer.arm(self._arm_at[act])
         if outs:
             _backward(outs, grads)
         st.grads_out[key] = [t.grad if t.grad is not None else torch.zeros_like(t)
@@ -344,8 +356,8 @@ class Runner:
         """W: this chunk's weight gradients, into `.grad` (the hooks of mixed precision and
         of the data-parallel buckets fire as in a full backward)."""
         reducer = self.stage.reducer
-        if reducer is not None and act == self.stage.plan.last_gradient_action(self.stage.index):
-            reducer.arm()
+        if reducer is not None and act in self._arm_at:
+            reducer.arm(self._arm_at[act])
         backward_weight(st.pending_w.pop((act.mb, act.chunk)))
 
     def send_gradient(self, act: sched.Action, st: StepState) -> None:
@@ -366,6 +378,25 @@ class Runner:
                 if target is not None else None)
         stage.recompute = auto_policy(layers, x, stage.plan.peak_stash[stage.index],
                                       budget, where=stage.describe(), tail=tail)
+
+
+def _arming(plan: Plan, rank: int, chunk_layers: list[list[nn.Module]]
+            ) -> dict[sched.Action, list[nn.Parameter]]:
+    """Instruction -> the parameters whose gradients are final once it has run: each
+    parameter at the last (in program order) of the last gradient actions of the chunks that
+    hold it."""
+    last = plan.last_gradient_actions(rank)
+    position = {a: i for i, a in enumerate(plan.programs[rank])}
+    final: dict[int, tuple[int, sched.Action, nn.Parameter]] = {}
+    for chunk, act in last.items():
+        for layer in chunk_layers[chunk]:
+            for p in layer.parameters():
+                if id(p) not in final or final[id(p)][0] < position[act]:
+                    final[id(p)] = (position[act], act, p)
+    out: dict[sched.Action, list[nn.Parameter]] = {act: [] for act in last.values()}
+    for _, act, p in final.values():
+        out[act].append(p)
+    return out
 
 
 class _FreeAfter:

@@ -110,11 +110,21 @@ class Plan:
 
     def last_gradient_action(self, rank: int) -> Action | None:
         """The instruction after which `rank`'s weight gradients are final for the step (its
-        last W under split backward, else its last B): the data-parallel buckets launch as
-        they become final during it."""
+        last W under split backward, else its last B)."""
+        last = self.last_gradient_actions(rank)
+        return max(last.values(), key=self.programs[rank].index) if last else None
+
+    def last_gradient_actions(self, rank: int) -> dict[int, Action]:
+        """Chunk -> the instruction after which that chunk's weight gradients are final (its
+        last W under split backward, else its last B): each chunk's data-parallel buckets
+        launch as they become final during it, so with several chunks a rank (interleaved,
+        V) the earlier chunks' reductions overlap the later chunks' backwards."""
         op = WEIGHT if self.split_backward else BACKWARD
-        makers = [a for a in self.programs[rank] if a.op == op]
-        return makers[-1] if makers else None
+        last: dict[int, Action] = {}
+        for a in self.programs[rank]:
+            if a.op == op:
+                last[a.chunk] = a
+        return last
 
 
 def _eval_program(programs: Programs, rank: int, microbatches: int) -> list[Action]:
