@@ -26,7 +26,7 @@ from pipeflow.train import hub
 from pipeflow.train.export import ExportError, check_target
 from pipeflow.runtime.recompute import reads_side_input
 from pipeflow.train.data import Batches, load_corpus, packed_positions, token_file
-from pipeflow.engine import Engine
+from pipeflow.engine import FAILING_CLOSE_S, Engine
 from pipeflow.runtime.failure import report_and_abort, say
 from pipeflow.train.metrics import (MetricsLog, count_parameters, memory_reports, peak_flops,
                                    stage_stats)
@@ -290,16 +290,17 @@ def _check_packing(eot: int | None, model: Model, data: DataConfig) -> None:
 
 def _batch(batches: Batches, index: int, engine: Engine, eot: int | None = None
            ) -> tuple[tuple[Any, Any], dict[str, Any]]:
-    """What this rank feeds the engine, (inputs, targets) and side inputs: its replica's rows
-    on the first and last stages, nothing on the stages in between (they receive
-    activations). Packed rows (`eot`) add `position_ids`, which every stage reads."""
+    """What this rank feeds the engine (built with `Config(batch="local")`), (inputs,
+    targets) and side inputs: its replica's rows only, read alone, on the first and last
+    stages, nothing on the stages in between (they receive activations). Packed rows (`eot`)
+    add `position_ids`, which every stage reads."""
     if eot is not None:
-        x, y = batches.replica_batch(index, engine.topo.replica, engine.config.data)
+        x, y = batches.local_batch(index, engine.topo.replica, engine.config.data)
         side = {"position_ids": packed_positions(x, eot)}
         return (x, y) if engine.is_first or engine.is_last else (None, None), side
     if not (engine.is_first or engine.is_last):
         return (None, None), {}
-    return batches.replica_batch(index, engine.topo.replica, engine.config.data), {}
+    return batches.local_batch(index, engine.topo.replica, engine.config.data), {}
 
 
 # -- checkpoints with the data position ----------------------------------------------------
@@ -418,6 +419,8 @@ def _build_engine(run: RunConfig, model: Model, batches: Batches, comm: MPI.Comm
     measured = config.partition == "time" or config.schedule == "auto"
     sample = batches.rows(0, 0, micro)[0] if measured else None
     # trace=True: each instruction's start and end, for the measured bubble per stage.
+    # Each replica is fed its own rows (`_batch`), never a global batch of zeros elsewhere.
+    config = dataclasses.replace(config, batch="local")
     return Engine(model.layers, model.loss_fn, _optimizer(run.train), config, comm=comm,
                   trace=True, sample=sample)
 
@@ -640,9 +643,9 @@ def train(run: RunConfig, comm: MPI.Comm | None = None, log: Callable = print,
         except Exception as exc:
             if not isinstance(exc, ConfigError):    # those are raised on every rank alike
                 say(f"pipeflow: rank {comm.rank} raised at step {loop.engine.step_count}:\n"
-                    + "".join(traceback.format_exception(exc)) + "pipeflow: closing; a rank "
-                    f"that does not close within agree_s = {run.engine.agree_s:g} s ends the "
-                    f"job\n")
+                    + "".join(traceback.format_exception(exc)) + "pipeflow: closing; unless "
+                    f"every rank closes within {FAILING_CLOSE_S:g} s (they failed alike), "
+                    f"the job ends then\n")
             raise
         finally:
             if loop.out is not None:
