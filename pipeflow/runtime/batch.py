@@ -76,7 +76,7 @@ def split(what: str, batch: Any, m: int, d: int, replica: int, device: torch.dev
         d, replica = 1, 0
     if n == 0 or n % (m * d):
         which = "this replica's local batch (Config.batch = \"local\")" if local else \
-            f"a global batch of {n} samples"
+            "a global batch"
         raise BatchError(
             f"{where}: {which} of {n} samples does not divide into {d} replica(s) x "
             f"{m} micro-batches; use a batch size that is a multiple of {m * d}")
