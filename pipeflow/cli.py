@@ -137,14 +137,18 @@ def _export(args: argparse.Namespace) -> int:
     from pipeflow.config import ConfigError
     from pipeflow.runtime.checkpoint import CheckpointError, read_params
     from pipeflow.train import hub
+    from pipeflow.train.export import check_target
     try:
+        check_target(args.hf, args.overwrite)      # before the checkpoint is read
         params, folder = read_params(args.checkpoint)
         hf_config = _checkpoint_hf_config(folder, args.config)
-        out = hub.write_folder(params, hf_config, args.hf)
+        done = hub.write_folder(params, hf_config, args.hf, args.overwrite,
+                                avoid=(args.checkpoint,))
     except (CheckpointError, ConfigError, OSError, ValueError, KeyError) as exc:
         return _error(str(exc).strip("'\""))
-    print(f"wrote {out} from {folder}: config.json and {hub.SINGLE} "
-          f"(AutoModelForCausalLM.from_pretrained({out!r}))")
+    more = done.describe()
+    print(f"wrote {done.path} from {folder}: config.json and {hub.SINGLE} "
+          f"(AutoModelForCausalLM.from_pretrained({done.path!r}))" + (f"; {more}" if more else ""))
     return 0
 
 
@@ -183,7 +187,11 @@ def _add_export(sub) -> None:
     export.add_argument("checkpoint", metavar="CKPT",
                         help="a checkpoint folder, or the save_dir whose latest it is")
     export.add_argument("--hf", required=True, metavar="OUT",
-                        help="the folder to write (replaced atomically)")
+                        help="the folder to write: config.json and model.safetensors are "
+                        "added or replaced in one step, its other files kept")
+    export.add_argument("--overwrite", action="store_true",
+                        help="replace weights in OUT that pipeflow did not write (another "
+                        "model.safetensors, a sharded index, pytorch_model.bin)")
     export.add_argument("--config", metavar="RUN.toml",
                         help="the run's TOML, for a checkpoint that records no HF config")
     export.set_defaults(func=_export)

@@ -25,6 +25,7 @@ PARTITIONS = ("uniform", "parameters", "time")
 PRECISIONS = ("fp32", "bf16", "fp16")
 BACKENDS = ("mpi", "nccl", "gloo", "auto", "strict")
 WAITS = ("auto", "spin", "yield")
+BATCHES = ("global", "local")
 
 
 class ConfigError(ValueError):
@@ -113,6 +114,11 @@ class Config:
     # the working weights all-gathered (pipeflow.runtime.shard). Per-element optimizers only.
     shard_optimizer: bool = False
     seed: int = 0              # layer i is built under a seed derived from (seed, i)
+    # What train_step/eval_step are given: "global", the whole global batch on every rank
+    # (each replica takes its rows; replicas given different values are refused), or
+    # "local", each replica only its own B/d rows, as DistributedDataParallel takes them
+    # (`pipeflow train` feeds local batches)
+    batch: str = "global"
     # abort when no instruction completes for this long; 0: off. The default, 300 s, can be
     # set for every engine of a job by PIPEFLOW_WATCHDOG_S (a site's or a test suite's choice)
     watchdog_s: float = dataclasses.field(
@@ -170,6 +176,7 @@ class Config:
         _number("agree_s", self.agree_s, 0.0, hint="0 waits without a limit")
         _integer("max_nonfinite_steps", self.max_nonfinite_steps, 0)
         self.wait = _choice("wait", self.wait, WAITS)
+        self.batch = _choice("batch", self.batch, BATCHES)
 
     def _check_schedule(self) -> None:
         """The schedule's own constraints (`ScheduleSpec.problem`), and its chunks per rank."""

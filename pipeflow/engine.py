@@ -483,9 +483,18 @@ class Engine:
         if self not in _OPEN:
             return
         _OPEN.discard(self)
+        # Closing while this rank's own exception propagates (a `finally:` after user code
+        # raised on this rank only): the other ranks may be in the next step, not here, so
+        # the agreement waits only FAILING_CLOSE_S, not agree_s, before ending the job. An
+        # exception raised on every rank alike (ConfigError) meets the others at once.
+        failing = sys.exc_info()[1]
+        grace = None
+        if failing is not None and not isinstance(failing, ConfigError) \
+                and self._world_size > 1:
+            grace = min(self.config.agree_s or FAILING_CLOSE_S, FAILING_CLOSE_S)
         try:
             with self.watchdog:         # still armed: a rank that never closes is reported
-                self._agree("close")
+                self._agree("close", grace, failing)
         finally:
             self.watchdog.close()
         self._control.Free()
@@ -499,32 +508,42 @@ class Engine:
         with self.watchdog:
             yield
 
-    def _agree(self, call: str) -> None:
+    def _agree(self, call: str, deadline_s: float | None = None,
+               failing: BaseException | None = None) -> None:
         """The agreement a call without a batch starts with: every rank in the same call at
-        the same step, within `Config.agree_s`."""
+        the same step, within `Config.agree_s` (or `deadline_s`, while this rank is raising
+        `failing`)."""
         self._instruction = call
         if call != "close":            # close() took itself off the open engines already
             self._check_open(call)
         try:
-            agree_call(self._control, call, self.stats.step, self.config.agree_s)
+            agree_call(self._control, call, self.stats.step,
+                       self.config.agree_s if deadline_s is None else deadline_s)
         except waiting.NotJoined as exc:
-            self._not_joined(call, exc)
+            self._not_joined(call, exc, failing)
 
     def _check_open(self, call: str) -> None:
         if self not in _OPEN:
             raise ConfigError(f"{self._where}: {call}() on a closed engine; build a new Engine "
                               f"(close() frees its communicators)")
 
-    def _not_joined(self, call: str, exc: waiting.NotJoined) -> None:
+    def _not_joined(self, call: str, exc: waiting.NotJoined,
+                    failing: BaseException | None = None) -> None:
         """Not every rank came to `call` in time: this rank's view, then the end of the job
         (the agreement's messages are still in flight, so the engine cannot go on)."""
         who = (f"rank(s) {', '.join(map(str, exc.missing))} did not" if exc.missing else
                "rank 0, which collects the agreement, gave no verdict: not every rank did")
-        text = (f"{self._where} called {call}() at step {self.stats.step}; {who} within "
-                f"{exc.waited:.0f} s (agree_s = {self.config.agree_s:g}). Call the engine's "
-                f"collective methods (train_step, eval_step, save, load, gather_state_dict, "
-                f"close) on every rank alike, never under `if rank == 0:`; raise agree_s if "
-                f"some rank is legitimately that much later")
+        if failing is not None:
+            text = (f"{self._where} closed the engine while raising "
+                    f"{type(failing).__name__}: {failing}; {who} close within "
+                    f"{exc.waited:.0f} s (they are not failing alike, so they will not come): "
+                    f"ending the job now rather than after agree_s = {self.config.agree_s:g}")
+        else:
+            text = (f"{self._where} called {call}() at step {self.stats.step}; {who} within "
+                    f"{exc.waited:.0f} s (agree_s = {self.config.agree_s:g}). Call the "
+                    f"engine's collective methods (train_step, eval_step, save, load, "
+                    f"gather_state_dict, close) on every rank alike, never under `if rank == "
+                    f"0:`; raise agree_s if some rank is legitimately that much later")
         _OPEN.discard(self)
         self.watchdog.close()
         if not self.abort_on_error:
@@ -587,6 +606,9 @@ _OPEN: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 # The slowest disk a checkpoint's watchdog allowance assumes (bytes a second): 20 s a GB, a
 # loaded shared file system's rate; the allowance is added to `watchdog_s` for save and load.
 CHECKPOINT_IO_BYTES_S = 50e6
+# close() while this rank raises its own exception: how long the others are waited for (ranks
+# failing alike arrive together; one failing alone would otherwise hold the job agree_s).
+FAILING_CLOSE_S = 1.0
 
 
 def use_deterministic_algorithms() -> None:

@@ -41,9 +41,12 @@ def _clean_env():
     ("stall.py", "save-rank0", "called save() at step 3; rank(s) 1 did not within 2 s"),
     ("stall.py", "close-skipped", "called close() at step 3; rank(s) 1 did not within 2 s"),
     # The trainer: one rank's exception between steps is printed, and the job ends (its close
-    # gives up while the other rank waits at the stop-signal agreement); Ctrl-C on one rank
-    # ends it at once.
+    # gives up after FAILING_CLOSE_S while the other rank waits at the stop-signal agreement);
+    # Ctrl-C on one rank ends it at once.
     ("trainer_fault.py", "raise", "ValueError: user code failed between steps"),
+    # ... and ends promptly: not after agree_s (600 s there), FAILING_CLOSE_S after the raise.
+    ("trainer_fault.py", "raise-patient",
+     "closed the engine while raising ValueError: user code failed between steps"),
     ("trainer_fault.py", "interrupt", "rank 1 interrupted at step 2"),
 ])
 def test_a_failed_stalled_or_mismatched_rank_ends_the_job_fast(script, mode, expected):

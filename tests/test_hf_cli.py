@@ -152,3 +152,46 @@ def test_an_export_records_the_dtype_of_the_tensors_it_writes(tmp_path):
     assert recorded == "float32", f"config.json says {recorded}, the tensors are {written}"
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype="auto")
     assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+
+
+def test_a_config_that_ties_a_head_the_weights_store_apart_loads_as_transformers_does(tmp_path):
+    # transformers 5: "both are present in the checkpoints with different values, so we will
+    # NOT tie them". pipeflow trained the tied model instead: logits 0.95 apart.
+    hub = tmp_path / "hub"
+    config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=VOCAB, max_position_embeddings=SEQ,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(hub)
+    meta = json.loads((hub / "config.json").read_text())
+    meta["tie_word_embeddings"] = True
+    (hub / "config.json").write_text(json.dumps(meta))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        str(hub), attn_implementation="sdpa").eval()
+    assert not torch.equal(theirs.lm_head.weight, theirs.model.embed_tokens.weight)
+    model = build_model({"kind": "hf", "pretrained": str(hub)})
+    assert any("loaded untied, as transformers does" in n for n in model.notes), model.notes
+    import pipeflow as pf
+    from pipeflow.train import hub as hub_io
+    ours = pf.build_sequential(model.layers)
+    state, _ = hub_io.read_layers(str(hub), model.hf_config, range(len(model.layers)))
+    ours.load_state_dict(state)
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(ids), theirs(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_truncated_safetensors_file_is_named_with_what_to_do(tmp_path, sharded):
+    hub = tmp_path / "hub"
+    save_hub(str(hub), "llama", sharded=sharded)
+    victim = sorted(hub.glob("*.safetensors"))[-1]
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    from pipeflow.train import hub as hub_io
+    with pytest.raises((ConfigError, ValueError)) as info:
+        model = build_model({"kind": "hf", "pretrained": str(hub)})
+        hub_io.read_layers(str(hub), model.hf_config, range(len(model.layers)))
+    text = str(info.value)
+    assert str(victim) in text and "truncated or damaged" in text, text
+    assert "download or save the folder again" in text and "\n" not in text

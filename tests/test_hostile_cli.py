@@ -1,6 +1,7 @@
 """Hostile input to `pipeflow train`, `schedule`, `trace`, `plot`, `prepare`: each row a bad
 file, option or value, the error text it must give, and how long the answer may take."""
 
+import json
 import time
 
 import pytest
@@ -89,6 +90,10 @@ TRAIN_ROWS = [
     ("engine clip is a bool", "[engine]\nclip = true", [],
      "[engine] clip must be a number, found True (bool)"),
     ("hf without what it needs", "[model]\nkind = 'hf'", [], '[model] kind = "hf" needs'),
+    ("packed on a model without position ids", "[data]\npacked = true\neot = 10", [],
+     "reads position_ids (the forward of"),
+    ("eot outside the vocabulary", "[data]\npacked = true\neot = 256", [],
+     "[data] eot = 256 is outside the model's vocabulary (ids 0..255)"),
 ]
 
 
@@ -114,7 +119,7 @@ def _expect_error(argv, expected, capsys, limit_s=10.0):
     elapsed = time.perf_counter() - start
     err = capsys.readouterr().err
     assert expected in err, err
-    assert err.startswith("pipeflow: error: ")
+    assert err.startswith(("pipeflow: error: ", "pipeflow plan: error: "))
     assert elapsed < limit_s, f"the error took {elapsed:.1f} s"
 
 
@@ -159,6 +164,50 @@ def test_other_commands_reject(tmp_path, capsys, monkeypatch, argv, expected):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "in.txt").write_text("hello")
     _expect_error(argv, expected, capsys)
+
+
+def _hardware_file(tmp_path, how: str) -> str:
+    from pipeflow.planner.hardware import PRESETS
+    path = tmp_path / "hw.json"
+    PRESETS["h100"].save(path)
+    text = path.read_text()
+    if how == "truncated":
+        path.write_text(text[: len(text) // 2])
+    elif how == "negative":
+        record = json.loads(text)
+        record["memory_bytes"] = -80e9
+        path.write_text(json.dumps(record))
+    elif how == "not a record":
+        path.write_text("[1, 2]")
+    return str(path)
+
+
+PLAN_ROWS = [
+    ("truncated", "is not JSON (truncated or damaged?)"),
+    ("negative", "memory_bytes must be a finite number > 0, found -80000000000.0"),
+    ("not a record", "is not a hardware record"),
+]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("how,expected", PLAN_ROWS, ids=[r[0] for r in PLAN_ROWS])
+def test_plan_refuses_a_bad_hardware_file_in_one_line(tmp_path, capsys, how, expected):
+    path = _hardware_file(tmp_path, how)
+    assert main(["plan", "--params", "1e9", "--hardware-file", path]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--hardware-file {path!r}" in err and expected in err, err
+    assert "--calibrate --save-hardware" in err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv,expected", [
+    # The largest shape (512 layers): every depth's partition was O(n^2 p), minutes a depth.
+    (["--params", "2e13", "--gpus", "8", "--shard-optimizer"], "no plan fits"),
+    (["--params", "1e15", "--gpus", "8", "--shard-optimizer"],
+     "1e+15 parameters is above the largest GPT this planner shapes"),
+])
+def test_plan_answers_the_largest_requests_within_seconds(capsys, argv, expected):
+    _expect_error(["plan", *argv], expected, capsys, limit_s=20.0)
 
 
 @pytest.mark.timeout(30)

@@ -150,6 +150,7 @@ def test_planner_stash_held_and_idle_time_are_the_simulators(schedule, chunks):
     # The planner extrapolates long runs from two simulations past the warm-up: it must agree
     # with simulating every micro-batch.
     cost._simulated.cache_clear()
+    cost.peak_stash.cache_clear(), cost.peak_held.cache_clear()
     for p in range(schedule_registry.get(schedule).min_stages, 9):
         step = p if schedule == "interleaved" else 1
         for m in range(step, 8 * p + 3 * step, step):

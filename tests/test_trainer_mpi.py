@@ -9,6 +9,8 @@ Run under `mpirun -n 2` or `-n 4` with `--with-mpi`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import signal
 import tempfile
@@ -91,14 +93,14 @@ def _library_loop(run, comm: MPI.Comm, plan: dict) -> list[float]:
     engine = pf.Engine(gpt_layers(cfg), gpt_loss,
                        lambda ps: torch.optim.AdamW(weight_decay_groups(ps, t.weight_decay),
                                                     lr=t.lr, betas=(t.beta1, t.beta2)),
-                       run.engine, comm=comm)
+                       dataclasses.replace(run.engine, batch="local"), comm=comm)
     batches = Batches(load_corpus(), t.batch_size, cfg.seq_len, run.engine.seed)
     losses = []
     for step in range(t.steps):
         if engine.optimizer is not None:
             for group in engine.optimizer.param_groups:
                 group["lr"] = lr_at(step, t)
-        x, y = batches.replica_batch(step, engine.topo.replica, run.engine.data)
+        x, y = batches.local_batch(step, engine.topo.replica, run.engine.data)
         losses.append(engine.train_step(x if engine.is_first else None,
                                         y if engine.is_last else None))
     engine.close()

@@ -176,6 +176,7 @@ def _simulated(schedule: str, pipeline: int, microbatches: int,
                  for a, b in zip(low, high))
 
 
+@functools.lru_cache(maxsize=4096)
 def peak_stash(schedule: str, pipeline: int, microbatches: int,
                chunks: int = 1) -> tuple[int, ...]:
     """Per stage, the most micro-batches (model-chunk forwards, with `chunks` > 1) forwarded
@@ -183,6 +184,7 @@ def peak_stash(schedule: str, pipeline: int, microbatches: int,
     return tuple(int(x) for x in _simulated(schedule, pipeline, microbatches, chunks)[0])
 
 
+@functools.lru_cache(maxsize=4096)
 def peak_held(schedule: str, pipeline: int, microbatches: int,
               chunks: int = 1) -> tuple[int, ...]:
     """Per stage, the most micro-batches whose activations it holds at once: the stash, and
@@ -240,6 +242,16 @@ def _stage_params(shape: Shape, count: dict[str, int]) -> int:
     if count["embed"] and count["head"] and shape.tie_embeddings:
         params -= shape.vocab_size * shape.d_model     # one tied matrix on a single stage
     return params
+
+
+def state_floor(shape: Shape, precision: PrecisionBytes, pipeline: int) -> float:
+    """The least weight and optimizer-state bytes the fullest stage holds, whatever the
+    partition into `pipeline` stages (data 1): at least 1/p of the whole model's, and at
+    least its widest layer's (from two stages on the embedding and the head are apart, each
+    with its own copy of a tied matrix)."""
+    whole = _stage_params(shape, {"embed": 1, "block": shape.n_layers, "head": 1})
+    widest = max(layer_parameters(shape).values()) if pipeline > 1 else whole
+    return max(whole / pipeline, widest) * precision.state_bytes
 
 
 # -- time per layer ---------------------------------------------------------------------

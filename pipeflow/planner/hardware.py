@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any, Mapping, Sequence
 
@@ -143,8 +144,57 @@ class Hardware:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Hardware":
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+        """A hardware file (`pipeflow plan --calibrate --save-hardware FILE`), checked whole:
+        a HardwareError naming the file and the field otherwise."""
+        path = os.fspath(path)
+        redo = ("write it again with `pipeflow plan --calibrate --save-hardware FILE`, or "
+                "drop --hardware-file for a --gpu preset")
+        try:
+            with open(path, "rb") as f:
+                record = json.loads(f.read())
+        except FileNotFoundError:
+            raise HardwareError(f"--hardware-file {path!r}: no such file; {redo}") from None
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            what = "cannot be read" if isinstance(exc, OSError) else \
+                "is not JSON (truncated or damaged?)"
+            raise HardwareError(f"--hardware-file {path!r} {what} ({exc}); {redo}") from None
+        try:
+            hardware = cls.from_dict(record)
+        except (TypeError, KeyError, ValueError, AttributeError) as exc:
+            raise HardwareError(f"--hardware-file {path!r} is not a hardware record "
+                                f"({type(exc).__name__}: {exc}); {redo}") from None
+        problem = hardware.problem()
+        if problem:
+            raise HardwareError(f"--hardware-file {path!r}: {problem}; fix that field or {redo}")
+        return hardware
+
+    def problem(self) -> str:
+        """What is impossible in this description ("" when nothing): a figure <= 0, a
+        fraction outside its range, a name that is not text."""
+        if not isinstance(self.name, str):
+            return f"name must be text, found {self.name!r}"
+        for field in ("peak_flops", "memory_bytes", "memory_bandwidth", "intra_node_bandwidth",
+                      "inter_node_bandwidth"):
+            value = getattr(self, field)
+            if not _number(value) or not value > 0:
+                return f"{field} must be a finite number > 0, found {value!r}"
+        for field in ("intra_node_latency", "inter_node_latency"):
+            value = getattr(self, field)
+            if not _number(value) or value < 0:
+                return f"{field} must be a finite number >= 0, found {value!r}"
+        for field in ("efficiency", "link_efficiency"):
+            value = getattr(self, field)
+            if not _number(value) or not 0 < value <= 1:
+                return f"{field} must be a number in (0, 1], found {value!r}"
+        reserve = self.memory_reserve_fraction
+        if not _number(reserve) or not 0 <= reserve < 1:
+            return f"memory_reserve_fraction must be a number in [0, 1), found {reserve!r}"
+        return ""
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        math.isfinite(value)
 
 
 _A100_SRC = {

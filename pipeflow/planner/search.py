@@ -8,7 +8,7 @@ from typing import Callable, Iterator, Sequence
 from pipeflow.config import SCHEDULES
 from pipeflow.schedules import registry
 from pipeflow.planner.cost import (PLANNED_SCHEDULES, PRECISIONS, RECOMPUTE, Estimate, Grid,
-                                   estimate, layer_kinds, stage_memory,
+                                   estimate, layer_kinds, stage_memory, state_floor,
                                    time_balanced_boundaries)
 from pipeflow.planner.hardware import GB, Cluster
 from pipeflow.planner.shapes import Shape
@@ -202,27 +202,62 @@ def minimum_gpus(shape: Shape, cluster: Cluster, global_batch: int, precision: s
                  schedules: Sequence[str] = PLANNED_SCHEDULES, recompute: Sequence[str] = RECOMPUTE,
                  max_micro_batch: int = 16) -> tuple[int | None, float]:
     """(The fewest GPUs on which some plan fits this GPU's memory, or None when no pipeline
-    depth does; the least memory in bytes the fullest stage needs at any depth).
+    depth does; the least memory in bytes the fullest stage needs at the deepest pipeline).
 
     Only pipeline stages divide the memory (data replicas each hold a whole stage), so the
-    fewest GPUs is the shallowest pipeline that fits.
+    fewest GPUs is the shallowest pipeline that fits. A stage's memory falls with depth (it
+    holds fewer layers; 1F1B's stage s stashes p - s micro-batches of about n/p layers each),
+    so the depth is found by bisection, about log2(n) depths evaluated, not all n + 2: a
+    model of hundreds of layers is answered in seconds. The depth returned was evaluated and
+    fits.
     """
-    prec = PRECISIONS[precision]
     n_items = len(layer_kinds(shape))
     big = dataclasses.replace(cluster, gpus=n_items)
-    least = float("inf")
     # GPipe stashes m ≥ min(p - s, m) micro-batches: 1F1B never needs more memory.
     lean = ["1f1b"] if "1f1b" in schedules else list(schedules)
-    for grid in sorted(enumerate_grids(shape, n_items, global_batch, lean, max_micro_batch),
-                       key=lambda g: g.gpus):
-        if grid.data != 1:
-            continue
-        bounds = time_balanced_boundaries(shape, big, prec, grid.pipeline, grid.micro_batch_size)
-        modes, peak = choose_recompute(shape, big, grid, precision, bounds, recompute)
+    by_depth: dict[int, list[Grid]] = {}
+    for grid in enumerate_grids(shape, n_items, global_batch, lean, max_micro_batch):
+        if grid.data == 1:
+            by_depth.setdefault(grid.pipeline, []).append(grid)
+    depths = sorted(by_depth)
+    if not depths:
+        return None, float("inf")
+
+    def fits(depth: int) -> tuple[bool, float]:
+        return _fits_at_depth(shape, big, by_depth[depth], precision, recompute)
+
+    deepest_fits, least = _fits_at_depth(shape, big, by_depth[depths[-1]], precision,
+                                         recompute, exact=True)
+    if not deepest_fits:
+        return None, least
+    lo, hi = 0, len(depths) - 1          # depths[hi] fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(depths[mid])[0]:
+            hi = mid
+        else:
+            lo = mid + 1
+    return depths[hi], least
+
+
+def _fits_at_depth(shape: Shape, cluster: Cluster, grids: Sequence[Grid], precision: str,
+                   recompute: Sequence[str], exact: bool = False) -> tuple[bool, float]:
+    """Whether one of `grids` (one pipeline depth, data 1) fits; else the least peak bytes
+    of its fullest stage. Unless `exact`, a depth whose fullest stage's weights and optimizer
+    state alone exceed the memory is answered without partitioning it (peak: that floor)."""
+    prec = PRECISIONS[precision]
+    floor = state_floor(shape, prec, grids[0].pipeline)
+    if not exact and floor > cluster.hardware.usable_memory:
+        return False, floor
+    least = float("inf")
+    for grid in grids:
+        bounds = time_balanced_boundaries(shape, cluster, prec, grid.pipeline,
+                                          grid.micro_batch_size)
+        modes, peak = choose_recompute(shape, cluster, grid, precision, bounds, recompute)
         if modes is not None:
-            return grid.pipeline, least
+            return True, peak
         least = min(least, peak)
-    return None, least
+    return False, least
 
 
 def _nothing_fits(shape: Shape, cluster: Cluster, global_batch: int, precision: str,

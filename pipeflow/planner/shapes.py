@@ -13,6 +13,7 @@ DEFAULT_SEQ_LEN = 2048
 DEFAULT_VOCAB = 50304          # GPT-2's 50257 padded to a multiple of 128 (as nanoGPT does)
 # d_model / n_layers of common GPTs: GPT-3 2.7B 80, 6.7B 128, 175B 128; Chinchilla 70B 102.
 ASPECT_RANGE = (64, 128)
+MAX_LAYERS = 512               # the deepest shape (a stage holds at least one layer)
 WIDTH_STEP = 128               # widths a multiple of 128 split into heads of 64 or 128
 
 
@@ -72,7 +73,7 @@ def shape_for_params(params: float, seq_len: int = DEFAULT_SEQ_LEN,
             f"{vocab_size}-token embedding); raise the budget, or shrink --vocab/--seq-len")
     best: tuple[float, float, int, int] | None = None
     lo, hi = ASPECT_RANGE
-    for n_layers in range(1, 513):
+    for n_layers in range(1, MAX_LAYERS + 1):
         if n_layers >= 8 and n_layers % 2:
             continue
         for d_model in range(max(WIDTH_STEP, (lo * n_layers + WIDTH_STEP - 1) // WIDTH_STEP
@@ -86,5 +87,11 @@ def shape_for_params(params: float, seq_len: int = DEFAULT_SEQ_LEN,
             if count > params:
                 break
     assert best is not None
-    _, _, n_layers, d_model = best
-    return Shape(n_layers, d_model, _heads(d_model), seq_len, vocab_size)
+    error, _, n_layers, d_model = best
+    shape = Shape(n_layers, d_model, _heads(d_model), seq_len, vocab_size)
+    if error > 0.5 and params > shape.params:    # past the largest: never plan another model
+        raise ShapeError(
+            f"{params:.3g} parameters is above the largest GPT this planner shapes "
+            f"({shape.describe()}: {shape.params:.3g} parameters, {MAX_LAYERS} layers at "
+            f"d_model/n_layers {hi}); ask for at most {shape.params:.3g}")
+    return shape

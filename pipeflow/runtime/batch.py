@@ -12,6 +12,7 @@ that does not come within the deadline is named by rank 0 (`waiting.NotJoined`).
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from typing import Any, Callable, Mapping, Protocol
 
 import torch
@@ -55,7 +56,7 @@ def _signature(batch: Any) -> Any:
 
 
 def split(what: str, batch: Any, m: int, d: int, replica: int, device: torch.device,
-          where: str) -> list[Any]:
+          where: str, local: bool = False) -> list[Any]:
     """This replica's shard of `batch`, as `m` micro-batches on `device`.
 
     Any structure of tensors, every tensor with the batch dimension first; other leaves (None,
@@ -71,9 +72,13 @@ def split(what: str, batch: Any, m: int, d: int, replica: int, device: torch.dev
     if any(t.dim() == 0 or t.shape[0] != n for t in ts):
         raise BatchError(f"{where}: every tensor of {what} needs the same batch dimension "
                          f"first; found shapes {[tuple(t.shape) for t in ts]}")
+    if local:                           # this replica's own rows: nothing to slice
+        d, replica = 1, 0
     if n == 0 or n % (m * d):
+        which = "this replica's local batch (Config.batch = \"local\")" if local else \
+            "a global batch"
         raise BatchError(
-            f"{where}: a global batch of {n} samples does not divide into {d} replica(s) x "
+            f"{where}: {which} of {n} samples does not divide into {d} replica(s) x "
             f"{m} micro-batches; use a batch size that is a multiple of {m * d}")
     shard = n // d
     parts = [x[replica * shard:(replica + 1) * shard].to(device, non_blocking=True).chunk(m)
@@ -99,15 +104,16 @@ def split_step(call: str, step: int, inputs: Any, targets: Any, side: Mapping[st
     """Split this rank's share of the batch and agree with every other rank on the call."""
     cfg, topo = stage.config, stage.topo
     m, d, where = cfg.microbatches, cfg.data, stage.describe()
+    local = cfg.batch == "local"
     micro = [MicroBatch() for _ in range(m)]
     problem, items = None, None
     try:
         if stage.holds_first:
             _fill(micro, "inputs", _need(call, "inputs", inputs, where, "first"),
-                  m, d, topo.replica, stage.device, where)
+                  m, d, topo.replica, stage.device, where, local)
         if stage.holds_last and (targets is not None or needs_targets):
             _fill(micro, "targets", _need(call, "targets", targets, where, "last"),
-                  m, d, topo.replica, stage.device, where)
+                  m, d, topo.replica, stage.device, where, local)
             if count_items is not None:
                 items = int(sum(int(count_items(mb.targets)) for mb in micro))
         rows = _rows(inputs if stage.holds_first else None) or \
@@ -120,22 +126,47 @@ def split_step(call: str, step: int, inputs: Any, targets: Any, side: Mapping[st
                     f"{rows}; a side input holds one row per sample of the global batch "
                     f"(it is split like the inputs, never broadcast)")
             for mb, part in zip(micro, split(f"side input {name!r}", value, m, d,
-                                             topo.replica, stage.device, where)):
+                                             topo.replica, stage.device, where, local)):
                 mb.side[name] = part
     except BatchError as exc:
         problem = str(exc)
     mine = {"rank": topo.rank, "call": call, "step": step, "problem": problem, "items": items,
             "inputs": _signature(inputs) if stage.holds_first else None,
             "targets": _signature(targets) if stage.holds_last else None,
-            "side": sorted((k, _signature(v)) for k, v in side.items())}
+            "side": sorted((k, _signature(v)) for k, v in side.items()),
+            "replica": topo.replica,
+            "values": None if local or d == 1 or problem else _values(
+                inputs if stage.holds_first else None,
+                targets if stage.holds_last else None, side, first=step == 0)}
     verdict = agree(control, mine, deadline_s)
     return StepBatches(micro, verdict["items"], has_targets=verdict["has_targets"])
+
+
+def _values(inputs: Any, targets: Any, side: Mapping[str, Any], first: bool
+            ) -> dict[str, int] | None:
+    """A checksum of each batch's values (CRC-32 of its bytes), so that replicas given their
+    own batches under Config.batch = "global" are found: every rank must pass the same global
+    batch there. Tensors on the host every call; on a device only in the first step (the copy
+    to the host would cost each step a synchronisation)."""
+    sums: dict[str, int] = {}
+    for name, batch in (("inputs", inputs), ("targets", targets), *sorted(side.items())):
+        if batch is None:
+            continue
+        leaves = [x for x in tree.flatten(batch)[0] if isinstance(x, torch.Tensor)]
+        if not first and any(t.device.type != "cpu" for t in leaves):
+            continue
+        crc = 0
+        for t in leaves:
+            flat = t.detach().to("cpu").contiguous().reshape(-1)
+            crc = zlib.crc32(flat.view(torch.uint8).numpy().data if flat.numel() else b"", crc)
+        sums[name] = crc
+    return sums
 
 
 def agree_call(control: MPI.Comm, call: str, step: int, deadline_s: float) -> dict:
     """The agreement of a call without a batch (save, load, gather_state_dict, close)."""
     mine = {"rank": control.rank, "call": call, "step": step, "problem": None, "items": None,
-            "inputs": None, "targets": None, "side": []}
+            "inputs": None, "targets": None, "side": [], "replica": 0, "values": None}
     return agree(control, mine, deadline_s)
 
 
@@ -174,8 +205,8 @@ def _need(call: str, what: str, batch: Any, where: str, which: str) -> Any:
 
 
 def _fill(micro: list[MicroBatch], field: str, batch: Any, m: int, d: int, replica: int,
-          device: torch.device, where: str) -> None:
-    for mb, part in zip(micro, split(field, batch, m, d, replica, device, where)):
+          device: torch.device, where: str, local: bool) -> None:
+    for mb, part in zip(micro, split(field, batch, m, d, replica, device, where, local)):
         setattr(mb, field, part)
 
 
@@ -198,6 +229,25 @@ def _disagreement(views: list[dict]) -> str | None:
                 return (f"ranks were given different {key}: rank {seen[0]['rank']} has "
                         f"{seen[0][key]}, rank {v['rank']} has {v[key]}; pass the same global "
                         f"batch (shapes, dtypes, structure) on every rank")
+    return _local_batches(views)
+
+
+def _local_batches(views: list[dict]) -> str | None:
+    """Under Config.batch = "global": ranks of different replicas given batches of the same
+    shapes but other values (the DDP habit of a local batch each), which would train each
+    replica on a slice of its own batch."""
+    first: dict[str, dict] = {}
+    for v in views:
+        for name, crc in (v.get("values") or {}).items():
+            seen = first.setdefault(name, v)
+            if seen["values"][name] != crc:
+                return (f"ranks were given different values for the {name} "
+                        f"(same shapes): rank {seen['rank']} (replica {seen['replica']}) and "
+                        f"rank {v['rank']} (replica {v['replica']}); with Config.batch = "
+                        f"\"global\" (the default) every rank passes the same global batch "
+                        f"and each replica trains on its 1/data of the rows. To give each "
+                        f"replica its own batch of B/data rows (as with "
+                        f"DistributedDataParallel), set Config(batch=\"local\")")
     return None
 
 

@@ -51,8 +51,10 @@ def memory_report(stage: Any, activations_peak: int) -> dict[str, Any]:
     if shards is not None:
         held = shards.memory()
         working = held["working"] + _bytes(frozen)
-        masters = held["masters"] + (_bytes(frozen) // frozen[0].element_size() * 4
-                                     if frozen and precision.mixed else 0)
+        # Frozen parameters keep their own fp32 masters (`Precision`), whatever the dtype
+        # each works in (bf16, or fp32 inside an fp32 module).
+        masters = held["masters"] + (_bytes(_unique(precision.master_of(p) for p in frozen))
+                                     if precision.mixed else 0)
         gradients = held["gradients"]
     else:
         working = _bytes(params)

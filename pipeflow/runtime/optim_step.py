@@ -63,6 +63,7 @@ def close_step(stage: StepStage, loss: float, stats: Any) -> None:
         norm = grad_norm(stage)
     stats.grad_norm = norm
     finite = math.isfinite(norm) and math.isfinite(loss)
+    stats.skipped = not finite          # this step's verdict, not the last overflow's
     if precision.scaler is not None:
         precision.scaler.update(not finite)   # the same verdict and scale on every rank
     if not finite:
@@ -115,7 +116,6 @@ def _sum_ties(stage: StepStage) -> None:
 
 
 def _skip(stage: StepStage, stats: Any, loss: float, norm: float) -> None:
-    stats.skipped = True
     stats.skipped_steps += 1
     zero_grad(stage)
     if stage.precision.scaler is not None:

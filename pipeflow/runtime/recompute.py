@@ -75,6 +75,15 @@ def side_inputs_for(layer: nn.Module, side: Mapping[str, Any]) -> dict[str, Any]
     return {k: v for k, v in side.items() if k in names}
 
 
+def reads_side_input(cls: Any, name: str) -> bool | None:
+    """Whether layers of class `cls` are given the side input `name` (`side_inputs_for`):
+    True, False, or None where `cls` is not a class with a `forward` (a factory function)."""
+    if not isinstance(cls, type) or not hasattr(cls, "forward"):
+        return None
+    names = _accepted(cls)
+    return names is None or name in names
+
+
 @functools.lru_cache(maxsize=None)
 def _accepted(cls: type) -> frozenset[str] | None:
     params = inspect.signature(cls.forward).parameters.values()

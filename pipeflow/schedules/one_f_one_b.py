@@ -32,10 +32,10 @@ def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[Action]:
 
 
 def steady(p: int, m: int) -> tuple[tuple[float, ...], ...] | None:
-    """Stash p - s on stage s and 3(p - 1) idle units, once m >= p."""
-    if m < p:
-        return None
-    stash = tuple(float(p - s) for s in range(p))
+    """Stash min(p - s, m) on stage s and 3(p - 1) idle units, for every m (with m < p the
+    warm-up never ends: GPipe's m forwards then m backwards). No simulation, so the planner
+    answers for a pipeline of hundreds of stages at once."""
+    stash = tuple(float(min(p - s, m)) for s in range(p))
     return stash, stash, (3.0 * (p - 1),)
 
 

@@ -106,7 +106,7 @@ class Batches:
     0, 1, 2, ...
 
     `rows(k, lo, hi)` reads only rows `lo:hi` of batch `k` (a memmap reads only those
-    windows from disk); `replica_batch` is what one data-parallel replica needs.
+    windows from disk); `local_batch` is what one data-parallel replica needs.
     """
 
     def __init__(self, corpus: "Corpus | torch.Tensor | np.ndarray", batch_size: int,
@@ -146,21 +146,13 @@ class Batches:
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rows(step, 0, self.batch_size)
 
-    def replica_batch(self, step: int, replica: int,
-                      replicas: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Batch `step` shaped as the global batch, but only replica `replica`'s rows read.
-
-        The engine takes the global batch and slices rows `r·B/d:(r+1)·B/d` for replica `r`;
-        the other rows here are zeros that no stage reads. So each replica reads only its own
-        shard of every batch from disk.
-        """
+    def local_batch(self, step: int, replica: int,
+                    replicas: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replica `replica`'s rows `r·B/d:(r+1)·B/d` of batch `step`, and only those read:
+        what an engine with `Config(batch="local")` takes on that replica."""
         shard = self.batch_size // replicas
         lo = replica * shard
-        x, y = self.rows(step, lo, lo + shard)
-        gx = x.new_zeros((self.batch_size, self.seq_len))
-        gy = gx.clone()
-        gx[lo:lo + shard], gy[lo:lo + shard] = x, y
-        return gx, gy
+        return self.rows(step, lo, lo + shard)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         step = 0

@@ -1,6 +1,7 @@
 """Hugging Face Hub folders in and out: `[model] pretrained = "folder"` (each rank reads only
 its own layers' tensors from the safetensors files) and `export_hf` / `pipeflow export`
-(`config.json` + `model.safetensors`, written atomically).
+(`config.json` + `model.safetensors`, `pipeflow.train.export`: never destroying what it
+did not write).
 
 A Hub folder, as `save_pretrained` writes it:
 
@@ -13,16 +14,21 @@ A Hub folder, as `save_pretrained` writes it:
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
-import shutil
-import tempfile
-from typing import Any, Iterable, Mapping
+import re
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
+from pipeflow._io import atomic_write_bytes
+from pipeflow.train import export
+from pipeflow.train.export import Export
+
 __all__ = ["SINGLE", "INDEX", "has_weights", "weight_index", "layer_keys", "read_layers",
-           "hf_tensors", "write_folder"]
+           "read_tensor", "hf_tensors", "write_folder"]
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -48,13 +54,44 @@ def weight_index(folder: str) -> dict[str, str]:
                              f"save_pretrained writes it") from None
         return {k: os.path.join(folder, v) for k, v in weight_map.items()}
     if os.path.isfile(single):
-        from safetensors import safe_open
-        with safe_open(single, framework="pt") as f:
+        with _opened(single) as f:
             return {k: single for k in f.keys()}
     found = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
     raise ValueError(f"{folder!r} holds no safetensors weights: expected {SINGLE} or {INDEX} "
                      f"(save_pretrained(..., safe_serialization=True)), found {found[:8]}; "
                      f"convert .bin weights to safetensors first")
+
+
+@contextlib.contextmanager
+def _opened(path: str) -> Iterator[Any]:
+    """`safe_open(path)`, its errors (a truncated or damaged file, a shard the index names
+    that is missing) as one ValueError naming the file and what to do."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        handle = safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as exc:
+        what = "missing" if isinstance(exc, FileNotFoundError) else \
+            "not a readable safetensors file (truncated or damaged?)"
+        raise ValueError(f"{path!r} is {what}: {exc}; download or save the folder again "
+                         f"(save_pretrained(..., safe_serialization=True))") from None
+    with handle as f:
+        yield f
+
+
+def _tensor(f: Any, path: str, key: str) -> torch.Tensor:
+    from safetensors import SafetensorError
+    try:
+        return f.get_tensor(key)
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"{path!r}: cannot read tensor {key!r} ({exc}); the file is "
+                         f"truncated or damaged, or its index names a tensor it lacks: "
+                         f"download or save the folder again") from None
+
+
+def read_tensor(path: str, key: str) -> torch.Tensor:
+    """One tensor of a safetensors file (errors as `read_layers` gives them)."""
+    with _opened(path) as f:
+        return _tensor(f, path, key)
 
 
 def layer_keys(hf_keys: Iterable[str], hf_config: Any) -> dict[str, str]:
@@ -75,7 +112,6 @@ def read_layers(folder: str, hf_config: Any, layers: Iterable[int]) -> tuple[
         dict[str, torch.Tensor], list[str]]:
     """The tensors of `layers` only, from the folder's safetensors files, keyed as
     `build_sequential`; and the HF keys read (each file opened once, only these keys read)."""
-    from safetensors import safe_open
     index = weight_index(folder)
     wanted = set(layers)
     mine = {pf: src for pf, src in layer_keys(index, hf_config).items()
@@ -85,9 +121,9 @@ def read_layers(folder: str, hf_config: Any, layers: Iterable[int]) -> tuple[
         by_file.setdefault(index[src], []).append(src)
     read: dict[str, torch.Tensor] = {}
     for path, keys in sorted(by_file.items()):
-        with safe_open(path, framework="pt") as f:
+        with _opened(path) as f:
             for key in keys:
-                read[key] = f.get_tensor(key)
+                read[key] = _tensor(f, path, key)
     return {pf: read[src] for pf, src in mine.items()}, sorted(read)
 
 
@@ -103,35 +139,40 @@ def hf_tensors(state: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, t
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in out.items()}
 
 
-def write_folder(state: Mapping[str, torch.Tensor], hf_config: Any, out: str) -> str:
+def write_folder(state: Mapping[str, torch.Tensor], hf_config: Any, out: str,
+                 overwrite: bool = False, avoid: tuple[str, ...] = ()) -> Export:
     """Write `out/config.json` and `out/model.safetensors` that
-    `AutoModelForCausalLM.from_pretrained(out)` loads. Staged in a hidden folder beside `out`
-    and renamed into place, so `out` is whole or absent (an older export is replaced only once
-    the new one is written)."""
+    `AutoModelForCausalLM.from_pretrained(out)` loads, keeping every other file of `out`
+    and refusing a checkpoint folder or weights pipeflow did not write (`export.publish`:
+    the folder is swapped in whole, so `out` is the old folder or the new one, never half)."""
+    tensors = hf_tensors(state, hf_config)
+    config = json.loads(hf_config.to_json_string(use_diff=False))
+    config["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+
+    def write(staging: str) -> None:
+        _save_safetensors(tensors, os.path.join(staging, SINGLE))
+        atomic_write_bytes(os.path.join(staging, "config.json"),
+                           (json.dumps(config, indent=2, sort_keys=True) + "\n").encode(),
+                           sync_dir=False)
+
+    return export.publish(out, write, overwrite, avoid)
+
+
+def _save_safetensors(tensors: Mapping[str, torch.Tensor], path: str) -> None:
+    """`safetensors.torch.save_file`, marked as pipeflow's, fsynced; its I/O errors (a full
+    disk) raised as the OSError they are."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
-    out = os.path.abspath(os.fspath(out))
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"export folder {out!r} is a file; expected a folder (or nothing) "
-                         f"there: choose another path or remove the file")
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
     try:
-        tensors = hf_tensors(state, hf_config)
-        save_file(tensors, os.path.join(staging, SINGLE), metadata={"format": "pt"})
-        config = json.loads(hf_config.to_json_string(use_diff=False))
-        config["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
-        with open(os.path.join(staging, "config.json"), "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
-            f.write("\n")
-        old = None
-        if os.path.exists(out):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=parent)
-            os.rename(out, os.path.join(old, "x"))
-        os.rename(staging, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out
+        save_file(dict(tensors), path, metadata={"format": "pt", export.MARK: "1"})
+    except SafetensorError as exc:
+        found = re.search(r"os error (\d+)", str(exc))
+        if found:
+            code = int(found.group(1))
+            raise OSError(code, os.strerror(code), path) from None
+        raise OSError(errno.EIO, str(exc), path) from None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -23,8 +23,10 @@ from pipeflow.runtime.checkpoint import (CheckpointError, check_save_dir, read_s
                                  resolve_checkpoint, saved_plan, sealed_json, step_name)
 from pipeflow.config import ConfigError
 from pipeflow.train import hub
+from pipeflow.train.export import ExportError, check_target
+from pipeflow.runtime.recompute import reads_side_input
 from pipeflow.train.data import Batches, load_corpus, packed_positions, token_file
-from pipeflow.engine import Engine
+from pipeflow.engine import FAILING_CLOSE_S, Engine
 from pipeflow.runtime.failure import report_and_abort, say
 from pipeflow.train.metrics import (MetricsLog, count_parameters, devices_in_use,
                                     memory_reports, peak_flops, stage_stats)
@@ -75,6 +77,13 @@ def _check_paths(run: TrainConfig) -> None:
         try:
             check_save_dir(run.save_dir, where="[train] save_dir")
         except CheckpointError as exc:
+            raise ConfigError(str(exc)) from None
+    if run.export_hf:             # refused now, not after the run
+        try:
+            check_target(run.export_hf, run.export_overwrite,
+                         avoid=(run.save_dir,) if run.save_dir else (),
+                         where="[train] export_hf =")
+        except ExportError as exc:
             raise ConfigError(str(exc)) from None
     if run.resume and not os.path.isfile(os.path.join(run.save_dir, "latest")):
         what = "does not exist" if not os.path.exists(run.save_dir) else \
@@ -257,18 +266,41 @@ def _packing_eot(data: DataConfig) -> int | None:
     return eot
 
 
+def _check_packing(eot: int | None, model: Model, data: DataConfig) -> None:
+    """`[data] packed` only where it acts: an end-of-text id inside the vocabulary, and a
+    model with a layer that reads `position_ids` (else packing trains exactly as unpacked)."""
+    if eot is None:
+        return
+    source = f"[data] eot = {eot}" if data.eot >= 0 else \
+        f"the end-of-text id {eot} (\"eot\" of the token file's meta.json)"
+    if model.vocab_size is not None and not 0 <= eot < model.vocab_size:
+        raise ConfigError(f"[data] packed = true: {source} is outside the model's vocabulary "
+                          f"(ids 0..{model.vocab_size - 1}): no token can be it, so no "
+                          f"document would be separated; set [data] eot to the tokenizer's "
+                          f"end-of-text id")
+    reads = [reads_side_input(spec.cls, "position_ids") for spec in model.layers]
+    if not any(r is None or r for r in reads):
+        names = sorted({spec.name for spec in model.layers})
+        raise ConfigError(f"[data] packed = true restarts position_ids after each end-of-text "
+                          f"token, but no layer of {model.name} reads position_ids (the "
+                          f"forward of {names} takes none): it would train exactly as "
+                          f"unpacked. Remove packed, or use a model whose layers take "
+                          f"position_ids (kind = \"hf\", or a factory's)")
+
+
 def _batch(batches: Batches, index: int, engine: Engine, eot: int | None = None
            ) -> tuple[tuple[Any, Any], dict[str, Any]]:
-    """What this rank feeds the engine, (inputs, targets) and side inputs: its replica's rows
-    on the first and last stages, nothing on the stages in between (they receive
-    activations). Packed rows (`eot`) add `position_ids`, which every stage reads."""
+    """What this rank feeds the engine (built with `Config(batch="local")`), (inputs,
+    targets) and side inputs: its replica's rows only, read alone, on the first and last
+    stages, nothing on the stages in between (they receive activations). Packed rows (`eot`)
+    add `position_ids`, which every stage reads."""
     if eot is not None:
-        x, y = batches.replica_batch(index, engine.topo.replica, engine.config.data)
+        x, y = batches.local_batch(index, engine.topo.replica, engine.config.data)
         side = {"position_ids": packed_positions(x, eot)}
         return (x, y) if engine.is_first or engine.is_last else (None, None), side
     if not (engine.is_first or engine.is_last):
         return (None, None), {}
-    return batches.replica_batch(index, engine.topo.replica, engine.config.data), {}
+    return batches.local_batch(index, engine.topo.replica, engine.config.data), {}
 
 
 # -- checkpoints with the data position ----------------------------------------------------
@@ -387,6 +419,8 @@ def _build_engine(run: RunConfig, model: Model, batches: Batches, comm: MPI.Comm
     measured = config.partition == "time" or config.schedule == "auto"
     sample = batches.rows(0, 0, micro)[0] if measured else None
     # trace=True: each instruction's start and end, for the measured bubble per stage.
+    # Each replica is fed its own rows (`_batch`), never a global batch of zeros elsewhere.
+    config = dataclasses.replace(config, batch="local")
     return Engine(model.layers, model.loss_fn, _optimizer(run.train), config, comm=comm,
                   trace=True, sample=sample)
 
@@ -396,6 +430,7 @@ def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
     pinned = _pin_measured_plan(run) if t.resume else ""
     model = build_model(run.model, run.source)
     eot = _packing_eot(run.data)
+    _check_packing(eot, model, run.data)
     batches, val, source = _datasets(run, model)
     engine = _build_engine(run, model, batches, comm)
     position = engine.step_count
@@ -454,18 +489,21 @@ def _export_hf(loop: _Loop) -> None:
     state = engine.gather_state_dict()
     problem = None
     if engine.topo.rank == 0:
+        t = loop.run.train
         try:
-            hub.write_folder(state, loop.hf_config, out)
+            done = hub.write_folder(state, loop.hf_config, out, t.export_overwrite,
+                                    avoid=(t.save_dir,) if t.save_dir else ())
         except (OSError, ValueError) as exc:
-            problem = (f"[train] export_hf = {out!r}: cannot write the Hugging Face folder "
-                       f"({exc}); the checkpoint, if any, is whole: write the folder with "
-                       f"`pipeflow export CKPT --hf OUT`")
+            problem = (f"[train] export_hf: {exc}; the checkpoint, if any, is whole: write "
+                       f"the folder from it with `pipeflow export CKPT --hf OUT`")
     with engine.watched("export_hf"):
         problem = waiting.bcast(engine.topo.world, problem, 0)
     if problem:
         raise ConfigError(problem)
     if loop.rank0:
-        loop.out.line(f"pipeflow: wrote {out} (AutoModelForCausalLM.from_pretrained)")
+        more = done.describe()
+        loop.out.line(f"pipeflow: wrote {out} (AutoModelForCausalLM.from_pretrained)"
+                      + (f"; {more}" if more else ""))
 
 
 def _evaluate(loop: _Loop) -> float | None:
@@ -492,7 +530,8 @@ def _record(loop: _Loop, step: int, loss: float) -> None:
     mfu = loop.flops_per_token * tokens_per_s / loop.peak_flops
     loop.out.record({
         "step": step, "loss": loss, "lr": lr_at(step, t), "grad_norm": engine.stats.grad_norm,
-        "loss_scale": engine.loss_scale, "skipped_steps": engine.stats.skipped_steps,
+        "loss_scale": engine.loss_scale, "skipped": engine.stats.skipped,
+        "skipped_steps": engine.stats.skipped_steps,
         "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
         "flops_per_token": loop.flops_per_token, "stages": stages, "memory": memory})
     loop.out.line(f"step {step:5d}  loss {loss:.4f}  lr {lr_at(step, t):.2e}  "
@@ -605,9 +644,9 @@ def train(run: RunConfig, comm: MPI.Comm | None = None, log: Callable = print,
         except Exception as exc:
             if not isinstance(exc, ConfigError):    # those are raised on every rank alike
                 say(f"pipeflow: rank {comm.rank} raised at step {loop.engine.step_count}:\n"
-                    + "".join(traceback.format_exception(exc)) + "pipeflow: closing; a rank "
-                    f"that does not close within agree_s = {run.engine.agree_s:g} s ends the "
-                    f"job\n")
+                    + "".join(traceback.format_exception(exc)) + "pipeflow: closing; unless "
+                    f"every rank closes within {FAILING_CLOSE_S:g} s (they failed alike), "
+                    f"the job ends then\n")
             raise
         finally:
             if loop.out is not None:

@@ -4,6 +4,7 @@ figures behind them (tokens/s, MFU, each stage's peak memory and measured bubble
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import socket
@@ -19,7 +20,7 @@ from pipeflow.train.trace import COMPUTE_KINDS, op_kind
 if TYPE_CHECKING:
     from pipeflow.engine import Engine
 
-__all__ = ["bubble_fraction", "peak_flops", "count_parameters", "stage_stats", "memory_reports",
+__all__ = ["strict_record", "bubble_fraction", "peak_flops", "count_parameters", "stage_stats", "memory_reports",
            "MetricsLog"]
 
 # Dense bf16 peaks (FLOP/s) of common accelerators, from their data sheets (no sparsity).
@@ -142,6 +143,29 @@ def memory_reports(engine: "Engine") -> list[dict[str, Any]] | None:
     return waiting.gather(engine.topo.world, engine.memory_report(), 0)
 
 
+def strict_record(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` as strict JSON can hold it: each non-finite number (NaN, ±Infinity, which
+    `json.dumps` would write bare and strict parsers such as `jq` refuse) becomes null, and
+    `"nonfinite"` lists where, as dotted paths with the value's name (`{"loss": "nan"}`,
+    `{"stages.1.bubble": "inf"}`)."""
+    found: dict[str, str] = {}
+
+    def clean(value: Any, path: str) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            found[path] = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v, f"{path}.{i}") for i, v in enumerate(value)]
+        return value
+
+    out = clean(record, "")
+    if found:
+        out["nonfinite"] = found
+    return out
+
+
 class MetricsLog:
     """Rank 0's outputs: JSONL records, optional TensorBoard, progress bar or plain lines."""
 
@@ -179,7 +203,7 @@ class MetricsLog:
 
     def record(self, record: dict[str, Any]) -> None:
         if self.file is not None:
-            self.file.write(json.dumps(record) + "\n")
+            self.file.write(json.dumps(strict_record(record), allow_nan=False) + "\n")
             self.file.flush()
         if self.writer is not None:
             for key, value in record.items():

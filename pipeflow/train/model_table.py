@@ -26,6 +26,8 @@ import os
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
+import torch
+
 from pipeflow.config import ConfigError
 from pipeflow.layers import LayerSpec
 from pipeflow.models import GPTConfig, flops_per_token, gpt_layers, gpt_loss, num_parameters
@@ -126,18 +128,44 @@ def _hf(table: dict[str, Any]) -> Model:
     check_keys(table, HF_KEYS, "hf")
     config, notes = _hf_config_dict(table)
     import transformers
+    pretrained = table.get("pretrained", "")
     try:
         hf_config = transformers.AutoConfig.for_model(**dict(config))
+        if pretrained:
+            notes += _untie_as_transformers_does(hf_config, pretrained)
         layers = list(hf.causal_lm_layers(hf_config))
     except (ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"[model] kind = \"hf\": {exc}") from None
     seq = getattr(hf_config, "max_position_embeddings", None) or getattr(
         hf_config, "n_positions", None)
-    pretrained = table.get("pretrained", "")
     name = f"Hugging Face {hf_config.model_type}" + (f" from {pretrained}" if pretrained else "")
     return Model(layers, gpt_loss, name, table.get("seq_len", seq),
                  getattr(hf_config, "vocab_size", None), None, hf_config=hf_config,
                  pretrained=pretrained, notes=notes)
+
+
+def _untie_as_transformers_does(hf_config: Any, folder: str) -> list[str]:
+    """A config that ties the head to the embedding while the folder's weights store a head
+    of other values: transformers (5) then loads the two untied ("both are present in the
+    checkpoints with different values, so we will NOT tie them"), and so does pipeflow, or
+    the run would train another model than `from_pretrained(folder)` gives. The note says so."""
+    from pipeflow.models import hf
+    from pipeflow.train import hub
+    tied = hf._tied_keys(hf_config)
+    if tied is None:
+        return []
+    index = hub.weight_index(folder)
+    embed_key, head_key = tied
+    if head_key not in index or embed_key not in index:
+        return []
+    embed, head = (hub.read_tensor(index[k], k) for k in tied)
+    if embed.shape == head.shape and torch.equal(embed, head):
+        return []
+    hf_config.tie_word_embeddings = False
+    return [f"pipeflow: [model] pretrained = {folder!r}: config.json ties {head_key} to "
+            f"{embed_key} (tie_word_embeddings = true) but the weights store a different "
+            f"{head_key}; loaded untied, as transformers does (set \"tie_word_embeddings\": "
+            f"false in config.json to say so, or remove {head_key} from the weights to tie)"]
 
 
 def _hf_config_dict(table: Mapping[str, Any]) -> tuple[Mapping[str, Any], list[str]]:

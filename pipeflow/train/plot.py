@@ -111,14 +111,17 @@ def metrics_png(metrics_path: str | os.PathLike, path: str | os.PathLike) -> Non
         raise ValueError(f"{os.fspath(metrics_path)} has no training records (lines with "
                          f"\"loss\"); is it a pipeflow metrics file?")
     fig, (left, right) = plt.subplots(1, 2, figsize=FIGURE_SIZE)
-    left.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+    nan = float("nan")       # a non-finite loss is written as null (`metrics.strict_record`)
+    left.plot([r["step"] for r in train], [nan if r["loss"] is None else r["loss"]
+                                           for r in train], label="train")
     if evals:
         left.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-",
                   label="validation")
     left.set_xlabel("step")
     left.set_ylabel("loss")
     left.legend()
-    right.plot([r["step"] for r in train], [r["tokens_per_s"] for r in train])
+    right.plot([r["step"] for r in train], [nan if r.get("tokens_per_s") is None
+                                            else r["tokens_per_s"] for r in train])
     right.set_xlabel("step")
     right.set_ylabel("tokens/s")
     _save(plt, fig, path)

@@ -48,6 +48,7 @@ class TrainConfig:
     peak_tflops: float = 0.0      # per rank, for MFU; 0: a known GPU's bf16 peak, or measured
     progress: bool = True         # a progress bar on rank 0 when stdout is a terminal (tqdm)
     export_hf: str = ""           # [model] kind "hf": a Hub folder written at the end of the run
+    export_overwrite: bool = False  # export_hf may replace weights pipeflow did not write there
 
 
 @dataclasses.dataclass

@@ -2,7 +2,8 @@
 `mpirun -n 2 python trainer_fault.py raise|interrupt`.
 
 raise: rank 1's own code raises after step 1 (its exception is printed, its close gives up
-  after agree_s while rank 0 waits at the stop-signal agreement, and the job ends);
+  after engine.FAILING_CLOSE_S while rank 0 waits at the stop-signal agreement, and the job
+  ends); raise-patient: the same with agree_s = 600, which the close does not wait for;
 interrupt: rank 1 gets SIGINT (Ctrl-C) after step 1: named, and the job ends at once.
 """
 
@@ -27,12 +28,14 @@ if RANK == 0:
     with open(path, "w") as f:
         f.write(RUN_TOML.format(pipeline=2, data=1, steps=50, batch_size=8, log_every=100))
 MPI.COMM_WORLD.Barrier()
-run = load_run_config(path, ["engine.agree_s=3", "engine.watchdog_s=30"])
+AGREE_S = 600 if MODE == "raise-patient" else 3
+run = load_run_config(path, [f"engine.agree_s={AGREE_S}", "engine.watchdog_s=900"
+                             if MODE == "raise-patient" else "engine.watchdog_s=30"])
 
 
 def on_step(step: int) -> None:
     if RANK == 1 and step == 1:
-        if MODE == "raise":
+        if MODE.startswith("raise"):
             raise ValueError("user code failed between steps")
         os.kill(os.getpid(), signal.SIGINT)
 
