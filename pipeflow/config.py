@@ -108,6 +108,11 @@ class Config:
     # reuse instead of faulting it in again every step (pipeflow.runtime.hostmem); glibc only
     keep_host_memory: bool = True
     bucket_mb: float = 25.0    # gradient all-reduce bucket size, MiB
+    # The dtype gradients cross the data group in: "fp32" (exact, the default), or "bf16" /
+    # "fp16" (half the bytes; Megatron-Core's default is bf16). Accumulation over micro-batches
+    # and the optimizer stay fp32 either way: each bucket is cast for the reduction only.
+    # MPI sums fp16 but has no bf16 sum: bf16 needs the NCCL (or gloo) backend.
+    grad_reduce_dtype: str = "fp32"
     clip: float = 0.0          # clip gradients to this global norm; 0 turns clipping off
     # The distributed optimizer (ZeRO-1): with data > 1, each replica keeps the fp32 masters and
     # optimizer state of 1/data of its stage's parameters; gradients are reduce-scattered and
@@ -165,6 +170,8 @@ class Config:
         self._check_recompute()
         self.backend = _choice("backend", self.backend, BACKENDS)
         _number("bucket_mb", self.bucket_mb, 0.0, strict=True)
+        self.grad_reduce_dtype = _choice("grad_reduce_dtype", self.grad_reduce_dtype,
+                                         PRECISIONS)
         _number("clip", self.clip, 0.0, hint="0 turns clipping off", what="a norm")
         _integer("seed", self.seed, None)
         for name in ("free_sent_outputs", "keep_host_memory", "deterministic",

@@ -90,6 +90,40 @@ def test_gradient_reduction_overlaps_the_last_backward():
     engine.close()
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype,backend", [("fp16", "mpi"), ("bf16", "gloo")])
+@pytest.mark.parametrize("shard", [False, True], ids=["plain", "sharded"])
+def test_gradients_reduced_in_half_precision_train_close_to_one_process(dtype, backend, shard):
+    # grad_reduce_dtype casts each fp32 bucket for the reduction only: the update is the
+    # one-process update to the dtype's rounding, and not bit for bit the fp32 reduction's
+    # (so the cast really happened).
+    layers = toy_layers()
+    steps = batches(2, BATCH)
+    states = {}
+    for reduce in (dtype, "fp32"):
+        config = pf.Config(pipeline=1, data=WORLD.size, microbatches=2, bucket_mb=0.001,
+                           backend=backend, shard_optimizer=shard, grad_reduce_dtype=reduce)
+        engine = pf.Engine(layers, loss_fn, plain_sgd, config)
+        for x, y in steps:
+            engine.train_step(x, y)
+        states[reduce] = engine.gather_state_dict()
+        engine.close()
+    reference, _ = train_reference(layers, steps, optimizer=plain_sgd)
+    if WORLD.rank == 0:
+        assert_same_parameters(states["fp32"], reference.state_dict())
+        assert_same_parameters(states[dtype], reference.state_dict(), rtol=2e-2)
+        assert any(not torch.equal(states[dtype][k], states["fp32"][k]) for k in states[dtype])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bf16_gradient_reduction_over_mpi_is_refused():
+    config = pf.Config(pipeline=1, data=WORLD.size, microbatches=2, grad_reduce_dtype="bf16")
+    with pytest.raises(pf.ConfigError, match=r'grad_reduce_dtype = "bf16" needs a bf16 sum, '
+                                              r"which MPI \(backend '(mpi|strict)'\)"):
+        pf.Engine(toy_layers(), loss_fn, plain_sgd, config)
+
+
 # Two stages with two replicas: four ranks (the 2-rank run has no grid with both).
 if WORLD.size >= 4:
     @pytest.mark.mpi(min_size=2)

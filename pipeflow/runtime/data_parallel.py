@@ -10,7 +10,7 @@ from torch import nn
 
 from pipeflow.comm.base import Communicator, Request
 
-__all__ = ["GradReducer"]
+__all__ = ["GradReducer", "CastBack"]
 
 
 class _Bucket:
@@ -52,11 +52,14 @@ class GradReducer:
     """
 
     def __init__(self, params: Sequence[nn.Parameter], comm: Communicator,
-                 bucket_bytes: int, grad_params: Sequence[nn.Parameter] | None = None) -> None:
+                 bucket_bytes: int, grad_params: Sequence[nn.Parameter] | None = None,
+                 reduce_dtype: torch.dtype | None = None) -> None:
         """`params` are watched for their gradients; `grad_params` (default: the same) hold
         the gradients that are reduced: with mixed precision, the fp32 masters, into which
-        each working gradient has been added by a hook registered before this one."""
-        self._setup(comm)
+        each working gradient has been added by a hook registered before this one.
+        `reduce_dtype` (`Config.grad_reduce_dtype`; None: the buckets' own fp32): the dtype a
+        bucket crosses the group in, cast for the reduction and back."""
+        self._setup(comm, reduce_dtype)
         grad_params = list(params if grad_params is None else grad_params)
         watched = {id(g): p for p, g in zip(params, grad_params)}
         group: list[nn.Parameter] = []
@@ -77,9 +80,10 @@ class GradReducer:
         self._grad_of = {id(p): g for p, g in zip(params, grad_params)}
         self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
-    def _setup(self, comm: Communicator) -> None:
+    def _setup(self, comm: Communicator, reduce_dtype: torch.dtype | None = None) -> None:
         """The state every reducer starts with: no buckets, nothing armed or in flight."""
         self.comm = comm
+        self.reduce_dtype = reduce_dtype
         self.buckets: list[_Bucket] = []
         self.armed = False
         # ("launch", bucket) in order, this step's only (for tests).
@@ -164,8 +168,15 @@ class GradReducer:
                 self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        """Start the bucket's reduction: here, the sum over the data group, in place."""
-        bucket.request = self.comm.iallreduce_(bucket.flat, key=self._key(bucket))
+        """Start the bucket's reduction: here, the sum over the data group, in place (in
+        `reduce_dtype` where set: cast, summed, and cast back into the fp32 bucket)."""
+        if self.reduce_dtype is None:
+            bucket.request = self.comm.iallreduce_(bucket.flat, key=self._key(bucket))
+            return
+        wire = _wire(bucket, "wire", bucket.flat.numel(), self.reduce_dtype)
+        wire.copy_(bucket.flat)
+        bucket.request = CastBack(self.comm.iallreduce_(wire, key=self._key(bucket)), wire,
+                                  bucket.flat)
 
     def _key(self, bucket: _Bucket) -> str:
         """What the strict backend compares across ranks besides shape and dtype, so that two
@@ -229,6 +240,30 @@ class GradReducer:
             b.flat.zero_()
             # An optimizer's zero_grad(set_to_none=True) would break the views: restore them.
             _bind(b)
+
+
+class CastBack(Request):
+    """A reduction in a lower precision: done when the reduction is, its result then copied
+    (cast back to fp32) into `target`."""
+
+    def __init__(self, request: Request, wire: torch.Tensor, target: torch.Tensor) -> None:
+        self.request, self.wire, self.target = request, wire, target
+
+    def test(self) -> bool:
+        return self.request.test()
+
+    def wait(self) -> None:
+        self.request.wait()
+        self.target.copy_(self.wire)
+
+
+def _wire(bucket: _Bucket, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """The bucket's buffer `name` of `numel` elements in the reduction's dtype, made once."""
+    buf = getattr(bucket, name, None)
+    if buf is None:
+        buf = torch.empty(numel, dtype=dtype, device=bucket.flat.device)
+        setattr(bucket, name, buf)
+    return buf
 
 
 def _bind(bucket: _Bucket) -> None:

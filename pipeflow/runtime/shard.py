@@ -43,7 +43,7 @@ from torch import nn
 from pipeflow.comm.base import Communicator, Request
 from pipeflow.comm.mpi import mpi_iallreduce_
 from pipeflow.config import ConfigError
-from pipeflow.runtime.data_parallel import GradReducer, _Bucket, _bind
+from pipeflow.runtime.data_parallel import CastBack, GradReducer, _Bucket, _bind, _wire
 
 __all__ = ["ShardedOptimizer", "ELEMENTWISE", "WHOLE_TENSOR", "check_elementwise"]
 
@@ -120,11 +120,12 @@ class ShardedOptimizer(GradReducer):
 
     def __init__(self, working: Sequence[nn.Parameter], initial: dict[int, torch.Tensor],
                  ties: Sequence[Any], comm: Communicator, bucket_bytes: int,
-                 probe: torch.optim.Optimizer, where: str) -> None:
+                 probe: torch.optim.Optimizer, where: str,
+                 reduce_dtype: torch.dtype | None = None) -> None:
         """`working`: the stage's trainable parameters; `initial`: their exact fp32 start
         values (by id); `ties`: the stage's `Tie`s; `probe`: the user's optimizer over
         `working`, read for its type and parameter groups, then rebuilt over the blocks."""
-        self._setup(comm)
+        self._setup(comm, reduce_dtype)
         self.where = where
         check_elementwise(probe, where)
         group_of = {id(p): g for g, grp in enumerate(probe.param_groups) for p in grp["params"]}
@@ -209,8 +210,15 @@ class ShardedOptimizer(GradReducer):
 
     def _launch(self, bucket: _Bucket) -> None:
         """Reduce-scatter: block `rank` of the sum over the data group into `master.grad`."""
-        bucket.request = self.comm.ireduce_scatter_(bucket.flat, bucket.master.grad,
-                                                    key=self._key(bucket))
+        if self.reduce_dtype is None:
+            bucket.request = self.comm.ireduce_scatter_(bucket.flat, bucket.master.grad,
+                                                        key=self._key(bucket))
+            return
+        wire = _wire(bucket, "wire", bucket.flat.numel(), self.reduce_dtype)
+        block = _wire(bucket, "wire_block", bucket.master.numel(), self.reduce_dtype)
+        wire.copy_(bucket.flat)
+        bucket.request = CastBack(self.comm.ireduce_scatter_(wire, block, key=self._key(bucket)),
+                                  block, bucket.master.grad)
 
     def finish(self) -> None:
         """Launch what is left, in order (buckets without gradients this step; then ties, once

@@ -18,7 +18,7 @@ from pipeflow.comm.topology import Topology, choose_backend, grid_communicators
 from pipeflow.config import Config, ConfigError
 from pipeflow.layers import LayerSpec, build_layer, get_parameter, set_parameter, tie_groups
 from pipeflow.runtime.data_parallel import GradReducer
-from pipeflow.runtime.precision import LossScaler, Precision, class_matches
+from pipeflow.runtime.precision import DTYPES, LossScaler, Precision, class_matches
 from pipeflow.runtime.shard import ShardedOptimizer
 from pipeflow.schedules.ir import Action
 from pipeflow.schedules.plan import Plan
@@ -96,13 +96,27 @@ class Stage:
             return
         masters = self.precision.masters
         self.reducer = (GradReducer(self.precision.working, self.data_comm,
-                                    int(config.bucket_mb * 2**20), grad_params=masters)
+                                    int(config.bucket_mb * 2**20), grad_params=masters,
+                                    reduce_dtype=self._reduce_dtype())
                         if self.data_comm is not None and masters else None)
         # A tied weight counts in the gradient norm on the first stage that holds it only.
         later = {id(t.param) for t in self.ties if not t.first}
         self.norm_params = [self.precision.master_of(p) for p in self.precision.working
                             if id(p) not in later]
         self.optimizer = _make_optimizer(optimizer, masters, topo.describe())
+
+    def _reduce_dtype(self) -> torch.dtype | None:
+        """`Config.grad_reduce_dtype` as the dtype buckets cross the data group in (None: the
+        fp32 buckets themselves); bf16 over MPI, which has no bf16 sum, is refused."""
+        name = self.config.grad_reduce_dtype
+        if name == "fp32" or self.data_comm is None:
+            return None
+        if name == "bf16" and self.backend in ("mpi", "strict"):
+            raise ConfigError(
+                f"{self.describe()}: grad_reduce_dtype = \"bf16\" needs a bf16 sum, which MPI "
+                f"(backend {self.backend!r}) does not have; use backend \"nccl\" (GPUs) or "
+                f"\"gloo\", or grad_reduce_dtype = \"fp16\" (MPI sums it) or \"fp32\"")
+        return DTYPES[name]
 
     def _build_sharded(self, factory: OptimizerFactory) -> None:
         """Config.shard_optimizer on d > 1 replicas: the reducer, the masters and the optimizer
@@ -115,7 +129,7 @@ class Stage:
         probe = _make_optimizer(factory, working, self.describe())
         self.shards = ShardedOptimizer(working, self.precision.take_initial(), self.ties,
                                        self.data_comm, int(self.config.bucket_mb * 2**20),
-                                       probe, self.describe())
+                                       probe, self.describe(), self._reduce_dtype())
         self.reducer, self.optimizer = self.shards, self.shards.optimizer
 
     # -- where things are (the plan's facts about this rank) -----------------------------
