@@ -118,6 +118,10 @@ class Config:
     # optimizer state of 1/data of its stage's parameters; gradients are reduce-scattered and
     # the working weights all-gathered (pipeflow.runtime.shard). Per-element optimizers only.
     shard_optimizer: bool = False
+    # torch.compile each layer (`nn.Module.compile`, names and state dicts unchanged): false
+    # (eager, the default), true (the "inductor" backend) or a torch.compile backend's name
+    # ("aot_eager", "cudagraphs", ...). Compiled when first run, on every rank for its layers.
+    compile: bool | str = False
     seed: int = 0              # layer i is built under a seed derived from (seed, i)
     # What train_step/eval_step are given: "global", the whole global batch on every rank
     # (each replica takes its rows; replicas given different values are refused), or
@@ -174,6 +178,9 @@ class Config:
                                          PRECISIONS)
         _number("clip", self.clip, 0.0, hint="0 turns clipping off", what="a norm")
         _integer("seed", self.seed, None)
+        if not isinstance(self.compile, (bool, str)) or self.compile == "":
+            _fail("compile", 'true, false or a torch.compile backend\'s name', self.compile,
+                  'set compile = true (inductor), "aot_eager", or false')
         for name in ("free_sent_outputs", "keep_host_memory", "deterministic",
                      "shard_optimizer"):
             if not isinstance(getattr(self, name), bool):

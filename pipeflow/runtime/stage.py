@@ -81,6 +81,9 @@ class Stage:
         self.ties = self._tie(layers, built)
         self.module = StageModule(built).to(self.device)
         self.chunk_layers = [[self.module.get_submodule(str(i)) for i in r] for r in ranges]
+        if config.compile:
+            _compile_layers(self.module, config.compile, self.plan.split_backward,
+                            self.describe())
         # The distributed optimizer: masters and optimizer state sharded over the replicas.
         self.sharded = config.shard_optimizer and topo.data > 1
         self.precision = Precision(self.module, config.precision, config.fp32_modules,
@@ -293,6 +296,30 @@ def _make_optimizer(factory: OptimizerFactory, masters: list[nn.Parameter],
             f"{[tuple(p.shape) for p in missing[:4]]}); build it over the `params` argument "
             f"(`lambda params: torch.optim.AdamW(params, ...)`), not over a model of your own")
     return opt
+
+
+def _compile_layers(module: nn.Module, backend: bool | str, split_backward: bool,
+                    where: str) -> None:
+    """`Config.compile`: each layer compiled on its own (`nn.Module.compile`, in place, so
+    parameter names, state dicts, hooks and the stage's views of the parameters stay as they
+    are); a layer compiles when first run. The engine's own machinery (messages, stash,
+    recomputation's replays, split backward, buckets) runs around the compiled layers.
+
+    A split backward (B, then W later) walks a compiled layer's backward twice, keeping its
+    graph in between; AOT autograd's donated buffers forbid that, so they are turned off for
+    this process (`torch._functorch.config.donated_buffer`) under such schedules."""
+    name = "inductor" if backend is True else backend
+    import torch._dynamo
+    import torch._functorch.config
+    if split_backward:
+        torch._functorch.config.donated_buffer = False
+    if name not in torch._dynamo.list_backends(exclude_tags=()):
+        raise ConfigError(
+            f"{where}: compile = {backend!r} names no torch.compile backend; found "
+            f"{sorted(torch._dynamo.list_backends(exclude_tags=()))}; use true (inductor), "
+            f"one of those, or false")
+    for layer in module.children():
+        layer.compile(backend=name)
 
 
 def default_device(topo: Topology, requested: torch.device | None = None) -> torch.device:
