@@ -1,5 +1,5 @@
 """The command line: `pipeflow train CONFIG`, `plan`, `schedule`, `trace`, `plot`, `prepare`,
-`export`."""
+`export`, `sample`."""
 
 from __future__ import annotations
 
@@ -189,6 +189,51 @@ def _add_export(sub) -> None:
     export.set_defaults(func=_export)
 
 
+def _sample(args: argparse.Namespace) -> int:
+    """`pipeflow sample CKPT --prompt TEXT`: text on stdout, rank 0 only; one report of an
+    error (raised alike on every rank) from rank 0."""
+    from mpi4py import MPI
+
+    from pipeflow.config import ConfigError
+    from pipeflow.train.sample import SampleArgs, sample
+    rank0 = MPI.COMM_WORLD.rank == 0
+    try:
+        sample(SampleArgs(args.checkpoint, args.prompt or ["\n"], args.max_new_tokens,
+                          args.temperature, args.top_k, args.top_p, args.seed, args.eos or [],
+                          args.tokenizer or "", args.config or "", args.pipeline, args.ids))
+    except (ConfigError, OSError, ValueError) as exc:
+        return _error(str(exc)) if rank0 else 2
+    return 0
+
+
+def _add_sample(sub) -> None:
+    sample = sub.add_parser("sample", help="generate text from a checkpoint or a Hugging Face "
+                            "folder, on any grid (mpirun -n N) or in one process")
+    sample.add_argument("checkpoint", metavar="CKPT", help="a checkpoint folder, the save_dir "
+                        "whose latest it is, or a Hugging Face folder")
+    sample.add_argument("--prompt", action="append", metavar="TEXT",
+                        help="the text to continue (repeatable: one micro-batch each; "
+                        "default a newline)")
+    sample.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    sample.add_argument("--temperature", type=float, default=0.8,
+                        help="0: greedy (default 0.8)")
+    sample.add_argument("--top-k", type=int, default=None, metavar="K")
+    sample.add_argument("--top-p", type=float, default=None, metavar="P")
+    sample.add_argument("--seed", type=int, default=0,
+                        help="the draw's seed: the same text on every grid")
+    sample.add_argument("--eos", type=int, action="append", metavar="ID",
+                        help="stop a prompt at this token id (repeatable)")
+    sample.add_argument("--tokenizer", metavar="SPEC", help="byte, tiktoken:NAME or hf:FILE "
+                        "(default: the run's data's meta.json, or the folder's tokenizer.json)")
+    sample.add_argument("--config", metavar="RUN.toml",
+                        help="the run's TOML, for a checkpoint that records none")
+    sample.add_argument("--pipeline", type=int, default=0, metavar="P",
+                        help="pipeline stages (default: every rank of the launch)")
+    sample.add_argument("--ids", action="store_true",
+                        help="print each prompt's new token ids (JSON) instead of the text")
+    sample.set_defaults(func=_sample)
+
+
 def _add_train(sub) -> None:
     train = sub.add_parser("train", help="train the model described by a TOML file")
     train.add_argument("config", help="TOML file with [engine], [model], [train], [data]")
@@ -248,6 +293,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_pictures(sub)
     _add_prepare(sub)
     _add_export(sub)
+    _add_sample(sub)
     try:
         from pipeflow.planner import cli as planner_cli
     except ImportError:  # pragma: no cover - the planner is optional at import time

@@ -413,15 +413,17 @@ def load_checkpoint(state: CheckpointState, directory: str | os.PathLike) -> int
     return int(meta["step"])
 
 
-def read_params(directory: str | os.PathLike) -> tuple[Tensors, str]:
+def read_params(directory: str | os.PathLike,
+                layers: Sequence[int] | None = None) -> tuple[Tensors, str]:
     """The whole model's full-precision values (keys as in `build_sequential`) from the
     checkpoint `directory` names, every shard checked against its checksum, in one process
-    (`pipeflow export`); and the checkpoint's folder."""
+    (`pipeflow export`), or only those of `layers` (`pipeflow sample`: a rank's own); and
+    the checkpoint's folder."""
     folder = resolve_checkpoint(directory)
     meta = _read_meta(folder, "")
     checksums = meta.get("checksums")
     params: Tensors = {}
-    for i in range(int(meta["n_layers"])):
+    for i in range(int(meta["n_layers"])) if layers is None else layers:
         shard = _read(folder, _layer_name(i), checksums, "pipeflow export")
         if not (isinstance(shard, dict) and "params" in shard):
             raise CheckpointError(f"{os.path.join(folder, _layer_name(i))!r} is not a layer "

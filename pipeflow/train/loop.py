@@ -293,7 +293,8 @@ def _save(engine: Engine, run: RunConfig, position: int, hf_config: Any = None) 
     if engine.topo.rank == 0:
         state = {"next_batch": position, "seed": run.engine.seed,
                  "batch_size": run.train.batch_size,
-                 "train": run.data.train or run.train.corpus or "stdlib"}
+                 "train": run.data.train or run.train.corpus or "stdlib",
+                 "run": run.to_toml()}      # the model and data, for `pipeflow sample`
         if hf_config is not None:
             state["hf_config"] = json.loads(hf_config.to_json_string(use_diff=False))
         atomic_write_bytes(os.path.join(folder, DATA_STATE), sealed_json(state))

@@ -17,7 +17,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["TrainConfig", "DataConfig", "RunConfig", "load_run_config", "apply_overrides",
+__all__ = ["TrainConfig", "DataConfig", "RunConfig", "load_run_config", "run_config_from",
+           "apply_overrides",
            "check_fields", "TABLES"]
 
 TABLES = ("engine", "model", "train", "data")
@@ -193,7 +194,11 @@ def apply_overrides(doc: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
 
 def load_run_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RunConfig:
     """The tables of a run's TOML file with `overrides` applied, every value checked."""
-    doc = apply_overrides(read_toml(path), overrides)
+    return run_config_from(apply_overrides(read_toml(path), overrides), os.fspath(path))
+
+
+def run_config_from(doc: Mapping[str, Any], path: str) -> RunConfig:
+    """The tables of a run (a parsed TOML document from `path`), every value checked."""
     extra = sorted(set(doc) - set(TABLES))
     if extra:
         raise ConfigError(f"unknown table(s) {extra} in {os.fspath(path)!r}; expected "
