@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Sequence
 
@@ -121,7 +122,9 @@ def _plot(args: argparse.Namespace) -> int:
 def _prepare(args: argparse.Namespace) -> int:
     from pipeflow.train.prepare import prepare
     try:
-        meta = prepare(args.texts, args.out, args.tokenizer, args.val_fraction)
+        meta = prepare(args.texts, args.out, args.tokenizer, args.val_fraction,
+                       field=args.field, dataset=args.dataset or "", split=args.split,
+                       workers=args.workers, progress=not args.no_progress)
     except (OSError, ValueError) as exc:
         return _error(str(exc))
     print(f"wrote {args.out}/train.bin ({meta['train_tokens']} tokens) and val.bin "
@@ -275,12 +278,24 @@ def _add_pictures(sub) -> None:
 
 
 def _add_prepare(sub) -> None:
-    prep = sub.add_parser("prepare", help="tokenize text files into train.bin / val.bin")
-    prep.add_argument("texts", nargs="+", metavar="TEXT", help="text files, in order")
+    prep = sub.add_parser("prepare", help="tokenize documents (text, JSONL, Parquet, a "
+                          "Hugging Face dataset) into train.bin / val.bin")
+    prep.add_argument("texts", nargs="*", metavar="INPUT", help="files in order, by suffix: "
+                      ".jsonl and .parquet (a document a record), else text (a document a "
+                      "file)")
     prep.add_argument("--out", required=True, metavar="DIR")
     prep.add_argument("--tokenizer", default="byte",
                       help="byte (default), tiktoken:NAME (e.g. tiktoken:gpt2) or hf:NAME")
     prep.add_argument("--val-fraction", type=float, default=0.05)
+    prep.add_argument("--field", default="text",
+                      help="the text's field of a JSONL / Parquet / dataset record")
+    prep.add_argument("--dataset", metavar="NAME_OR_FOLDER",
+                      help="a Hugging Face dataset: a save_to_disk folder or a Hub name "
+                      "(needs pipeflow[data])")
+    prep.add_argument("--split", default="train", help="the dataset's split (default train)")
+    prep.add_argument("--workers", type=int, default=max(1, min(8, (os.cpu_count() or 2) - 1)),
+                      help="tokenizing processes (default: the cores less one, at most 8)")
+    prep.add_argument("--no-progress", action="store_true", help="no progress bar")
     prep.set_defaults(func=_prepare)
 
 
