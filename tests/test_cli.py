@@ -28,7 +28,8 @@ def test_train_logs_loss_throughput_and_step_time(tmp_path, capsys):
     path.write_text(SMALL)
     assert main(["train", str(path), "--save-dir", str(tmp_path / "ck")]) == 0
     out = capsys.readouterr().out
-    assert "step     0  loss" in out and "tok/s" in out and "ms/step" in out
+    assert "step     0/12  loss" in out and "tok/s" in out and "ms/step" in out
+    assert "elapsed 0:" in out and "ETA 0:" in out
     assert "12 steps in" in out
     assert (tmp_path / "ck" / "latest").read_text() == "step-00000012"
     # Resuming at the last step trains nothing more.

@@ -250,7 +250,7 @@ def test_trace_category_is_the_op_letters():
 def test_plain_lines_without_a_terminal():
     from pipeflow.train.metrics import MetricsLog
     lines = []
-    out = MetricsLog("", "", total=10, first=0, progress=True,
+    out = MetricsLog([], total=10, first=0, progress=True,
                      log=lambda text, **k: lines.append(text))
     assert out.bar is None                       # pytest's stdout is no terminal
     out.line("step 0")
@@ -263,7 +263,7 @@ def test_progress_bar_on_a_terminal(monkeypatch):
     pytest.importorskip("tqdm")
     from pipeflow.train.metrics import MetricsLog
     monkeypatch.setattr("sys.stdout.isatty", lambda: True)
-    out = MetricsLog("", "", total=10, first=3, progress=True)
+    out = MetricsLog([], total=10, first=3, progress=True)
     assert out.bar is not None and out.bar.n == 3
     out.advance(2.0)
     assert out.bar.n == 4

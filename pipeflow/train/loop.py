@@ -26,8 +26,9 @@ from pipeflow.train import hub
 from pipeflow.train.data import Batches, load_corpus, packed_positions, token_file
 from pipeflow.engine import Engine
 from pipeflow.runtime.failure import report_and_abort, say
-from pipeflow.train.metrics import (MetricsLog, count_parameters, memory_reports, peak_flops,
-                                   stage_stats)
+from pipeflow.train.metrics import (MetricsLog, clock_text, count_parameters, memory_reports,
+                                   peak_flops, stage_stats)
+from pipeflow.train.trackers import check_trackers, open_trackers
 from pipeflow.train.model_table import Model, build_model
 from pipeflow.train.run_config import DataConfig, RunConfig, TrainConfig, load_run_config
 from pipeflow.train.trace import write_trace
@@ -71,6 +72,7 @@ def _check_paths(run: TrainConfig) -> None:
             raise ConfigError(f"[train] tensorboard = {run.tensorboard!r} needs the "
                               f"'tensorboard' package: pip install tensorboard (or "
                               f"\"pipeflow[monitor]\"), or set tensorboard = \"\"") from None
+    check_trackers(run.trackers)
     if run.save_dir:              # found now, not at the first save after hours of training
         try:
             check_save_dir(run.save_dir, where="[train] save_dir")
@@ -349,6 +351,7 @@ class _Loop:
     first_step: int = 0
     losses: list[float] = dataclasses.field(default_factory=list)
     eot: int | None = None           # [data] packed: the end-of-text id
+    started: float = dataclasses.field(default_factory=time.perf_counter)
     hf_config: Any = None            # [model] kind "hf": saved with checkpoints, exported
 
     @property
@@ -410,14 +413,14 @@ def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
                          0)
     out = None
     if comm.rank == 0:
-        metrics = t.metrics or (os.path.join(t.save_dir, "metrics.jsonl") if t.save_dir else "")
-        out = MetricsLog(metrics, t.tensorboard, t.steps, engine.step_count, t.progress, log,
-                         append=t.resume)
+        trackers = open_trackers(t, run.tables(), append=t.resume)
+        out = MetricsLog(trackers, t.steps, engine.step_count, t.progress, log)
         c = run.engine
+        where = ", ".join(f"{type(k).__name__[:-7].lower()} {k.path}" for k in trackers)
         out.line(f"pipeflow: {model.name} on {source}; grid pipeline={c.pipeline} x "
                  f"data={c.data}, {c.microbatches} micro-batches, {engine.schedule}, stages "
                  f"{engine.boundaries}; MFU against {peak[0] / 1e12:.3g} TFLOP/s a rank "
-                 f"({peak[1]})" + (f"; metrics in {metrics}" if metrics else ""))
+                 f"({peak[1]})" + (f"; metrics to {where}" if where else ""))
         for note in model.notes:
             out.line(note)
         if t.resume:
@@ -495,9 +498,13 @@ def _record(loop: _Loop, step: int, loss: float) -> None:
         "loss_scale": engine.loss_scale, "skipped_steps": engine.stats.skipped_steps,
         "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
         "flops_per_token": loop.flops_per_token, "stages": stages, "memory": memory})
-    loop.out.line(f"step {step:5d}  loss {loss:.4f}  lr {lr_at(step, t):.2e}  "
+    elapsed = time.perf_counter() - loop.started
+    done = step + 1 - loop.first_step
+    eta = elapsed / done * (t.steps - step - 1)
+    loop.out.line(f"step {step:5d}/{t.steps}  loss {loss:.4f}  lr {lr_at(step, t):.2e}  "
                   f"{tokens_per_s:8.0f} tok/s  MFU {mfu:6.2%}  {dt * 1e3:7.1f} ms/step  "
-                  f"bubble {[s['bubble'] for s in stages]}")
+                  f"bubble {[s['bubble'] for s in stages]}  elapsed {clock_text(elapsed)}  "
+                  f"ETA {clock_text(eta)}")
 
 
 def _report_recompute(loop: _Loop) -> None:

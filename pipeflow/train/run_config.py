@@ -46,6 +46,9 @@ class TrainConfig:
     resume: bool = False          # continue from the latest checkpoint in save_dir
     metrics: str = ""             # JSONL file, one line a logged step; empty: none
     tensorboard: str = ""         # TensorBoard log folder (needs the `tensorboard` package)
+    # Where metrics go, rank 0 only: "jsonl", "tensorboard", "wandb" (pipeflow.train.trackers)
+    trackers: list[str] = dataclasses.field(default_factory=list)
+    wandb_project: str = "pipeflow"   # the W&B project of "wandb" (WANDB_MODE=offline: local)
     peak_tflops: float = 0.0      # per rank, for MFU; 0: a known GPU's bf16 peak, or measured
     progress: bool = True         # a progress bar on rank 0 when stdout is a terminal (tqdm)
     export_hf: str = ""           # [model] kind "hf": a Hub folder written at the end of the run
@@ -76,11 +79,12 @@ _STRICT = {("train", "lr")}       # must be > the bound, not >=
 
 # A field's annotation -> (the Python types TOML values may take, the words an error uses).
 _TYPE_WORDS = {"int": ((int,), "an integer"), "float": ((int, float), "a number"),
-               "str": ((str,), "a string"), "bool": ((bool,), "true or false")}
+               "str": ((str,), "a string"), "bool": ((bool,), "true or false"),
+               "list[str]": ((list,), "a list of strings")}
 
 
 def _example(cls, name: str) -> str:
-    default = {f.name: f.default for f in dataclasses.fields(cls)}[name]
+    default = getattr(cls(), name)
     return tomli_w.dumps({name: default}).strip() if default != "" else f'{name} = "..."'
 
 
@@ -91,7 +95,9 @@ def check_fields(obj: Any, table: str) -> None:
         value = getattr(obj, field.name)
         types, what = _TYPE_WORDS[str(field.type)]
         wrong_type = (not isinstance(value, types)
-                      or (isinstance(value, bool) and field.type != "bool"))
+                      or (isinstance(value, bool) and field.type != "bool")
+                      or (field.type == "list[str]" and not all(isinstance(v, str)
+                                                                for v in value)))
         bound = _BOUNDS.get(table, {}).get(field.name)
         low, high = bound if isinstance(bound, tuple) else (bound, None)
         out = not wrong_type and low is not None and (
@@ -118,10 +124,13 @@ class RunConfig:
     data: DataConfig
     source: str = ""
 
+    def tables(self) -> dict[str, Any]:
+        """Every table as plain values (a tracker's run config, the TOML below)."""
+        return {"engine": self.engine.to_dict(), "model": self.model,
+                "train": dataclasses.asdict(self.train), "data": dataclasses.asdict(self.data)}
+
     def to_toml(self) -> str:
-        return tomli_w.dumps({"engine": self.engine.to_dict(), "model": self.model,
-                              "train": dataclasses.asdict(self.train),
-                              "data": dataclasses.asdict(self.data)})
+        return tomli_w.dumps(self.tables())
 
 
 def _allowed(annotation: str) -> tuple[tuple[type, ...], str] | None:
