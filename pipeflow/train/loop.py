@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import signal
 import threading
@@ -28,6 +27,7 @@ from pipeflow.engine import Engine
 from pipeflow.runtime.failure import report_and_abort, say
 from pipeflow.train.metrics import (MetricsLog, clock_text, count_parameters, memory_reports,
                                    peak_flops, stage_stats)
+from pipeflow.train.recipe import lr_at, optimizer_factory, weight_decay_groups
 from pipeflow.train.trackers import check_trackers, open_trackers
 from pipeflow.train.model_table import Model, build_model
 from pipeflow.train.run_config import DataConfig, RunConfig, TrainConfig, load_run_config
@@ -39,26 +39,8 @@ __all__ = ["TrainConfig", "DataConfig", "RunConfig", "lr_at", "load_run_config",
 DATA_STATE = "data.json"     # beside the engine's shards in each checkpoint folder
 
 
-def lr_at(step: int, train: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to `min_lr_ratio` of the peak (as nanoGPT does)."""
-    if step < train.warmup:
-        return train.lr * (step + 1) / train.warmup
-    progress = min(1.0, (step - train.warmup) / max(1, train.steps - train.warmup))
-    floor = train.min_lr_ratio
-    return train.lr * (floor + (1 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress)))
-
-
-def weight_decay_groups(params, weight_decay: float) -> list[dict[str, Any]]:
-    """nanoGPT's rule: decay matrices (embeddings, linear weights), not biases or norms."""
-    params = list(params)
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
-
-
 def _optimizer(run: TrainConfig) -> Callable:
-    return lambda ps: torch.optim.AdamW(weight_decay_groups(ps, run.weight_decay), lr=run.lr,
-                                        betas=(run.beta1, run.beta2))
+    return optimizer_factory(run)
 
 
 # -- run checks that need the file system -------------------------------------------------

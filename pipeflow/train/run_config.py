@@ -30,9 +30,13 @@ class TrainConfig:
 
     steps: int = 200
     batch_size: int = 16          # global batch in sequences, split into micro-batches
-    lr: float = 2e-3              # peak AdamW learning rate
-    min_lr_ratio: float = 0.1     # cosine decay ends at min_lr_ratio x lr
+    lr: float = 2e-3              # peak learning rate
+    min_lr_ratio: float = 0.1     # linear, cosine and wsd decay end at min_lr_ratio x lr
     warmup: int = 10
+    lr_schedule: str = "cosine"   # constant | linear | cosine | inverse-sqrt | wsd (recipe.py)
+    decay_fraction: float = 0.2   # wsd: the last fraction of the steps decays
+    optimizer: str = "AdamW"      # any torch.optim class by name (SGD, Adam, Adafactor, ...)
+    optimizer_args: dict[str, Any] = dataclasses.field(default_factory=dict)  # its arguments
     weight_decay: float = 0.1     # on matrices only (parameters with 2 or more dimensions)
     beta1: float = 0.9
     beta2: float = 0.95
@@ -69,6 +73,7 @@ class DataConfig:
 # Lower bounds (inclusive) of numeric fields; a tuple adds an upper bound (exclusive).
 _BOUNDS: dict[str, dict[str, Any]] = {
     "train": {"steps": 1, "batch_size": 1, "lr": 0.0, "min_lr_ratio": (0.0, 1.0000001),
+              "decay_fraction": (0.0, 1.0000001),
               "warmup": 0, "weight_decay": 0.0, "beta1": (0.0, 1.0), "beta2": (0.0, 1.0),
               "log_every": 1, "eval_every": 0, "eval_batches": 1, "threads": 1,
               "save_every": 0, "peak_tflops": 0.0},
@@ -80,7 +85,8 @@ _STRICT = {("train", "lr")}       # must be > the bound, not >=
 # A field's annotation -> (the Python types TOML values may take, the words an error uses).
 _TYPE_WORDS = {"int": ((int,), "an integer"), "float": ((int, float), "a number"),
                "str": ((str,), "a string"), "bool": ((bool,), "true or false"),
-               "list[str]": ((list,), "a list of strings")}
+               "list[str]": ((list,), "a list of strings"),
+               "dict[str, Any]": ((dict,), "a table")}
 
 
 def _example(cls, name: str) -> str:
@@ -234,7 +240,9 @@ def run_config_from(doc: Mapping[str, Any], path: str) -> RunConfig:
 
 
 def _check_together(run: RunConfig) -> None:
+    from pipeflow.train.recipe import check_recipe
     t, d = run.train, run.data
+    check_recipe(t)
     if t.resume and not t.save_dir:
         raise ConfigError("[train] resume = true needs a checkpoint folder: set [train] save_dir "
                           "(or --save-dir DIR), found save_dir empty")
