@@ -12,7 +12,10 @@ from typing import Sequence
 __all__ = ["main"]
 
 
-def _error(text: str) -> int:
+def _error(text: str | BaseException) -> int:
+    """The error on stderr as written (a KeyError's message without the quotes `str` adds)."""
+    if isinstance(text, KeyError) and len(text.args) == 1 and isinstance(text.args[0], str):
+        text = text.args[0]
     print(f"pipeflow: error: {text}", file=sys.stderr)
     return 2
 
@@ -51,7 +54,7 @@ def _train(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         # Raised alike on every rank (grid, batch and config checks agree before any
         # message moves): one report from rank 0, a clean exit everywhere.
-        return _error(str(exc)) if rank0 else 2
+        return _error(exc) if rank0 else 2
     return 0
 
 
@@ -79,7 +82,7 @@ def _schedule(args: argparse.Namespace) -> int:
         programs = build_schedule(args.schedule, p, m, v)
         result = simulate(programs)
     except ScheduleError as exc:
-        return _error(str(exc))
+        return _error(exc)
     v = len(programs.layout[0])
     print(format_table(programs))
     chunks = f" (in chunks: 1/{v} of a stage's layers each)" if v > 1 else ""
@@ -126,7 +129,7 @@ def _prepare(args: argparse.Namespace) -> int:
                        field=args.field, dataset=args.dataset or "", split=args.split,
                        workers=args.workers, progress=not args.no_progress)
     except (OSError, ValueError) as exc:
-        return _error(str(exc))
+        return _error(exc)
     print(f"wrote {args.out}/train.bin ({meta['train_tokens']} tokens) and val.bin "
           f"({meta['val_tokens']}), {meta['dtype']}, vocabulary {meta['vocab_size']}; train "
           f"with [data] train = \"{args.out}/train.bin\", val = \"{args.out}/val.bin\", "
@@ -145,7 +148,7 @@ def _export(args: argparse.Namespace) -> int:
         hf_config = _checkpoint_hf_config(folder, args.config)
         out = hub.write_folder(params, hf_config, args.hf)
     except (CheckpointError, ConfigError, OSError, ValueError, KeyError) as exc:
-        return _error(str(exc).strip("'\""))
+        return _error(exc)
     print(f"wrote {out} from {folder}: config.json and {hub.SINGLE} "
           f"(AutoModelForCausalLM.from_pretrained({out!r}))")
     return 0
@@ -205,7 +208,7 @@ def _sample(args: argparse.Namespace) -> int:
                           args.temperature, args.top_k, args.top_p, args.seed, args.eos or [],
                           args.tokenizer or "", args.config or "", args.pipeline, args.ids))
     except (ConfigError, OSError, ValueError) as exc:
-        return _error(str(exc)) if rank0 else 2
+        return _error(exc) if rank0 else 2
     return 0
 
 

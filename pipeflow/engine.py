@@ -106,6 +106,7 @@ class Engine:
     def _build(self, layers, loss_fn, optimizer, config, world, device, sample) -> None:
         self.config = config = config if config is not None else Config()
         config.validate()
+        check_launcher(world)
         _check_layers(layers)
         self._fingerprint = fingerprint(layers)
         topo = Topology(world, config.pipeline, config.data)
@@ -629,6 +630,21 @@ class Engine:
 
 
 _OPEN: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+def check_launcher(world: MPI.Comm) -> None:
+    """A process alone in its MPI world while a launcher of another kind (torchrun, a
+    torch.distributed script) says the job has more ranks: each process would train a whole
+    model of its own. Refused, saying how pipeflow is launched."""
+    size = os.environ.get("WORLD_SIZE", "")
+    if world.size != 1 or not size.isdigit() or int(size) <= 1:
+        return
+    who = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "a launcher"
+    raise ConfigError(
+        f"this process has RANK={os.environ.get('RANK', '?')} and WORLD_SIZE={size} from "
+        f"{who}, but its MPI world holds 1 rank: every process would train alone. pipeflow "
+        f"is launched with mpirun or srun, which start the ranks of one MPI job: `mpirun -n "
+        f"{size} pipeflow train CONFIG.toml` (or `srun -n {size} ...`), not torchrun")
 
 
 def use_deterministic_algorithms() -> None:

@@ -354,9 +354,10 @@ def test_a_stop_right_after_a_periodic_save_does_not_save_again(tmp_path):
     assert (save / "latest").read_text() == "step-00000002"
     meta = json.loads((save / "step-00000002" / "engine.json").read_text())
     assert meta["sequence"] == 0                  # written once
+    assert (save / "STOPPED").read_text() == "SIGUSR1 at step 2\n"   # slurm.sbatch requeues
     rest = train(_run(tmp_path, FACTORY, f'train.save_dir="{save}"', "train.save_every=2",
                       "train.steps=6", "train.resume=true"), log=lambda *a, **k: None)
-    assert len(rest) == 4
+    assert len(rest) == 4 and not (save / "STOPPED").exists()
 
 
 @pytest.mark.timeout(60)

@@ -18,7 +18,8 @@ from mpi4py import MPI
 
 from pipeflow.comm import waiting
 from pipeflow._io import atomic_write_bytes
-from pipeflow.runtime.checkpoint import (CheckpointError, check_save_dir, read_sealed_json,
+from pipeflow.runtime.checkpoint import (CheckpointError, ModelMismatch, check_save_dir,
+                                 read_sealed_json,
                                  resolve_checkpoint, saved_plan, sealed_json, step_name)
 from pipeflow.config import ConfigError
 from pipeflow.train import hub
@@ -37,6 +38,7 @@ __all__ = ["TrainConfig", "DataConfig", "RunConfig", "lr_at", "load_run_config",
            "weight_decay_groups", "train", "DATA_STATE"]
 
 DATA_STATE = "data.json"     # beside the engine's shards in each checkpoint folder
+STOPPED = "STOPPED"          # in save_dir while a run stopped by a signal has steps to go
 
 
 def _optimizer(run: TrainConfig) -> Callable:
@@ -386,7 +388,12 @@ def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
     engine = _build_engine(run, model, batches, comm)
     position = engine.step_count
     if t.resume:
-        engine.load(t.save_dir)
+        try:
+            engine.load(t.save_dir)
+        except ModelMismatch as exc:     # alike on every rank: one line, no abort
+            engine.close()
+            raise ConfigError(f"--resume: {exc}; resume with the run's own [model] (see "
+                              f"--print-config), or start a new save_dir") from None
         position = _saved_position(t.save_dir, engine.step_count)
     elif model.pretrained:
         _load_pretrained(engine, model)
@@ -395,6 +402,8 @@ def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
                          0)
     out = None
     if comm.rank == 0:
+        if t.save_dir and os.path.exists(os.path.join(t.save_dir, STOPPED)):
+            os.unlink(os.path.join(t.save_dir, STOPPED))      # this run goes on from there
         trackers = open_trackers(t, run.tables(), append=t.resume)
         out = MetricsLog(trackers, t.steps, engine.step_count, t.progress, log)
         c = run.engine
@@ -539,6 +548,9 @@ def _stop_early(loop: _Loop, signum: int) -> None:
         folder = os.path.join(t.save_dir, step_name(step)) if just_saved else \
             _save(loop.engine, loop.run, loop.position, loop.hf_config)
         what = f"checkpoint of step {step} in {folder}; continue with --resume"
+        if loop.rank0 and step < t.steps:   # a batch script requeues on it (slurm.sbatch)
+            atomic_write_bytes(os.path.join(t.save_dir, STOPPED),
+                               f"{name} at step {step}\n".encode())
     else:
         what = "no [train] save_dir, so nothing was saved"
     if loop.rank0:
