@@ -38,6 +38,7 @@ __all__ = ["TrainConfig", "DataConfig", "RunConfig", "lr_at", "load_run_config",
            "weight_decay_groups", "train", "DATA_STATE"]
 
 DATA_STATE = "data.json"     # beside the engine's shards in each checkpoint folder
+BYTE_CORPUS_LIMIT = 10**9    # tokens: a run this long on the built-in corpus is a mistake
 STOPPED = "STOPPED"          # in save_dir while a run stopped by a signal has steps to go
 
 
@@ -211,6 +212,14 @@ def _datasets(run: RunConfig, model: Model) -> tuple[Batches, Batches | None, st
             train = Batches(tokens, t.batch_size, seq, seed)
             _check_token_ids(train, model, f"[data] train = {d.train!r}")
             return train, val, f"{d.train} ({len(tokens) / 1e6:.2f}M tokens, {d.dtype})"
+        planned = t.steps * t.batch_size * seq
+        if not t.corpus and planned >= BYTE_CORPUS_LIMIT:
+            raise ConfigError(
+                f"this run trains on {planned / 1e9:.3g}B tokens ([train] steps x batch_size "
+                f"x seq_len) and names no data: the built-in byte corpus (the Python standard "
+                f"library, 8 MiB) would repeat it thousands of times. Set [data] train = "
+                f"\"DIR/train.bin\" (from `pipeflow prepare ... --out DIR`) or [train] "
+                f"corpus = FILE")
         corpus = load_corpus(t.corpus or None)
         return (Batches(corpus, t.batch_size, seq, seed),
                 Batches(corpus, t.batch_size, seq, seed, split="val"),
