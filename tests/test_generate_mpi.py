@@ -3,7 +3,7 @@ sampled tokens (with an `eos` that stops some prompts early) equal one process's
 grid 2 ranks hold (pipeline 2 with one chunk, interleaved and V-shaped chunks, data 2), with
 and without the cache, over MPI, NCCL's rules (strict) and gloo.
 
-Run under `mpirun -n 2` with `--with-mpi`.
+Run under `mpirun -n 2` (or `-n 4`: each grid's replicas fill the world) with `--with-mpi`.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ from test_generate import PROMPTS, gpt_engine, gpt_model, greedy_reference
 
 WORLD = MPI.COMM_WORLD
 GRIDS = [dict(pipeline=2), dict(pipeline=2, schedule="interleaved", virtual_stages=2),
-         dict(pipeline=2, schedule="zbv"), dict(data=2)]
+         dict(pipeline=2, schedule="zbv"), dict(pipeline=1)]
 SAMPLING = dict(temperature=0.9, top_k=10, top_p=0.95, seed=11)
 
 
 def grid_engine(backend: str = "mpi", **grid):
-    """The GPT of `test_generate.gpt_model` on a grid of this world."""
-    engine, _ = gpt_engine(microbatches=2, backend=backend, **grid)
+    """The GPT of `test_generate.gpt_model` on `grid`, replicas filling the world."""
+    data = WORLD.size // grid["pipeline"]
+    engine, _ = gpt_engine(microbatches=2, backend=backend, data=data, **grid)
     return engine
 
 
@@ -68,10 +69,23 @@ def test_sampled_tokens_are_the_same_on_every_grid(grid, backend):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: "-".join(f"{k}{v}" for k, v in g.items()))
+def test_prompts_that_stop_at_the_same_step(grid):
+    """Two finished markers in a row on one link (each travels as a header alone)."""
+    _, _, ref = gpt_model()
+    full = greedy_reference(ref, PROMPTS[1], 10)
+    k = next(i for i in range(1, 10) if full[i] not in full[:i])
+    engine = grid_engine(**grid)
+    got = engine.generate([PROMPTS[1]] * 2, 10, eos=full[k])
+    engine.close()
+    assert_on_every_rank(got == [full[:k + 1]] * 2, f"{grid}: {got}, stop at {k}")
+
+
+@pytest.mark.mpi(min_size=2)
 def test_different_arguments_on_two_ranks_are_refused_on_both():
     engine = grid_engine(pipeline=2)
     with pytest.raises(pf.ConfigError, match="different arguments on different ranks"):
-        engine.generate(PROMPTS, 3 + WORLD.rank)
+        engine.generate(PROMPTS, 3 + engine.topo.rank)
     # The engine still works: the refusal came before any message.
     assert engine.generate(PROMPTS, 2)[0] == engine.generate(PROMPTS, 2)[0]
     engine.close()

@@ -305,7 +305,9 @@ class Decoding:
             return
         comm = self.stage.pipe_comm
         header, ts = tree.header_of(x)
-        announce = comm.always_header or self.announced.get(dest) != header
+        # A message without tensors (the finished marker) always carries its header: with
+        # neither, nothing would travel, and the receiver's probe would wait for it.
+        announce = comm.always_header or not ts or self.announced.get(dest) != header
         self.announced[dest] = header
         self.sends.append(comm.send_message(header if announce else None, ts, dest, TAG))
 
