@@ -1,17 +1,21 @@
 """The command line: `pipeflow train CONFIG`, `plan`, `schedule`, `trace`, `plot`, `prepare`,
-`export`."""
+`export`, `sample`."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Sequence
 
 __all__ = ["main"]
 
 
-def _error(text: str) -> int:
+def _error(text: str | BaseException) -> int:
+    """The error on stderr as written (a KeyError's message without the quotes `str` adds)."""
+    if isinstance(text, KeyError) and len(text.args) == 1 and isinstance(text.args[0], str):
+        text = text.args[0]
     print(f"pipeflow: error: {text}", file=sys.stderr)
     return 2
 
@@ -50,7 +54,7 @@ def _train(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         # Raised alike on every rank (grid, batch and config checks agree before any
         # message moves): one report from rank 0, a clean exit everywhere.
-        return _error(str(exc)) if rank0 else 2
+        return _error(exc) if rank0 else 2
     return 0
 
 
@@ -78,7 +82,7 @@ def _schedule(args: argparse.Namespace) -> int:
         programs = build_schedule(args.schedule, p, m, v)
         result = simulate(programs)
     except ScheduleError as exc:
-        return _error(str(exc))
+        return _error(exc)
     v = len(programs.layout[0])
     print(format_table(programs))
     chunks = f" (in chunks: 1/{v} of a stage's layers each)" if v > 1 else ""
@@ -121,9 +125,11 @@ def _plot(args: argparse.Namespace) -> int:
 def _prepare(args: argparse.Namespace) -> int:
     from pipeflow.train.prepare import prepare
     try:
-        meta = prepare(args.texts, args.out, args.tokenizer, args.val_fraction)
+        meta = prepare(args.texts, args.out, args.tokenizer, args.val_fraction,
+                       field=args.field, dataset=args.dataset or "", split=args.split,
+                       workers=args.workers, progress=not args.no_progress)
     except (OSError, ValueError) as exc:
-        return _error(str(exc))
+        return _error(exc)
     print(f"wrote {args.out}/train.bin ({meta['train_tokens']} tokens) and val.bin "
           f"({meta['val_tokens']}), {meta['dtype']}, vocabulary {meta['vocab_size']}; train "
           f"with [data] train = \"{args.out}/train.bin\", val = \"{args.out}/val.bin\", "
@@ -145,7 +151,7 @@ def _export(args: argparse.Namespace) -> int:
         done = hub.write_folder(params, hf_config, args.hf, args.overwrite,
                                 avoid=(args.checkpoint,))
     except (CheckpointError, ConfigError, OSError, ValueError, KeyError) as exc:
-        return _error(str(exc).strip("'\""))
+        return _error(exc)
     more = done.describe()
     print(f"wrote {done.path} from {folder}: config.json and {hub.SINGLE} "
           f"(AutoModelForCausalLM.from_pretrained({done.path!r}))" + (f"; {more}" if more else ""))
@@ -197,6 +203,51 @@ def _add_export(sub) -> None:
     export.set_defaults(func=_export)
 
 
+def _sample(args: argparse.Namespace) -> int:
+    """`pipeflow sample CKPT --prompt TEXT`: text on stdout, rank 0 only; one report of an
+    error (raised alike on every rank) from rank 0."""
+    from mpi4py import MPI
+
+    from pipeflow.config import ConfigError
+    from pipeflow.train.sample import SampleArgs, sample
+    rank0 = MPI.COMM_WORLD.rank == 0
+    try:
+        sample(SampleArgs(args.checkpoint, args.prompt or ["\n"], args.max_new_tokens,
+                          args.temperature, args.top_k, args.top_p, args.seed, args.eos or [],
+                          args.tokenizer or "", args.config or "", args.pipeline, args.ids))
+    except (ConfigError, OSError, ValueError) as exc:
+        return _error(exc) if rank0 else 2
+    return 0
+
+
+def _add_sample(sub) -> None:
+    sample = sub.add_parser("sample", help="generate text from a checkpoint or a Hugging Face "
+                            "folder, on any grid (mpirun -n N) or in one process")
+    sample.add_argument("checkpoint", metavar="CKPT", help="a checkpoint folder, the save_dir "
+                        "whose latest it is, or a Hugging Face folder")
+    sample.add_argument("--prompt", action="append", metavar="TEXT",
+                        help="the text to continue (repeatable: one micro-batch each; "
+                        "default a newline)")
+    sample.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    sample.add_argument("--temperature", type=float, default=0.8,
+                        help="0: greedy (default 0.8)")
+    sample.add_argument("--top-k", type=int, default=None, metavar="K")
+    sample.add_argument("--top-p", type=float, default=None, metavar="P")
+    sample.add_argument("--seed", type=int, default=0,
+                        help="the draw's seed: the same text on every grid")
+    sample.add_argument("--eos", type=int, action="append", metavar="ID",
+                        help="stop a prompt at this token id (repeatable)")
+    sample.add_argument("--tokenizer", metavar="SPEC", help="byte, tiktoken:NAME or hf:FILE "
+                        "(default: the run's data's meta.json, or the folder's tokenizer.json)")
+    sample.add_argument("--config", metavar="RUN.toml",
+                        help="the run's TOML, for a checkpoint that records none")
+    sample.add_argument("--pipeline", type=int, default=0, metavar="P",
+                        help="pipeline stages (default: every rank of the launch)")
+    sample.add_argument("--ids", action="store_true",
+                        help="print each prompt's new token ids (JSON) instead of the text")
+    sample.set_defaults(func=_sample)
+
+
 def _add_train(sub) -> None:
     train = sub.add_parser("train", help="train the model described by a TOML file")
     train.add_argument("config", help="TOML file with [engine], [model], [train], [data]")
@@ -238,12 +289,24 @@ def _add_pictures(sub) -> None:
 
 
 def _add_prepare(sub) -> None:
-    prep = sub.add_parser("prepare", help="tokenize text files into train.bin / val.bin")
-    prep.add_argument("texts", nargs="+", metavar="TEXT", help="text files, in order")
+    prep = sub.add_parser("prepare", help="tokenize documents (text, JSONL, Parquet, a "
+                          "Hugging Face dataset) into train.bin / val.bin")
+    prep.add_argument("texts", nargs="*", metavar="INPUT", help="files in order, by suffix: "
+                      ".jsonl and .parquet (a document a record), else text (a document a "
+                      "file)")
     prep.add_argument("--out", required=True, metavar="DIR")
     prep.add_argument("--tokenizer", default="byte",
                       help="byte (default), tiktoken:NAME (e.g. tiktoken:gpt2) or hf:NAME")
     prep.add_argument("--val-fraction", type=float, default=0.05)
+    prep.add_argument("--field", default="text",
+                      help="the text's field of a JSONL / Parquet / dataset record")
+    prep.add_argument("--dataset", metavar="NAME_OR_FOLDER",
+                      help="a Hugging Face dataset: a save_to_disk folder or a Hub name "
+                      "(needs pipeflow[data])")
+    prep.add_argument("--split", default="train", help="the dataset's split (default train)")
+    prep.add_argument("--workers", type=int, default=max(1, min(8, (os.cpu_count() or 2) - 1)),
+                      help="tokenizing processes (default: the cores less one, at most 8)")
+    prep.add_argument("--no-progress", action="store_true", help="no progress bar")
     prep.set_defaults(func=_prepare)
 
 
@@ -256,6 +319,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_pictures(sub)
     _add_prepare(sub)
     _add_export(sub)
+    _add_sample(sub)
     try:
         from pipeflow.planner import cli as planner_cli
     except ImportError:  # pragma: no cover - the planner is optional at import time

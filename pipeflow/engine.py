@@ -106,6 +106,7 @@ class Engine:
     def _build(self, layers, loss_fn, optimizer, config, world, device, sample) -> None:
         self.config = config = config if config is not None else Config()
         config.validate()
+        check_launcher(world)
         _check_layers(layers)
         self._fingerprint = fingerprint(layers)
         topo = Topology(world, config.pipeline, config.data)
@@ -295,6 +296,66 @@ class Engine:
         if not keep:
             return loss
         return (loss, outputs) if loss is not None else outputs
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: Any, max_new_tokens: int = 64, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None,
+                 eos: int | Sequence[int] | None = None, seed: int = 0,
+                 use_cache: bool | None = None) -> list[list[int]]:
+        """New tokens for each prompt, the same list on every rank: `prompt_ids` one prompt
+        (a list of token ids, a 1-D tensor) or several (a list of lists, a 2-D tensor), each
+        a micro-batch of its own (replicas share the prompts out). Temperature 0 is greedy;
+        otherwise `top_k` and `top_p` restrict the draw, from a random stream seeded by
+        `(seed, prompt index)`, so the tokens are the same on every grid. A prompt stops at
+        a token of `eos` (kept in its list) or after `max_new_tokens`. `use_cache`: the
+        layers' key/value caches (`decode`; None: where every layer has one and the text
+        fits the model's positions) or the whole sequence every step. Call it on every rank
+        with the same arguments (see `pipeflow.runtime.generate`)."""
+        from pipeflow.runtime import generate as gen
+
+        with self.watchdog:
+            self._agree("generate")
+            self.module.eval()
+            request, problem = None, None
+            try:
+                request = gen.Request.make(prompt_ids, max_new_tokens, temperature, top_k,
+                                           top_p, eos, seed, use_cache)
+            except (TypeError, ValueError) as exc:
+                problem = str(exc)
+            missing, limit = gen.layer_report(self._stage)
+            views = waiting.allgather(self._control, (
+                request.digest() if request else None, problem, missing, limit))
+            request, cached, limit = self._agree_generate(request, views)
+            topo = self.topo
+            mine = range(topo.replica, len(request.prompts), topo.data)
+            decoding = gen.Decoding(self._stage, request, mine, cached, limit, self._at)
+            results = self._guarded("generate", decoding.run)
+            shared = self._guarded("generate results", lambda: waiting.allgather(
+                self._control, results if self.is_last else None))
+        merged = {i: toks for part in shared if part for i, toks in part.items()}
+        return [merged[i] for i in range(len(request.prompts))]
+
+    def _agree_generate(self, request: Any, views: list) -> tuple[Any, bool, int | None]:
+        """Every rank's view of a `generate` call: the same arguments, the layers without a
+        cache and the position limit of all stages; a ConfigError alike on every rank."""
+        from pipeflow.runtime import generate as gen
+
+        problems = [(r, v[1]) for r, v in enumerate(views) if v[1]]
+        if problems:
+            raise ConfigError(f"rank {problems[0][0]}: {problems[0][1]}")
+        digests = {v[0] for v in views}
+        if len(digests) > 1:
+            raise ConfigError("generate() was called with different arguments on different "
+                              "ranks (prompts, max_new_tokens, sampling, eos or seed); pass "
+                              "the same on every rank")
+        missing = sorted({m for v in views for m in v[2]})
+        limits = [v[3] for v in views if v[3] is not None]
+        limit = min(limits) if limits else None
+        try:
+            cached = gen.choose_cache(request, missing, limit)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return request, cached, limit
 
     def _start(self, call: str, inputs, targets, side: Mapping[str, Any],
                train: bool) -> StepState:
@@ -609,6 +670,21 @@ CHECKPOINT_IO_BYTES_S = 50e6
 # close() while this rank raises its own exception: how long the others are waited for (ranks
 # failing alike arrive together; one failing alone would otherwise hold the job agree_s).
 FAILING_CLOSE_S = 1.0
+
+
+def check_launcher(world: MPI.Comm) -> None:
+    """A process alone in its MPI world while a launcher of another kind (torchrun, a
+    torch.distributed script) says the job has more ranks: each process would train a whole
+    model of its own. Refused, saying how pipeflow is launched."""
+    size = os.environ.get("WORLD_SIZE", "")
+    if world.size != 1 or not size.isdigit() or int(size) <= 1:
+        return
+    who = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "a launcher"
+    raise ConfigError(
+        f"this process has RANK={os.environ.get('RANK', '?')} and WORLD_SIZE={size} from "
+        f"{who}, but its MPI world holds 1 rank: every process would train alone. pipeflow "
+        f"is launched with mpirun or srun, which start the ranks of one MPI job: `mpirun -n "
+        f"{size} pipeflow train CONFIG.toml` (or `srun -n {size} ...`), not torchrun")
 
 
 def use_deterministic_algorithms() -> None:

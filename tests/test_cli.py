@@ -32,7 +32,8 @@ def test_train_logs_loss_throughput_and_step_time(tmp_path, capsys):
     path.write_text(SMALL)
     assert main(["train", str(path), "--save-dir", str(tmp_path / "ck")]) == 0
     out = capsys.readouterr().out
-    assert "step     0  loss" in out and "tok/s" in out and "ms/step" in out
+    assert "step     0/12  loss" in out and "tok/s" in out and "ms/step" in out
+    assert "elapsed 0:" in out and "ETA 0:" in out
     assert "12 steps in" in out
     assert (tmp_path / "ck" / "latest").read_text() == "step-00000012"
     # Resuming at the last step trains nothing more.
@@ -95,3 +96,41 @@ def test_the_command_line_and_the_planner_import_neither_torch_nor_mpi():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={**os.environ, "PMI_SIZE": "1"})
     assert out.stdout.split("\n")[-2] == "[]", out.stdout + out.stderr
+
+
+def test_resume_with_a_changed_model_is_one_line(tmp_path, capsys):
+    path = tmp_path / "run.toml"
+    path.write_text(SMALL.replace("steps = 12", "steps = 2"))
+    assert main(["train", str(path), "--save-dir", str(tmp_path / "ck")]) == 0
+    capsys.readouterr()
+    path.write_text(SMALL.replace("n_layers = 2", "n_layers = 3"))
+    assert main(["train", str(path), "--save-dir", str(tmp_path / "ck"), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pipeflow: error: --resume: rank 0") and err.count("\n") == 1
+    assert "holds 4 layers, the model has 5" in err
+
+
+def test_errors_are_printed_as_written(tmp_path, capsys):
+    from pipeflow.train.loop import train as run_train, load_run_config
+    path = tmp_path / "run.toml"
+    path.write_text(SMALL.replace("steps = 12", "steps = 1"))
+    run_train(load_run_config(path, [f'train.save_dir="{tmp_path}/ck"']), log=lambda *a, **k: None)
+    (tmp_path / "ck" / "step-00000001" / "data.json").unlink()
+    assert main(["export", str(tmp_path / "ck"), "--hf", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err           # the folder's opening quote is kept
+    assert f"error: '{tmp_path}/ck/step-00000001' records no Hugging Face config" in err
+
+
+def test_a_process_alone_under_torchrun_says_how_to_launch(monkeypatch):
+    import torch
+
+    import pipeflow as pf
+    from toy import toy_layers
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    with pytest.raises(pf.ConfigError, match=r"RANK=1 and WORLD_SIZE=4 from torchrun, but its "
+                                             r"MPI world holds 1 rank.*launched with mpirun or "
+                                             r"srun.*`mpirun -n 4 pipeflow train"):
+        pf.Engine(toy_layers(blocks=1), lambda o, t: o.sum(),
+                  lambda ps: torch.optim.SGD(ps, lr=0.1))

@@ -15,6 +15,7 @@ import torch
 import pipeflow as pf
 from pipeflow.runtime.partition import partition_balanced
 from pipeflow.train.metrics import MetricsLog, strict_record
+from pipeflow.train.trackers import JsonlTracker
 
 from toy import batches, loss_fn, sgd, toy_layers
 
@@ -43,7 +44,8 @@ def _strict(line: str):
 
 def test_metrics_lines_are_strict_json_with_non_finite_values_named(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    log = MetricsLog(str(path), "", total=2, first=0, progress=False, log=lambda *a, **k: None)
+    log = MetricsLog([JsonlTracker(str(path))], total=2, first=0, progress=False,
+                     log=lambda *a, **k: None)
     log.record({"step": 0, "loss": float("nan"), "grad_norm": float("inf"),
                 "stages": [{"bubble": 0.1}, {"bubble": -math.inf}], "lr": 1e-3})
     log.record({"step": 1, "loss": 2.5, "grad_norm": 1.0})

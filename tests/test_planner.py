@@ -402,8 +402,20 @@ def test_cli_json_has_the_promised_fields(capsys, tmp_path):
     else:
         assert eng["partition"][0] == 0 and eng["partition"][-1] == model["n_layers"] + 2
     assert model["d_model"] * model["n_layers"] > 0 and train["steps"] >= 1
+    assert model["d_model"] // model["n_heads"] in (64, 128)
+    assert model["d_model"] % model["n_heads"] == 0
+    assert doc["data"] == {"train": "data/train.bin", "val": "data/val.bin", "dtype": "uint16"}
     import pipeflow
     pipeflow.Config.from_dict(eng)          # the engine accepts what was written
+    # Left on the byte corpus, the run is refused before anything is built.
+    from pipeflow.train.loop import train as run_train
+    from pipeflow.train.run_config import load_run_config
+    bytes_only = tmp_path / "bytes.toml"
+    bytes_only.write_text(cfg.read_text().split("[data]")[0])
+    run = load_run_config(bytes_only, ["engine.pipeline=1", "engine.data=1"])
+    with pytest.raises(pipeflow.ConfigError, match=r"trains on [\d.]+B tokens .* names no "
+                                                   r"data: the built-in byte corpus"):
+        run_train(run, log=lambda *a, **k: None)
 
 
 def test_cli_table_shows_method_runners_up_and_rejections(capsys):
@@ -415,6 +427,8 @@ def test_cli_table_shows_method_runners_up_and_rejections(capsys):
 
 @pytest.mark.parametrize("argv,expect", [
     (["--compute", "1e12"], "too small for any GPT"),
+    (["--layers", "4", "--width", "1000"], "--width 1000: heads of 64 or 128 need a width that "
+                                           "is a multiple of 64 (e.g. 1024)"),
     (["--params", "70B", "--gpus", "1"], "use --gpus"),
     (["--compute", "1e21", "--gpus", "0"], "--gpus must be at least 1, found 0"),
     (["--gpu", "tpu"], "unknown GPU 'tpu'"),

@@ -248,7 +248,7 @@ def test_trace_category_is_the_op_letters():
 def test_plain_lines_without_a_terminal():
     from pipeflow.train.metrics import MetricsLog
     lines = []
-    out = MetricsLog("", "", total=10, first=0, progress=True,
+    out = MetricsLog([], total=10, first=0, progress=True,
                      log=lambda text, **k: lines.append(text))
     assert out.bar is None                       # pytest's stdout is no terminal
     out.line("step 0")
@@ -261,7 +261,7 @@ def test_progress_bar_on_a_terminal(monkeypatch):
     pytest.importorskip("tqdm")
     from pipeflow.train.metrics import MetricsLog
     monkeypatch.setattr("sys.stdout.isatty", lambda: True)
-    out = MetricsLog("", "", total=10, first=3, progress=True)
+    out = MetricsLog([], total=10, first=3, progress=True)
     assert out.bar is not None and out.bar.n == 3
     out.advance(2.0)
     assert out.bar.n == 4
@@ -352,9 +352,10 @@ def test_a_stop_right_after_a_periodic_save_does_not_save_again(tmp_path):
     assert (save / "latest").read_text() == "step-00000002"
     meta = json.loads((save / "step-00000002" / "engine.json").read_text())
     assert meta["sequence"] == 0                  # written once
+    assert (save / "STOPPED").read_text() == "SIGUSR1 at step 2\n"   # slurm.sbatch requeues
     rest = train(_run(tmp_path, FACTORY, f'train.save_dir="{save}"', "train.save_every=2",
                       "train.steps=6", "train.resume=true"), log=lambda *a, **k: None)
-    assert len(rest) == 4
+    assert len(rest) == 4 and not (save / "STOPPED").exists()
 
 
 @pytest.mark.timeout(60)

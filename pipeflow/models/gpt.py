@@ -27,6 +27,7 @@ class Embedding(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.seq_len = cfg.seq_len
+        self.max_positions = cfg.seq_len     # learned positions: generation crops to these
         self.tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.positions = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
@@ -39,6 +40,15 @@ class Embedding(nn.Module):
             raise ValueError(f"sequence of {T} tokens is longer than GPTConfig.seq_len "
                              f"({self.seq_len}); raise seq_len or feed shorter windows")
         pos = torch.arange(T, device=idx.device)
+        return self.drop(self.tokens(idx) + self.positions(pos))
+
+    def decode(self, idx: torch.Tensor, cache: dict, position: int) -> torch.Tensor:
+        """Generation (`engine.generate`): tokens [B, T] that start at `position`."""
+        T = idx.shape[1]
+        if position + T > self.seq_len:
+            raise ValueError(f"generation reached position {position + T}, past "
+                             f"GPTConfig.seq_len ({self.seq_len}); generate fewer tokens")
+        pos = torch.arange(position, position + T, device=idx.device)
         return self.drop(self.tokens(idx) + self.positions(pos))
 
 
@@ -67,6 +77,25 @@ class AttentionCore(nn.Module):
                    for t in (q, k, v))
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return y.transpose(1, 2).contiguous().view(B, T, d)
+
+    def decode(self, qkv: torch.Tensor, cache: dict) -> torch.Tensor:
+        """Attention of T new positions over the cached keys and values and their own; the
+        cache (`{"k", "v"}`: [B, heads, positions, head_dim]) grows by T."""
+        B, T, three_d = qkv.shape
+        d = three_d // 3
+        q, k, v = (t.view(B, T, self.n_heads, d // self.n_heads).transpose(1, 2)
+                   for t in qkv.split(d, dim=2))
+        if "k" in cache:
+            k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
+        cache["k"], cache["v"] = k, v
+        past = k.shape[2] - T
+        if past == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:         # query i sits at position past + i: it sees keys 0 .. past + i
+            seen = torch.arange(past + T, device=qkv.device)[None, :] <= \
+                (past + torch.arange(T, device=qkv.device))[:, None]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=seen)
         return y.transpose(1, 2).contiguous().view(B, T, d)
 
 
@@ -103,6 +132,11 @@ class Block(nn.Module):
         x = x + self.attention(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
+    def decode(self, x: torch.Tensor, cache: dict, position: int) -> torch.Tensor:
+        """Generation: the block on new positions, keys and values kept in `cache`."""
+        x = x + self.drop(self.attn_proj(self.core.decode(self.qkv(self.ln_1(x)), cache)))
+        return x + self.mlp(self.ln_2(x))
+
 
 class Head(nn.Module):
     """Hidden states [B, T, d] -> logits [B, T, vocab]: final LayerNorm and a linear map."""
@@ -117,6 +151,10 @@ class Head(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))
+
+    def decode(self, x: torch.Tensor, cache: dict, position: int) -> torch.Tensor:
+        """Generation: position by position, nothing to keep."""
+        return self.forward(x)
 
 
 def gpt_layers(cfg: GPTConfig) -> list[LayerSpec]:

@@ -242,6 +242,10 @@ class Embedding(_Parts):
 
     def __init__(self, config: Any, parts: Arch) -> None:
         super().__init__(config, parts, _base_parts(config, parts, parts.embed))
+        # Learned absolute positions (GPT-2, OPT) end somewhere: generation crops to them.
+        learned = any(hasattr(self, name) for name in ("wpe", "embed_positions"))
+        self.max_positions = getattr(config, "max_position_embeddings", None) if learned \
+            else None
 
     def forward(self, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> Any:
@@ -249,6 +253,10 @@ class Embedding(_Parts):
         if self.aux:
             return hidden, hf_moe.initial_state(self.config, hidden.device)
         return hidden
+
+    def decode(self, input_ids: torch.Tensor, cache: dict, position: int) -> Any:
+        """Generation (`engine.generate`): tokens (B, T) that start at `position`."""
+        return self.forward(input_ids, position_ids=_positions_from(input_ids, position))
 
 
 class Head(_Parts):
@@ -263,6 +271,10 @@ class Head(_Parts):
         modules = _base_parts(config, parts, parts.norm)
         modules[parts.head] = _meta_head(config, parts)
         super().__init__(config, parts, modules)
+
+    def decode(self, hidden: Any, cache: dict, position: int) -> torch.Tensor:
+        """Generation: position by position, nothing to keep (no load-balancing loss)."""
+        return self.forward(_split(hidden)[0])
 
     def forward(self, hidden: Any) -> torch.Tensor:
         hidden, sums = _split(hidden)
@@ -305,18 +317,40 @@ class DecoderLayer(nn.Module):
         self.layer = _materialize(block, config, parts)
         self.kind = _attention_kind(config, index)
         self._rotary = (None if parts.rotary is None else parts.rotary(config=config),)
+        self.decodes = parts.family.cache is not None    # a key/value cache for generation
 
     @property
     def rotary(self) -> nn.Module | None:
         return self._rotary[0]
 
     def _mask(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
-              position_ids: torch.Tensor) -> torch.Tensor | None:
+              position_ids: torch.Tensor, cache: Any = None) -> torch.Tensor | None:
         masking = _transformers().masking_utils
         make = (masking.create_sliding_window_causal_mask if self.kind == "sliding_attention"
                 else masking.create_causal_mask)
+        # With a cache, sized against this block's own entry (each block keeps its own).
+        where = {} if cache is None else {"layer_idx": self.index}
         return make(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                    cache=None, position_ids=position_ids)
+                    cache=cache, position_ids=position_ids, **where)
+
+    def decode(self, hidden: Any, cache: dict, position: int) -> Any:
+        """Generation (`engine.generate`): the block on new positions starting at `position`,
+        its keys and values kept in a transformers `DynamicCache` in `cache`."""
+        hidden, sums = _split(hidden)
+        kv = cache.get("kv")
+        if kv is None:
+            kv = cache["kv"] = _transformers().DynamicCache(config=self.config)
+        position_ids = _positions_from(hidden, position)
+        # No padding: every position so far is seen (Bloom sizes its ALiBi biases by it).
+        seen = torch.ones(hidden.shape[0], position + hidden.shape[1], dtype=torch.long,
+                          device=hidden.device)
+        extra = self.family.block_inputs(self, hidden, seen, position_ids)
+        extra[self.family.cache] = kv
+        mask = self._mask(hidden, None, position_ids, kv)
+        out = self.layer(hidden, attention_mask=mask, position_ids=position_ids,
+                         use_cache=True, **extra)
+        out = out[0] if isinstance(out, tuple) else out
+        return out if sums is None else (out, sums)
 
     def rotary_embeddings(self, hidden: torch.Tensor,
                           position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -345,6 +379,11 @@ class DecoderLayer(nn.Module):
                extra: dict[str, Any]) -> torch.Tensor:
         out = self.layer(hidden, attention_mask=mask, position_ids=position_ids, **extra)
         return out[0] if isinstance(out, tuple) else out
+
+
+def _positions_from(x: torch.Tensor, position: int) -> torch.Tensor:
+    """Position ids (1, T) of `x`'s T positions, the first at `position`."""
+    return torch.arange(position, position + x.shape[1], device=x.device).unsqueeze(0)
 
 
 # -- state dicts ---------------------------------------------------------------------------

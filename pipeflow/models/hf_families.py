@@ -142,6 +142,9 @@ class Family:
     attention: the attention implementation the blocks are built with ("sdpa", or "eager"
         where the family refuses SDPA).
     embed / block_inputs / logits / check: the steps above.
+    cache: the keyword its blocks take a key/value cache by, for generation
+        (`DecoderLayer.decode`, checked against transformers' generate in
+        tests/test_generate.py); None: generation recomputes the whole sequence each step.
     """
 
     plan: tuple[str, ...] | None = None
@@ -150,6 +153,7 @@ class Family:
     block_inputs: Callable[..., dict[str, Any]] = rotary_inputs
     logits: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
     check: Callable[[Any], str | None] = _no_check
+    cache: str | None = "cache"
 
 
 _LLAMA_LIKE = Family()
@@ -163,7 +167,7 @@ FAMILIES: dict[str, Family] = {
     "gemma": _LLAMA_LIKE,       # its embedding module scales by sqrt(hidden) itself
     "olmo2": _LLAMA_LIKE,
     "phi3": _LLAMA_LIKE,
-    "gpt_neox": _LLAMA_LIKE,
+    "gpt_neox": Family(cache="layer_past"),
     "mixtral": _LLAMA_LIKE,
     "qwen2_moe": _LLAMA_LIKE,
     "cohere": Family(logits=_cohere_logits),
@@ -176,9 +180,9 @@ FAMILIES: dict[str, Family] = {
                         "decoder.layers", "decoder.final_layer_norm", "decoder.project_out"),
                   embed=_embed_opt, block_inputs=_no_inputs, check=_opt_check),
     "falcon": Family(plan=("word_embeddings", "h", "ln_f"), block_inputs=_falcon_inputs,
-                     check=_falcon_check),
+                     check=_falcon_check, cache="layer_past"),
     "bloom": Family(plan=("word_embeddings", "word_embeddings_layernorm", "h", "ln_f"),
-                    attention="eager", block_inputs=_bloom_inputs),
+                    attention="eager", block_inputs=_bloom_inputs, cache="layer_past"),
 }
 
 

@@ -137,7 +137,12 @@ def _shape_from_args(args: argparse.Namespace) -> Shape | None:
                          f"{args.layers} --width {args.width}")
     if args.params is not None:
         raise ShapeError("give --params or --layers/--width, not both")
-    heads = args.heads or max(1, args.width // (128 if args.width >= 2048 else 64))
+    if args.heads is None and args.width % 64:
+        raise ShapeError(f"--width {args.width}: heads of 64 or 128 need a width that is a "
+                         f"multiple of 64 (e.g. {max(64, round(args.width / 64) * 64)}), or "
+                         f"give --heads")
+    heads = args.heads or max(1, args.width // (128 if args.width % 128 == 0
+                                                and args.width >= 2048 else 64))
     return Shape(args.layers, args.width, heads, args.seq_len, args.vocab)
 
 

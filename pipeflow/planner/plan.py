@@ -404,5 +404,11 @@ def train_toml(plan: Plan, command_line: str = "pipeflow plan") -> str:
            if config.backend == "auto" else "."),
         f"# train: batch_size is the global batch in sequences ({_si(plan.batch_tokens)} "
         f"tokens); lr GPT-3's for the nearest size (Brown et al. 2020, Table 2.1).",
+        f"# data: fill in the token files of a corpus of at least {_si(a.tokens)} tokens, "
+        f"e.g. `pipeflow prepare docs.jsonl --tokenizer tiktoken:gpt2 --out data`; "
+        f"`pipeflow train` refuses a run of this size on the built-in byte corpus.",
     ]
-    return "\n".join(header) + "\n\n" + config.to_toml(model=sh.to_dict(), train=train)
+    data = {"train": "data/train.bin", "val": "data/val.bin",
+            "dtype": "uint16" if sh.vocab_size <= 2**16 else "uint32"}
+    return "\n".join(header) + "\n\n" + config.to_toml(model=sh.to_dict(), train=train,
+                                                         data=data)

@@ -40,6 +40,7 @@ from pipeflow.runtime.rng import get_rng_state, set_rng_state
 from pipeflow.comm.topology import Topology
 
 __all__ = ["CheckpointState", "save_checkpoint", "load_checkpoint", "CheckpointError",
+           "ModelMismatch",
            "resolve_checkpoint", "check_save_dir", "sealed_json", "read_sealed_json", "saved_plan",
            "step_name", "read_params"]
 
@@ -52,6 +53,11 @@ Tensors = dict[str, torch.Tensor]
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete, corrupt or does not fit the model."""
+
+
+class ModelMismatch(CheckpointError):
+    """A checkpoint of another model (layer count, classes, arguments): found alike on every
+    rank, from the checkpoint's own record, so every rank may report it as a config error."""
 
 
 @dataclasses.dataclass
@@ -385,7 +391,7 @@ def load_checkpoint(state: CheckpointState, directory: str | os.PathLike) -> int
     where = state.topo.describe()
     meta = _read_meta(folder, where)
     if meta.get("n_layers") != state.n_layers:
-        raise CheckpointError(
+        raise ModelMismatch(
             f"{where}: checkpoint {folder!r} holds {meta.get('n_layers')} layers, the model has "
             f"{state.n_layers}; load it into the same layer list")
     _check_model(meta.get("model"), state.model, folder, where)
@@ -413,15 +419,17 @@ def load_checkpoint(state: CheckpointState, directory: str | os.PathLike) -> int
     return int(meta["step"])
 
 
-def read_params(directory: str | os.PathLike) -> tuple[Tensors, str]:
+def read_params(directory: str | os.PathLike,
+                layers: Sequence[int] | None = None) -> tuple[Tensors, str]:
     """The whole model's full-precision values (keys as in `build_sequential`) from the
     checkpoint `directory` names, every shard checked against its checksum, in one process
-    (`pipeflow export`); and the checkpoint's folder."""
+    (`pipeflow export`), or only those of `layers` (`pipeflow sample`: a rank's own); and
+    the checkpoint's folder."""
     folder = resolve_checkpoint(directory)
     meta = _read_meta(folder, "")
     checksums = meta.get("checksums")
     params: Tensors = {}
-    for i in range(int(meta["n_layers"])):
+    for i in range(int(meta["n_layers"])) if layers is None else layers:
         shard = _read(folder, _layer_name(i), checksums, "pipeflow export")
         if not (isinstance(shard, dict) and "params" in shard):
             raise CheckpointError(f"{os.path.join(folder, _layer_name(i))!r} is not a layer "
@@ -468,7 +476,7 @@ def _check_model(saved: list[str] | None, model: list[str] | None, folder: str,
         return
     for i, (a, b) in enumerate(zip(saved, model)):
         if a != b:
-            raise CheckpointError(
+            raise ModelMismatch(
                 f"{where}: checkpoint {folder!r} is of another model: its layer {i} is {a}, "
                 f"this model's is {b}; load it into the layer list that wrote it (or load "
                 f"only its weights with load_state_dict, where the shapes fit)")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import signal
 import threading
@@ -19,7 +18,8 @@ from mpi4py import MPI
 
 from pipeflow.comm import waiting
 from pipeflow._io import atomic_write_bytes
-from pipeflow.runtime.checkpoint import (CheckpointError, check_save_dir, read_sealed_json,
+from pipeflow.runtime.checkpoint import (CheckpointError, ModelMismatch, check_save_dir,
+                                 read_sealed_json,
                                  resolve_checkpoint, saved_plan, sealed_json, step_name)
 from pipeflow.config import ConfigError
 from pipeflow.train import hub
@@ -28,8 +28,10 @@ from pipeflow.runtime.recompute import reads_side_input
 from pipeflow.train.data import Batches, load_corpus, packed_positions, token_file
 from pipeflow.engine import FAILING_CLOSE_S, Engine
 from pipeflow.runtime.failure import report_and_abort, say
-from pipeflow.train.metrics import (MetricsLog, count_parameters, devices_in_use,
+from pipeflow.train.metrics import (MetricsLog, clock_text, count_parameters, devices_in_use,
                                     memory_reports, peak_flops, stage_stats)
+from pipeflow.train.recipe import lr_at, optimizer_factory, weight_decay_groups
+from pipeflow.train.trackers import check_trackers, open_trackers
 from pipeflow.train.model_table import Model, build_model
 from pipeflow.train.run_config import DataConfig, RunConfig, TrainConfig, load_run_config
 from pipeflow.train.trace import write_trace
@@ -38,28 +40,12 @@ __all__ = ["TrainConfig", "DataConfig", "RunConfig", "lr_at", "load_run_config",
            "weight_decay_groups", "train", "DATA_STATE"]
 
 DATA_STATE = "data.json"     # beside the engine's shards in each checkpoint folder
-
-
-def lr_at(step: int, train: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to `min_lr_ratio` of the peak (as nanoGPT does)."""
-    if step < train.warmup:
-        return train.lr * (step + 1) / train.warmup
-    progress = min(1.0, (step - train.warmup) / max(1, train.steps - train.warmup))
-    floor = train.min_lr_ratio
-    return train.lr * (floor + (1 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress)))
-
-
-def weight_decay_groups(params, weight_decay: float) -> list[dict[str, Any]]:
-    """nanoGPT's rule: decay matrices (embeddings, linear weights), not biases or norms."""
-    params = list(params)
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+BYTE_CORPUS_LIMIT = 10**9    # tokens: a run this long on the built-in corpus is a mistake
+STOPPED = "STOPPED"          # in save_dir while a run stopped by a signal has steps to go
 
 
 def _optimizer(run: TrainConfig) -> Callable:
-    return lambda ps: torch.optim.AdamW(weight_decay_groups(ps, run.weight_decay), lr=run.lr,
-                                        betas=(run.beta1, run.beta2))
+    return optimizer_factory(run)
 
 
 # -- run checks that need the file system -------------------------------------------------
@@ -73,6 +59,7 @@ def _check_paths(run: TrainConfig) -> None:
             raise ConfigError(f"[train] tensorboard = {run.tensorboard!r} needs the "
                               f"'tensorboard' package: pip install tensorboard (or "
                               f"\"pipeflow[monitor]\"), or set tensorboard = \"\"") from None
+    check_trackers(run.trackers)
     if run.save_dir:              # found now, not at the first save after hours of training
         try:
             check_save_dir(run.save_dir, where="[train] save_dir")
@@ -234,6 +221,14 @@ def _datasets(run: RunConfig, model: Model) -> tuple[Batches, Batches | None, st
             train = Batches(tokens, t.batch_size, seq, seed)
             _check_token_ids(train, model, f"[data] train = {d.train!r}")
             return train, val, f"{d.train} ({len(tokens) / 1e6:.2f}M tokens, {d.dtype})"
+        planned = t.steps * t.batch_size * seq
+        if not t.corpus and planned >= BYTE_CORPUS_LIMIT:
+            raise ConfigError(
+                f"this run trains on {planned / 1e9:.3g}B tokens ([train] steps x batch_size "
+                f"x seq_len) and names no data: the built-in byte corpus (the Python standard "
+                f"library, 8 MiB) would repeat it thousands of times. Set [data] train = "
+                f"\"DIR/train.bin\" (from `pipeflow prepare ... --out DIR`) or [train] "
+                f"corpus = FILE")
         corpus = load_corpus(t.corpus or None)
         return (Batches(corpus, t.batch_size, seq, seed),
                 Batches(corpus, t.batch_size, seq, seed, split="val"),
@@ -325,7 +320,8 @@ def _save(engine: Engine, run: RunConfig, position: int, hf_config: Any = None) 
     if engine.topo.rank == 0:
         state = {"next_batch": position, "seed": run.engine.seed,
                  "batch_size": run.train.batch_size,
-                 "train": run.data.train or run.train.corpus or "stdlib"}
+                 "train": run.data.train or run.train.corpus or "stdlib",
+                 "run": run.to_toml()}      # the model and data, for `pipeflow sample`
         if hf_config is not None:
             state["hf_config"] = json.loads(hf_config.to_json_string(use_diff=False))
         atomic_write_bytes(os.path.join(folder, DATA_STATE), sealed_json(state))
@@ -380,6 +376,7 @@ class _Loop:
     first_step: int = 0
     losses: list[float] = dataclasses.field(default_factory=list)
     eot: int | None = None           # [data] packed: the end-of-text id
+    started: float = dataclasses.field(default_factory=time.perf_counter)
     hf_config: Any = None            # [model] kind "hf": saved with checkpoints, exported
 
     @property
@@ -435,7 +432,12 @@ def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
     engine = _build_engine(run, model, batches, comm)
     position = engine.step_count
     if t.resume:
-        engine.load(t.save_dir)
+        try:
+            engine.load(t.save_dir)
+        except ModelMismatch as exc:     # alike on every rank: one line, no abort
+            engine.close()
+            raise ConfigError(f"--resume: {exc}; resume with the run's own [model] (see "
+                              f"--print-config), or start a new save_dir") from None
         position = _saved_position(t.save_dir, engine.step_count)
     elif model.pretrained:
         _load_pretrained(engine, model)
@@ -445,14 +447,16 @@ def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
                          0)
     out = None
     if comm.rank == 0:
-        metrics = t.metrics or (os.path.join(t.save_dir, "metrics.jsonl") if t.save_dir else "")
-        out = MetricsLog(metrics, t.tensorboard, t.steps, engine.step_count, t.progress, log,
-                         append=t.resume)
+        if t.save_dir and os.path.exists(os.path.join(t.save_dir, STOPPED)):
+            os.unlink(os.path.join(t.save_dir, STOPPED))      # this run goes on from there
+        trackers = open_trackers(t, run.tables(), append=t.resume)
+        out = MetricsLog(trackers, t.steps, engine.step_count, t.progress, log)
         c = run.engine
+        where = ", ".join(f"{type(k).__name__[:-7].lower()} {k.path}" for k in trackers)
         out.line(f"pipeflow: {model.name} on {source}; grid pipeline={c.pipeline} x "
                  f"data={c.data}, {c.microbatches} micro-batches, {engine.schedule}, stages "
                  f"{engine.boundaries}; MFU against {peak[0] / 1e12:.3g} TFLOP/s a rank "
-                 f"({peak[1]})" + (f"; metrics in {metrics}" if metrics else ""))
+                 f"({peak[1]})" + (f"; metrics to {where}" if where else ""))
         for note in model.notes:
             out.line(note)
         if t.resume:
@@ -534,9 +538,13 @@ def _record(loop: _Loop, step: int, loss: float) -> None:
         "skipped_steps": engine.stats.skipped_steps,
         "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
         "flops_per_token": loop.flops_per_token, "stages": stages, "memory": memory})
-    loop.out.line(f"step {step:5d}  loss {loss:.4f}  lr {lr_at(step, t):.2e}  "
+    elapsed = time.perf_counter() - loop.started
+    done = step + 1 - loop.first_step
+    eta = elapsed / done * (t.steps - step - 1)
+    loop.out.line(f"step {step:5d}/{t.steps}  loss {loss:.4f}  lr {lr_at(step, t):.2e}  "
                   f"{tokens_per_s:8.0f} tok/s  MFU {mfu:6.2%}  {dt * 1e3:7.1f} ms/step  "
-                  f"bubble {[s['bubble'] for s in stages]}")
+                  f"bubble {[s['bubble'] for s in stages]}  elapsed {clock_text(elapsed)}  "
+                  f"ETA {clock_text(eta)}")
 
 
 def _report_recompute(loop: _Loop) -> None:
@@ -589,6 +597,9 @@ def _stop_early(loop: _Loop, signum: int) -> None:
         folder = os.path.join(t.save_dir, step_name(step)) if just_saved else \
             _save(loop.engine, loop.run, loop.position, loop.hf_config)
         what = f"checkpoint of step {step} in {folder}; continue with --resume"
+        if loop.rank0 and step < t.steps:   # a batch script requeues on it (slurm.sbatch)
+            atomic_write_bytes(os.path.join(t.save_dir, STOPPED),
+                               f"{name} at step {step}\n".encode())
     else:
         what = "no [train] save_dir, so nothing was saved"
     if loop.rank0:

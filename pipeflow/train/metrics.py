@@ -1,11 +1,8 @@
-"""What a training run reports: JSONL records, TensorBoard scalars, a progress bar, and the
+"""What a training run reports: records to its trackers, a progress bar or log lines, and the
 figures behind them (tokens/s, MFU, each stage's peak memory and measured bubble)."""
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import resource
 import socket
 import sys
@@ -15,13 +12,14 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from pipeflow.comm import waiting
+from pipeflow.train.trackers import strict_record
 from pipeflow.train.trace import COMPUTE_KINDS, op_kind
 
 if TYPE_CHECKING:
     from pipeflow.engine import Engine
 
-__all__ = ["strict_record", "bubble_fraction", "peak_flops", "count_parameters", "stage_stats", "memory_reports",
-           "MetricsLog"]
+__all__ = ["strict_record", "bubble_fraction", "peak_flops", "count_parameters", "stage_stats",
+           "memory_reports", "MetricsLog", "clock_text", "devices_in_use"]
 
 # Dense bf16 peaks (FLOP/s) of common accelerators, from their data sheets (no sparsity).
 GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
@@ -143,44 +141,13 @@ def memory_reports(engine: "Engine") -> list[dict[str, Any]] | None:
     return waiting.gather(engine.topo.world, engine.memory_report(), 0)
 
 
-def strict_record(record: dict[str, Any]) -> dict[str, Any]:
-    """`record` as strict JSON can hold it: each non-finite number (NaN, ±Infinity, which
-    `json.dumps` would write bare and strict parsers such as `jq` refuse) becomes null, and
-    `"nonfinite"` lists where, as dotted paths with the value's name (`{"loss": "nan"}`,
-    `{"stages.1.bubble": "inf"}`)."""
-    found: dict[str, str] = {}
-
-    def clean(value: Any, path: str) -> Any:
-        if isinstance(value, float) and not math.isfinite(value):
-            found[path] = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-            return None
-        if isinstance(value, dict):
-            return {k: clean(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [clean(v, f"{path}.{i}") for i, v in enumerate(value)]
-        return value
-
-    out = clean(record, "")
-    if found:
-        out["nonfinite"] = found
-    return out
-
-
 class MetricsLog:
-    """Rank 0's outputs: JSONL records, optional TensorBoard, progress bar or plain lines."""
+    """Rank 0's outputs: the trackers (`pipeflow.train.trackers`), progress bar or lines."""
 
-    def __init__(self, path: str, tensorboard: str, total: int, first: int, progress: bool,
-                 log: Callable[..., None] = print, append: bool = False) -> None:
+    def __init__(self, trackers: Sequence[Any], total: int, first: int, progress: bool,
+                 log: Callable[..., None] = print) -> None:
         self.log = log
-        self.file = None
-        if path:
-            # A fresh run starts the file anew; a resumed one continues it.
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self.file = open(path, "a" if append else "w", encoding="utf-8")
-        self.writer = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter   # needs `tensorboard`
-            self.writer = SummaryWriter(tensorboard)
+        self.trackers = list(trackers)
         self.bar = None
         if progress and sys.stdout.isatty():
             try:
@@ -202,15 +169,18 @@ class MetricsLog:
             self.bar.set_postfix(loss=f"{loss:.4f}")
 
     def record(self, record: dict[str, Any]) -> None:
-        if self.file is not None:
-            self.file.write(json.dumps(strict_record(record), allow_nan=False) + "\n")
-            self.file.flush()
-        if self.writer is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.writer.add_scalar(key, value, record["step"])
+        for tracker in self.trackers:
+            tracker.log(record)
 
     def close(self) -> None:
-        for thing in (self.file, self.writer, self.bar):
+        for thing in (*self.trackers, self.bar):
             if thing is not None:
                 thing.close()
+
+
+def clock_text(seconds: float) -> str:
+    """`1:02:03`, `2:03`: a duration as a log line shows it."""
+    seconds = int(max(seconds, 0))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"

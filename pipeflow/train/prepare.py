@@ -1,49 +1,62 @@
-"""`pipeflow prepare TEXT... --out DIR`: text files to flat token files (nanoGPT's format).
+"""`pipeflow prepare INPUT... --out DIR`: documents to flat token files (nanoGPT's format).
 
-Writes `DIR/train.bin`, `DIR/val.bin` (the last `val_fraction` of the tokens) and
-`DIR/meta.json` (tokenizer, vocabulary size, dtype). The byte tokenizer needs nothing;
-`tiktoken:NAME` (e.g. `tiktoken:gpt2`) and `hf:NAME_OR_tokenizer.json` (Hugging Face
-`tokenizers`) are optional extras: `pip install "pipeflow[tokenizers]"`.
+Inputs by suffix: `.jsonl` (one JSON record a line) and `.parquet` give one document a
+record (its `--field`, default `text`); any other file is one document of text. `--dataset
+NAME_OR_FOLDER` reads a Hugging Face dataset (a folder `save_to_disk` wrote, or a Hub name,
+streamed) with the `datasets` library. Every document ends with the tokenizer's end-of-text
+token where it has one (tiktoken, most `tokenizers` files; the byte tokenizer has none).
+
+Nothing is read whole: records stream from their files, large text files in blocks of lines,
+batches of documents are tokenized in `--workers` processes (in order), and the tokens go to
+disk as they come, a progress bar on stderr. Writes `DIR/train.bin`, `DIR/val.bin` (the last
+`val_fraction` of the tokens) and `DIR/meta.json` (tokenizer, vocabulary size, dtype, eot).
+`tiktoken:NAME` and `hf:NAME_OR_tokenizer.json` are optional extras (`pipeflow[tokenizers]`);
+Parquet and `--dataset` need `pipeflow[data]`.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
-from typing import Callable, Sequence
+import tempfile
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from pipeflow._io import atomic_write_bytes
+from pipeflow._io import atomic_write, atomic_write_bytes
 
-__all__ = ["load_tokenizer", "prepare", "end_of_text"]
+__all__ = ["load_tokenizer", "prepare", "end_of_text", "documents"]
 
 Encode = Callable[[str], list[int]]
+TEXT_BLOCK = 1 << 20          # a text file is read and tokenized this many bytes at a time
+BATCH_CHARS = 1 << 20         # documents sent to a worker at once, by their characters
 
 
-def _byte_tokenizer() -> tuple[Encode, int]:
-    return (lambda text: list(text.encode("utf-8"))), 256
+def _byte_tokenizer() -> tuple[Encode, int, int | None]:
+    return (lambda text: list(text.encode("utf-8"))), 256, None
 
 
-def _tiktoken(name: str) -> tuple[Encode, int]:
+def _tiktoken(name: str) -> tuple[Encode, int, int | None]:
     import tiktoken
     enc = tiktoken.get_encoding(name)
-    eot = enc.eot_token
-    # A document boundary token after each file, as nanoGPT's prepare scripts do.
-    return (lambda text: enc.encode_ordinary(text) + [eot]), enc.n_vocab
+    return enc.encode_ordinary, enc.n_vocab, int(enc.eot_token)
 
 
-def _hf_tokenizers(name: str) -> tuple[Encode, int]:
+def _hf_tokenizers(name: str) -> tuple[Encode, int, int | None]:
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(name) if os.path.isfile(name) else Tokenizer.from_pretrained(name)
-    return (lambda text: tok.encode(text).ids), tok.get_vocab_size()
+    ids = [tok.token_to_id(t) for t in ("<|endoftext|>", "</s>", "<|end_of_text|>")]
+    eot = next((int(i) for i in ids if i is not None), None)
+    return (lambda text: tok.encode(text, add_special_tokens=False).ids), \
+        tok.get_vocab_size(), eot
 
 
 _KINDS = {"tiktoken": (_tiktoken, "tiktoken"), "hf": (_hf_tokenizers, "tokenizers")}
 
 
-def load_tokenizer(spec: str) -> tuple[Encode, int]:
-    """`byte`, `tiktoken:NAME` or `hf:NAME`: an encode function and the vocabulary size."""
+def _codec(spec: str) -> tuple[Encode, int, int | None]:
+    """(encode a text, vocabulary size, end-of-text id or None) of a tokenizer spec."""
     if spec == "byte":
         return _byte_tokenizer()
     kind, _, name = spec.partition(":")
@@ -58,45 +71,222 @@ def load_tokenizer(spec: str) -> tuple[Encode, int]:
                          f"'pipeflow[tokenizers]' (or use the built-in 'byte')") from None
 
 
+def load_tokenizer(spec: str) -> tuple[Encode, int]:
+    """`byte`, `tiktoken:NAME` or `hf:NAME`: a function encoding one document (its
+    end-of-text token after it, where the tokenizer has one) and the vocabulary size."""
+    encode, vocab, eot = _codec(spec)
+    return (encode if eot is None else (lambda text: encode(text) + [eot])), vocab
+
+
 def end_of_text(spec: str) -> int | None:
     """The tokenizer's end-of-text id (the document boundary `[data] packed` restarts
     positions after), None where it has none (the byte tokenizer)."""
-    kind, _, name = spec.partition(":")
-    if kind == "tiktoken":
-        import tiktoken
-        return int(tiktoken.get_encoding(name).eot_token)
-    if kind == "hf":
-        from tokenizers import Tokenizer
-        tok = Tokenizer.from_file(name) if os.path.isfile(name) else \
-            Tokenizer.from_pretrained(name)
-        ids = [tok.token_to_id(t) for t in ("<|endoftext|>", "</s>", "<|end_of_text|>")]
-        return next((int(i) for i in ids if i is not None), None)
-    return None
+    return _codec(spec)[2]
+
+
+# -- documents ------------------------------------------------------------------------------
+
+def documents(inputs: Sequence[str | os.PathLike], field: str = "text",
+              dataset: str = "", split: str = "train") -> Iterator[tuple[str, bool]]:
+    """(text, whether a document ends with it), in order: each input by its suffix, then the
+    dataset. A text file comes in blocks of lines, its last block ending the document."""
+    for path in inputs:
+        path = os.fspath(path)
+        suffix = os.path.splitext(path)[1].lower()
+        if not os.path.isfile(path):
+            raise ValueError(f"{path}: no such file (inputs are text, .jsonl or .parquet "
+                             f"files; a Hugging Face dataset goes with --dataset)")
+        if suffix == ".jsonl":
+            yield from ((t, True) for t in _jsonl(path, field))
+        elif suffix == ".parquet":
+            yield from ((t, True) for t in _parquet(path, field))
+        else:
+            yield from _text_blocks(path)
+    if dataset:
+        yield from ((t, True) for t in _dataset(dataset, field, split))
+
+
+def _text_blocks(path: str) -> Iterator[tuple[str, bool]]:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        block: list[str] = []
+        size = 0
+        for line in f:
+            block.append(line)
+            size += len(line)
+            if size >= TEXT_BLOCK:
+                yield "".join(block), False
+                block, size = [], 0
+        yield "".join(block), True
+
+
+def _field_of(record: Any, field: str, where: str) -> str:
+    if not isinstance(record, dict) or field not in record:
+        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise ValueError(f"{where}: no field {field!r} (found {keys}); choose the text's "
+                         f"field with --field NAME")
+    value = record[field]
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: field {field!r} holds {type(value).__name__}, expected "
+                         f"text; choose another --field")
+    return value
+
+
+def _jsonl(path: str, field: str) -> Iterator[str]:
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as exc:
+                raise ValueError(f"{path}, line {n}: not JSON ({exc})") from None
+            yield _field_of(record, field, f"{path}, line {n}")
+
+
+def _parquet(path: str, field: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"{path}: reading Parquet needs the 'pyarrow' package: pip install "
+                         f"'pipeflow[data]'") from None
+    table = pq.ParquetFile(path)
+    if field not in table.schema_arrow.names:
+        raise ValueError(f"{path}: no column {field!r} (found {table.schema_arrow.names}); "
+                         f"choose the text's column with --field NAME")
+    for batch in table.iter_batches(columns=[field], batch_size=1024):
+        for i, value in enumerate(batch.column(0).to_pylist()):
+            yield _field_of({field: value}, field, f"{path}, row {i}")
+
+
+def _dataset(name: str, field: str, split: str) -> Iterator[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"--dataset {name}: needs the 'datasets' package: pip install "
+                         f"'pipeflow[data]'") from None
+    if os.path.isdir(name):
+        data = datasets.load_from_disk(name)
+        if isinstance(data, datasets.DatasetDict):
+            if split not in data:
+                raise ValueError(f"--dataset {name}: no split {split!r} (found "
+                                 f"{sorted(data)}); choose one with --split")
+            data = data[split]
+    else:
+        data = datasets.load_dataset(name, split=split, streaming=True)
+    for i, record in enumerate(data):
+        yield _field_of(record, field, f"--dataset {name}, record {i}")
+
+
+# -- tokenizing in workers ------------------------------------------------------------------
+
+_WORKER: dict[str, Any] = {}
+
+
+def _start_worker(spec: str) -> None:
+    _WORKER["codec"] = _codec(spec)
+
+
+def _encode_batch(batch: list[tuple[str, bool]]) -> np.ndarray:
+    encode, _, eot = _WORKER["codec"]
+    ids: list[int] = []
+    for text, ends in batch:
+        ids += encode(text)
+        if ends and eot is not None:
+            ids.append(eot)
+    return np.asarray(ids, dtype=np.int64)
+
+
+def _batches(docs: Iterable[tuple[str, bool]], counter: list[int]) -> Iterator[list]:
+    batch: list[tuple[str, bool]] = []
+    size = 0
+    for doc in docs:
+        batch.append(doc)
+        size += len(doc[0])
+        counter[0] += doc[1]
+        if size >= BATCH_CHARS:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _tokenized(docs: Iterable[tuple[str, bool]], spec: str, workers: int,
+               counter: list[int]) -> Iterator[np.ndarray]:
+    """Each batch's tokens, in input order, from `workers` processes (or this one)."""
+    if workers <= 1:
+        _start_worker(spec)
+        yield from map(_encode_batch, _batches(docs, counter))
+        return
+    context = multiprocessing.get_context("spawn")    # no fork of an MPI or torch process
+    with context.Pool(workers, _start_worker, (spec,)) as pool:
+        yield from pool.imap(_encode_batch, _batches(docs, counter))
+
+
+def _progress(enabled: bool) -> Any:
+    """A tqdm bar on stderr (documents and tokens), or None without tqdm or when off."""
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(unit=" docs", desc="pipeflow prepare", mininterval=0.5)
 
 
 def prepare(texts: Sequence[str | os.PathLike], out: str | os.PathLike,
-            tokenizer: str = "byte", val_fraction: float = 0.05) -> dict:
-    """Tokenize `texts` (files, concatenated in order) into `out`; returns the meta record."""
+            tokenizer: str = "byte", val_fraction: float = 0.05, *, field: str = "text",
+            dataset: str = "", split: str = "train", workers: int = 1,
+            progress: bool = False) -> dict:
+    """Tokenize the documents of `texts` (files, in order; see the module's docstring) and
+    of `dataset` into `out`; returns the meta record."""
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"--val-fraction must be in [0, 1), found {val_fraction}")
-    encode, vocab = load_tokenizer(tokenizer)
+    if not texts and not dataset:
+        raise ValueError("nothing to prepare: give input files (text, .jsonl, .parquet) or "
+                         "--dataset NAME_OR_FOLDER")
+    if workers < 1:
+        raise ValueError(f"--workers must be a positive integer, found {workers}")
+    _, vocab, eot = _codec(tokenizer)
     dtype = np.uint16 if vocab <= 2**16 else np.uint32
-    ids: list[int] = []
-    for path in texts:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            ids += encode(f.read())
-    tokens = np.asarray(ids, dtype=dtype)
-    n_val = int(len(tokens) * val_fraction)
-    if len(tokens) - n_val < 2:
-        raise ValueError(f"{len(tokens)} tokens from {len(texts)} file(s): too few to train on")
     os.makedirs(out, exist_ok=True)
-    atomic_write_bytes(os.path.join(out, "train.bin"), tokens[:len(tokens) - n_val].tobytes())
-    atomic_write_bytes(os.path.join(out, "val.bin"), tokens[len(tokens) - n_val:].tobytes())
-    meta = {"tokenizer": tokenizer, "vocab_size": vocab, "dtype": np.dtype(dtype).name,
-            "train_tokens": len(tokens) - n_val, "val_tokens": n_val,
-            "sources": [os.fspath(p) for p in texts]}
-    eot = end_of_text(tokenizer)
+    fd, stream = tempfile.mkstemp(prefix=".tokens.", suffix=".tmp", dir=os.fspath(out))
+    counter, total, bar = [0], 0, None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            docs = documents(texts, field, dataset, split)
+            for ids in _tokenized(docs, tokenizer, workers, counter):
+                f.write(ids.astype(dtype).tobytes())
+                total += len(ids)
+                if bar is None:              # from the first batch: no bar before an error
+                    bar = _progress(progress)
+                if bar is not None:
+                    bar.n = counter[0]
+                    bar.set_postfix_str(f"{total / 1e6:.2f}M tokens", refresh=True)
+        meta = _split(stream, out, dtype, total, val_fraction, counter[0])
+    finally:
+        if bar is not None:
+            bar.close()
+        if os.path.exists(stream):
+            os.unlink(stream)
+    meta.update({"tokenizer": tokenizer, "vocab_size": vocab,
+                 "sources": [os.fspath(p) for p in texts] + ([dataset] if dataset else [])})
     if eot is not None:
         meta["eot"] = eot
     atomic_write_bytes(os.path.join(out, "meta.json"), json.dumps(meta, indent=1).encode())
     return meta
+
+
+def _split(stream: str, out: str | os.PathLike, dtype: Any, total: int, val_fraction: float,
+           docs: int) -> dict:
+    """The token stream's head into train.bin and its last `val_fraction` into val.bin."""
+    n_val = int(total * val_fraction)
+    if total - n_val < 2:
+        raise ValueError(f"{total} tokens from {docs} document(s): too few to train on")
+    tokens = np.memmap(stream, dtype=dtype, mode="r") if total else np.zeros(0, dtype)
+    step = 1 << 24
+    for name, lo, hi in (("train.bin", 0, total - n_val), ("val.bin", total - n_val, total)):
+        atomic_write(os.path.join(out, name), lambda f, lo=lo, hi=hi: [
+            f.write(tokens[i:min(i + step, hi)].tobytes()) for i in range(lo, hi, step)])
+    del tokens
+    return {"dtype": np.dtype(dtype).name, "train_tokens": total - n_val, "val_tokens": n_val,
+            "documents": docs}

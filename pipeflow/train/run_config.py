@@ -17,7 +17,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["TrainConfig", "DataConfig", "RunConfig", "load_run_config", "apply_overrides",
+__all__ = ["TrainConfig", "DataConfig", "RunConfig", "load_run_config", "run_config_from",
+           "apply_overrides",
            "check_fields", "TABLES"]
 
 TABLES = ("engine", "model", "train", "data")
@@ -29,9 +30,13 @@ class TrainConfig:
 
     steps: int = 200
     batch_size: int = 16          # global batch in sequences, split into micro-batches
-    lr: float = 2e-3              # peak AdamW learning rate
-    min_lr_ratio: float = 0.1     # cosine decay ends at min_lr_ratio x lr
+    lr: float = 2e-3              # peak learning rate
+    min_lr_ratio: float = 0.1     # linear, cosine and wsd decay end at min_lr_ratio x lr
     warmup: int = 10
+    lr_schedule: str = "cosine"   # constant | linear | cosine | inverse-sqrt | wsd (recipe.py)
+    decay_fraction: float = 0.2   # wsd: the last fraction of the steps decays
+    optimizer: str = "AdamW"      # any torch.optim class by name (SGD, Adam, Adafactor, ...)
+    optimizer_args: dict[str, Any] = dataclasses.field(default_factory=dict)  # its arguments
     weight_decay: float = 0.1     # on matrices only (parameters with 2 or more dimensions)
     beta1: float = 0.9
     beta2: float = 0.95
@@ -45,6 +50,9 @@ class TrainConfig:
     resume: bool = False          # continue from the latest checkpoint in save_dir
     metrics: str = ""             # JSONL file, one line a logged step; empty: none
     tensorboard: str = ""         # TensorBoard log folder (needs the `tensorboard` package)
+    # Where metrics go, rank 0 only: "jsonl", "tensorboard", "wandb" (pipeflow.train.trackers)
+    trackers: list[str] = dataclasses.field(default_factory=list)
+    wandb_project: str = "pipeflow"   # the W&B project of "wandb" (WANDB_MODE=offline: local)
     peak_tflops: float = 0.0      # per rank, for MFU; 0: a known GPU's bf16 peak, or measured
     progress: bool = True         # a progress bar on rank 0 when stdout is a terminal (tqdm)
     export_hf: str = ""           # [model] kind "hf": a Hub folder written at the end of the run
@@ -66,6 +74,7 @@ class DataConfig:
 # Lower bounds (inclusive) of numeric fields; a tuple adds an upper bound (exclusive).
 _BOUNDS: dict[str, dict[str, Any]] = {
     "train": {"steps": 1, "batch_size": 1, "lr": 0.0, "min_lr_ratio": (0.0, 1.0000001),
+              "decay_fraction": (0.0, 1.0000001),
               "warmup": 0, "weight_decay": 0.0, "beta1": (0.0, 1.0), "beta2": (0.0, 1.0),
               "log_every": 1, "eval_every": 0, "eval_batches": 1, "threads": 1,
               "save_every": 0, "peak_tflops": 0.0},
@@ -76,11 +85,13 @@ _STRICT = {("train", "lr")}       # must be > the bound, not >=
 
 # A field's annotation -> (the Python types TOML values may take, the words an error uses).
 _TYPE_WORDS = {"int": ((int,), "an integer"), "float": ((int, float), "a number"),
-               "str": ((str,), "a string"), "bool": ((bool,), "true or false")}
+               "str": ((str,), "a string"), "bool": ((bool,), "true or false"),
+               "list[str]": ((list,), "a list of strings"),
+               "dict[str, Any]": ((dict,), "a table")}
 
 
 def _example(cls, name: str) -> str:
-    default = {f.name: f.default for f in dataclasses.fields(cls)}[name]
+    default = getattr(cls(), name)
     return tomli_w.dumps({name: default}).strip() if default != "" else f'{name} = "..."'
 
 
@@ -91,7 +102,9 @@ def check_fields(obj: Any, table: str) -> None:
         value = getattr(obj, field.name)
         types, what = _TYPE_WORDS[str(field.type)]
         wrong_type = (not isinstance(value, types)
-                      or (isinstance(value, bool) and field.type != "bool"))
+                      or (isinstance(value, bool) and field.type != "bool")
+                      or (field.type == "list[str]" and not all(isinstance(v, str)
+                                                                for v in value)))
         bound = _BOUNDS.get(table, {}).get(field.name)
         low, high = bound if isinstance(bound, tuple) else (bound, None)
         out = not wrong_type and low is not None and (
@@ -118,10 +131,13 @@ class RunConfig:
     data: DataConfig
     source: str = ""
 
+    def tables(self) -> dict[str, Any]:
+        """Every table as plain values (a tracker's run config, the TOML below)."""
+        return {"engine": self.engine.to_dict(), "model": self.model,
+                "train": dataclasses.asdict(self.train), "data": dataclasses.asdict(self.data)}
+
     def to_toml(self) -> str:
-        return tomli_w.dumps({"engine": self.engine.to_dict(), "model": self.model,
-                              "train": dataclasses.asdict(self.train),
-                              "data": dataclasses.asdict(self.data)})
+        return tomli_w.dumps(self.tables())
 
 
 def _allowed(annotation: str) -> tuple[tuple[type, ...], str] | None:
@@ -194,7 +210,11 @@ def apply_overrides(doc: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
 
 def load_run_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> RunConfig:
     """The tables of a run's TOML file with `overrides` applied, every value checked."""
-    doc = apply_overrides(read_toml(path), overrides)
+    return run_config_from(apply_overrides(read_toml(path), overrides), os.fspath(path))
+
+
+def run_config_from(doc: Mapping[str, Any], path: str) -> RunConfig:
+    """The tables of a run (a parsed TOML document from `path`), every value checked."""
     extra = sorted(set(doc) - set(TABLES))
     if extra:
         raise ConfigError(f"unknown table(s) {extra} in {os.fspath(path)!r}; expected "
@@ -221,7 +241,9 @@ def load_run_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> R
 
 
 def _check_together(run: RunConfig) -> None:
+    from pipeflow.train.recipe import check_recipe
     t, d = run.train, run.data
+    check_recipe(t)
     if t.resume and not t.save_dir:
         raise ConfigError("[train] resume = true needs a checkpoint folder: set [train] save_dir "
                           "(or --save-dir DIR), found save_dir empty")

@@ -1,0 +1,150 @@
+"""Where a run's metrics go, rank 0 only: `[train] trackers = ["jsonl", "tensorboard", "wandb"]`.
+
+One small interface (`Tracker`: `log(record)` with the record's `"step"`, `close()`), one
+class a backend. Each gets every record the JSONL file holds; TensorBoard and W&B take its
+numbers as scalars (nested tables such as `stages` and `memory` stay in the JSONL). A
+tracker whose package is missing is refused before the engine is built, naming the extra.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+from typing import Any, Protocol
+
+from pipeflow.config import ConfigError
+
+__all__ = ["Tracker", "TRACKERS", "check_trackers", "open_trackers", "JsonlTracker",
+           "TensorBoardTracker", "WandbTracker"]
+
+
+class Tracker(Protocol):
+    """A destination of metric records."""
+
+    def log(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _scalars(record: dict[str, Any]) -> dict[str, float]:
+    return {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))
+            and not isinstance(v, bool)}
+
+
+def strict_record(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` as strict JSON can hold it: each non-finite number (NaN, ±Infinity, which
+    `json.dumps` would write bare and strict parsers such as `jq` refuse) becomes null, and
+    `"nonfinite"` lists where, as dotted paths with the value's name (`{"loss": "nan"}`,
+    `{"stages.1.bubble": "inf"}`)."""
+    found: dict[str, str] = {}
+
+    def clean(value: Any, path: str) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            found[path] = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v, f"{path}.{i}") for i, v in enumerate(value)]
+        return value
+
+    out = clean(record, "")
+    if found:
+        out["nonfinite"] = found
+    return out
+
+
+class JsonlTracker:
+    """One JSON line a record; a resumed run appends."""
+
+    def __init__(self, path: str, append: bool = False) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path = path
+        self.file = open(path, "a" if append else "w", encoding="utf-8")
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(strict_record(record), allow_nan=False) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class TensorBoardTracker:
+    """TensorBoard event files (`torch.utils.tensorboard`), one scalar a number."""
+
+    def __init__(self, folder: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+        self.path = folder
+        self.writer = SummaryWriter(folder)
+
+    def log(self, record: dict[str, Any]) -> None:
+        for key, value in _scalars(record).items():
+            self.writer.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    """A Weights & Biases run (`WANDB_MODE=offline` writes it locally, for `wandb sync`)."""
+
+    def __init__(self, project: str, folder: str, config: dict[str, Any]) -> None:
+        import wandb
+        os.makedirs(folder, exist_ok=True)
+        self.run = wandb.init(project=project, dir=folder, config=config)
+        self.path = self.run.dir
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.run.log(_scalars(record), step=record["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+# name -> (module to import, the extra that installs it)
+TRACKERS = {"jsonl": (None, None), "tensorboard": ("tensorboard", "monitor"),
+            "wandb": ("wandb", "wandb")}
+
+
+def check_trackers(names: list[str]) -> None:
+    """Known names with their packages installed; a ConfigError naming the fix otherwise."""
+    import importlib
+    for name in names:
+        if name not in TRACKERS:
+            close = difflib.get_close_matches(str(name), list(TRACKERS), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"[train] trackers: unknown tracker {name!r}; {hint}known: "
+                              f"{sorted(TRACKERS)}")
+        module, extra = TRACKERS[name]
+        if module is None:
+            continue
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise ConfigError(f"[train] trackers = [..., {name!r}] needs the {module!r} "
+                              f"package: pip install \"pipeflow[{extra}]\" (or pip install "
+                              f"{module}), or remove {name!r} from trackers") from None
+
+
+def open_trackers(train: Any, config: dict[str, Any], append: bool) -> list[Tracker]:
+    """The trackers `[train]` asks for: `trackers`, plus "jsonl" where `metrics` or
+    `save_dir` is set and "tensorboard" where `tensorboard` names a folder (as before
+    `trackers` existed)."""
+    names = list(dict.fromkeys(list(train.trackers)
+                               + (["jsonl"] if train.metrics or train.save_dir else [])
+                               + (["tensorboard"] if train.tensorboard else [])))
+    base = train.save_dir or "."
+    opened: list[Tracker] = []
+    for name in names:
+        if name == "jsonl":
+            opened.append(JsonlTracker(train.metrics or os.path.join(base, "metrics.jsonl"),
+                                       append))
+        elif name == "tensorboard":
+            opened.append(TensorBoardTracker(train.tensorboard or
+                                             os.path.join(base, "tensorboard")))
+        elif name == "wandb":
+            opened.append(WandbTracker(train.wandb_project, base, config))
+    return opened

@@ -1,0 +1,172 @@
+"""`engine.generate` in one process: greedy equals `build_sequential`'s greedy loop token for
+token (with and without the key/value cache, cropping past the positions), sampling is
+repeatable and restricted as asked, `eos` stops a prompt, bad arguments are named; and a
+random-weights Llama and GPT-2 generate what `transformers.generate` does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipeflow as pf
+from pipeflow.models import GPTConfig, gpt_layers, gpt_loss
+from pipeflow.runtime.generate import Request, prompt_generator, sample_next
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def random_state(model: torch.nn.Module, seed: int = 1, std: float = 0.3) -> dict:
+    """Weights far from the initialisation (which repeats the last token): varied text."""
+    gen = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(v.shape, generator=gen) * std for k, v in model.state_dict().items()}
+
+
+def gpt_model(seq_len: int = 24):
+    """A small GPT's layers, random weights for them and `build_sequential` holding them."""
+    cfg = GPTConfig(n_layers=2, d_model=32, n_heads=2, seq_len=seq_len, vocab_size=40,
+                    tie_embeddings=False)
+    layers = gpt_layers(cfg)
+    ref = pf.build_sequential(layers, seed=0).eval()
+    state = random_state(ref)
+    ref.load_state_dict(state)
+    return layers, state, ref
+
+
+def gpt_engine(seq_len: int = 24, comm=None, **config):
+    layers, state, ref = gpt_model(seq_len)
+    engine = pf.Engine(layers, gpt_loss, sgd, pf.Config(**config), comm=comm)
+    engine.load_state_dict(state)
+    return engine, ref
+
+
+def greedy_reference(model, prompt, n, window=None):
+    """The plainest greedy loop: the whole (cropped) sequence through the model each step."""
+    ids, out = list(prompt), []
+    for _ in range(n):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids[-window:] if window else ids]))
+        out.append(int(logits[0, -1].argmax()))
+        ids.append(out[-1])
+    return out
+
+
+@pytest.mark.parametrize("use_cache", [None, True, False])
+def test_greedy_equals_build_sequential(use_cache):
+    engine, ref = gpt_engine()
+    expected = [greedy_reference(ref, p, 12) for p in PROMPTS]
+    assert len({t for e in expected for t in e}) > 3             # varied text, not a repeat
+    assert engine.generate(PROMPTS, 12, use_cache=use_cache) == expected
+    engine.close()
+
+
+def test_past_the_positions_the_context_is_cropped_as_nanogpt_does():
+    engine, ref = gpt_engine(seq_len=8)
+    expected = [greedy_reference(ref, p, 14, window=8) for p in PROMPTS]
+    assert engine.generate(PROMPTS, 14) == expected          # None: falls back, crops
+    with pytest.raises(pf.ConfigError, match="need 18 positions, the model has 8"):
+        engine.generate(PROMPTS, 14, use_cache=True)
+    engine.close()
+
+
+def test_sampling_is_repeatable_and_the_same_with_and_without_cache():
+    engine, _ = gpt_engine()
+    args = dict(temperature=0.8, top_k=8, top_p=0.9, seed=5)
+    a = engine.generate(PROMPTS, 10, **args)
+    assert a == engine.generate(PROMPTS, 10, use_cache=False, **args)
+    assert a != engine.generate(PROMPTS, 10, **{**args, "seed": 6})
+    # A prompt's tokens do not depend on the prompts after it (its own random stream).
+    assert engine.generate(PROMPTS[:2], 10, **args) == a[:2]
+    engine.close()
+
+
+def test_eos_stops_a_prompt_and_is_kept():
+    engine, ref = gpt_engine()
+    full = [greedy_reference(ref, p, 10) for p in PROMPTS]
+    stop = full[0][3]
+    got = engine.generate(PROMPTS, 10, eos=stop)
+    for want, have in zip(full, got):
+        cut = want.index(stop) + 1 if stop in want else len(want)
+        assert have == want[:cut]
+    engine.close()
+
+
+def test_top_k_one_is_greedy_and_top_p_keeps_the_nucleus():
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.9])
+    gen = prompt_generator(0, 0)
+    k1 = Request.make([[1]], 1, temperature=5.0, top_k=1)
+    assert {sample_next(logits, k1, gen) for _ in range(50)} == {1}
+    # Probabilities at temperature 1: about .02, .46, .06, .42: top_p 0.5 keeps tokens 1, 3.
+    nucleus = Request.make([[1]], 1, temperature=1.0, top_p=0.5)
+    assert {sample_next(logits, nucleus, gen) for _ in range(200)} == {1, 3}
+    anything = Request.make([[1]], 1, temperature=1.0)
+    assert {sample_next(logits, anything, gen) for _ in range(400)} == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(prompt_ids=[]), "prompt_ids: expected token ids"),
+    (dict(prompt_ids=[[1], []]), "prompt 1 must be a non-empty list"),
+    (dict(prompt_ids=[[1, -2]]), "prompt 0 must be a non-empty list of token ids"),
+    (dict(max_new_tokens=-1), "max_new_tokens must be an integer >= 0"),
+    (dict(temperature=-0.5), "temperature must be a number >= 0"),
+    (dict(top_k=0), "top_k must be None or an integer >= 1"),
+    (dict(top_p=1.5), r"top_p must be None or a number in \(0, 1\]"),
+    (dict(eos="x"), "eos must be None, a token id"),
+])
+def test_bad_arguments_are_named(kwargs, match):
+    engine, _ = gpt_engine()
+    args = {"prompt_ids": [[1, 2]], "max_new_tokens": 3, **kwargs}
+    with pytest.raises(pf.ConfigError, match=match):
+        engine.generate(**args)
+    engine.close()
+
+
+def test_a_model_without_decode_generates_without_cache():
+    from toy import toy_layers
+    layers = toy_layers(blocks=2)
+    engine = pf.Engine(layers, lambda o, t: o.sum(), sgd, pf.Config())
+    with pytest.raises(pf.ConfigError, match=r"layer 0 \(\w+\).* no decode"):
+        engine.generate([[1]], 2, use_cache=True)
+    engine.close()
+
+
+# -- Hugging Face families against transformers' own generate ------------------------------
+
+def _hf_families():
+    pytest.importorskip("transformers")
+    from pipeflow.models import hf
+    return hf.supported_model_types()
+
+
+def _hf_pair(kind: str):
+    from test_hf import hf_model, make_config
+    from pipeflow.models import hf
+    config = make_config(kind, initializer_range=0.3)    # wide weights: varied greedy text
+    model = hf_model(config).eval()
+    engine = pf.Engine(hf.causal_lm_layers(config), gpt_loss, sgd, pf.Config())
+    engine.load_state_dict(hf.from_hf_state_dict(model.state_dict(), config))
+    return engine, model
+
+
+def _transformers_greedy(model, prompts, n):
+    out = []
+    for prompt in prompts:
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             pad_token_id=0, eos_token_id=None)
+        out.append(ids[0, len(prompt):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("kind,use_cache", [*((k, True) for k in _hf_families()),
+                                            ("llama", False), ("gpt2", False)])
+def test_hf_greedy_equals_transformers_generate(kind, use_cache):
+    """Every family's key/value cache (`DecoderLayer.decode`), and the recomputing path."""
+    engine, model = _hf_pair(kind)
+    expected = _transformers_greedy(model, PROMPTS[:2], 8)
+    assert len({t for e in expected for t in e}) > 1
+    assert engine.generate(PROMPTS[:2], 8, use_cache=use_cache) == expected
+    engine.close()

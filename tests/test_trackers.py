@@ -1,0 +1,65 @@
+"""`[train] trackers`: TensorBoard's loss scalars and the offline W&B run's equal the JSONL's;
+an unknown tracker and a missing package are refused naming the fix; log lines count
+`step i/N` with elapsed time and ETA."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+
+from pipeflow.config import ConfigError
+from pipeflow.train.loop import load_run_config, train
+from pipeflow.train.trackers import check_trackers
+
+from factory_models import RUN_TOML
+
+
+def _run(tmp_path, *overrides):
+    path = tmp_path / "run.toml"
+    path.write_text(RUN_TOML.format(pipeline=1, data=1, steps=4, batch_size=4, log_every=1))
+    return load_run_config(path, overrides)
+
+
+@pytest.mark.timeout(120)
+def test_tensorboard_and_offline_wandb_get_the_jsonl_losses(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    lines = []
+    train(_run(tmp_path, f'train.save_dir="{tmp_path}/ck"',
+               'train.trackers=["tensorboard", "wandb"]'),
+          log=lambda text, **k: lines.append(text))
+    records = [json.loads(x) for x in (tmp_path / "ck" / "metrics.jsonl").read_text()
+               .splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 4
+    events = EventAccumulator(str(tmp_path / "ck" / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx(losses, rel=1e-6)
+    runs = glob.glob(str(tmp_path / "ck" / "wandb" / "offline-run-*"))
+    assert len(runs) == 1
+    # The offline run's log (what `wandb sync` uploads) holds each loss as its JSON text.
+    (log,) = glob.glob(os.path.join(runs[0], "run-*.wandb"))
+    with open(log, "rb") as f:
+        raw = f.read()
+    assert all(json.dumps(x).encode() in raw for x in losses)
+    steps = [x for x in lines if x.startswith("step ")]
+    assert steps[0].startswith("step     0/4  loss") and "elapsed 0:" in steps[0]
+    assert "ETA 0:" in steps[-1]
+
+
+def test_unknown_tracker_and_missing_package_are_named(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match=r"unknown tracker 'tensorbord'; did you mean "
+                                          r"'tensorboard'\?"):
+        check_trackers(["tensorbord"])
+    monkeypatch.setitem(__import__("sys").modules, "wandb", None)   # as if not installed
+    with pytest.raises(ConfigError, match=r"needs the 'wandb' package: pip install "
+                                          r"\"pipeflow\[wandb\]\""):
+        train(_run(tmp_path, 'train.trackers=["wandb"]'), log=lambda *a, **k: None)
+    with pytest.raises(ConfigError, match=r"\[train\] trackers must be a list of strings"):
+        _run(tmp_path, "train.trackers=[1]")
