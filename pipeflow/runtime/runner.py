@@ -297,7 +297,9 @@ class Runner:
         if r.peer == comm.rank:                 # to this rank's other chunk: no message
             st.local[r.tag] = (header, [t.detach().clone() for t in ts])
             return
-        announce = comm.always_header or self._announced.get(link) != header
+        # A message without tensors is its header alone: always sent, or nothing would reach
+        # the receiver, whose probe waits for the next message on the link.
+        announce = comm.always_header or not ts or self._announced.get(link) != header
         self._announced[link] = header
         request = comm.send_message(header if announce else None, ts, r.peer, r.tag)
         # An auxiliary loss may have used the output (its graph holds it): never freed then.
