@@ -1,6 +1,7 @@
 # Two commands from a fresh clone, with only python3 (and make) on the machine:
 #   make train    the main job: a small GPT on 2 ranks, the loss falling
 #   make test     every test: serial, then mpirun -n 2 and -n 4
+#   make check    the quick tier before a commit (at most 3 minutes)
 # Each creates .venv and installs pipeflow into it on first use. On a GPU machine keep your
 # own torch: `make test CONSTRAINTS=` (drops the CPU pin).
 PYTHON ?= python3
@@ -11,13 +12,18 @@ NP ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.pipeflow-installed
 
-.PHONY: train test install pictures clean-venv
+.PHONY: train test check install pictures clean-venv
 
 train: $(STAMP)
 	OMP_NUM_THREADS=1 PATH="$(CURDIR)/$(BIN):$$PATH" mpirun -n $(NP) pipeflow train $(CONFIG)
 
 test: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash tests/run_all.sh
+
+# The quick tier (at most 3 minutes): one grid per schedule family and a row per class of
+# error, before each commit. `make test` is the whole suite.
+check: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" bash tests/check.sh
 
 install: $(STAMP)
 
