@@ -129,14 +129,14 @@ def _meta_head(config: Any, parts: Arch) -> nn.Module:
 
 def _with_attention(config: Any, parts: Arch) -> Any:
     config = copy.deepcopy(config)
-    config._attn_implementation = parts.family.attention
+    config._attn_implementation = parts.family.attention_for(config)
     return config
 
 
 def attention_implementation(config: Any) -> str:
-    """The attention the blocks of `config`'s model run ("sdpa", or "eager" for Gemma2 and
-    Bloom); give transformers the same to compare."""
-    return family(config).attention
+    """The attention the blocks of `config`'s model run ("sdpa", or "eager" for Gemma2,
+    Bloom, GPT-OSS and a soft-capped Gemma3); give transformers the same to compare."""
+    return family(config).attention_for(config)
 
 
 def causal_lm_layers(config: Any) -> list[LayerSpec]:
@@ -223,7 +223,7 @@ class _Parts(nn.Module):
         self.config = config
         self.family = parts.family
         self.names = tuple(modules)
-        self.aux = hf_moe.aux_loss_on(config, parts.base)
+        self.aux = hf_moe.aux_loss_on(config, parts)
         for name, module in modules.items():
             self.add_module(name, module)
         _materialize(self, config, parts)
@@ -247,7 +247,8 @@ class Embedding(_Parts):
                 position_ids: torch.Tensor | None = None) -> Any:
         hidden = self.family.embed(self, input_ids, attention_mask, position_ids)
         if self.aux:
-            return hidden, hf_moe.initial_state(self.config, hidden.device)
+            return hidden, hf_moe.initial_state(self.config, self.family.experts,
+                                                hidden.device)
         return hidden
 
 
@@ -274,16 +275,6 @@ class Head(_Parts):
         return logits
 
 
-def _attention_kind(config: Any, index: int) -> str:
-    """Which mask block `index` attends under, as the base model's forward decides it."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        return layer_types[index]
-    if getattr(config, "sliding_window", None) is not None:
-        return "sliding_attention"      # Mistral: every layer, when the config sets a window
-    return "full_attention"
-
-
 class DecoderLayer(nn.Module):
     """One transformers decoder block; builds its mask, positions and rotary cos/sin locally.
 
@@ -303,7 +294,7 @@ class DecoderLayer(nn.Module):
         with torch.device("meta"):
             block = parts.block(config, layer_idx=index)
         self.layer = _materialize(block, config, parts)
-        self.kind = _attention_kind(config, index)
+        self.kind = parts.family.kind(config, index)   # as the family's base forward chooses
         self._rotary = (None if parts.rotary is None else parts.rotary(config=config),)
 
     @property
@@ -318,14 +309,15 @@ class DecoderLayer(nn.Module):
         return make(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
                     cache=None, position_ids=position_ids)
 
-    def rotary_embeddings(self, hidden: torch.Tensor,
-                          position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary embedding's output for `position_ids`, on the hidden states' device."""
+    def rotary_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor,
+                          *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary embedding's output for `position_ids` (and the family's further
+        arguments: Gemma3's layer type), on the hidden states' device."""
         rotary = self.rotary
         table = next(rotary.buffers())           # inv_freq, or GPT-J's sin/cos table
         if table.device != hidden.device:
             rotary.to(hidden.device)             # a device move only: the table stays fp32
-        return rotary(hidden, position_ids)
+        return rotary(hidden, position_ids, *args)
 
     def forward(self, hidden: Any, *, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> Any:
@@ -337,8 +329,9 @@ class DecoderLayer(nn.Module):
             return self._block(hidden, mask, position_ids, extra)
         with hf_moe.capture_router_logits(self.layer, self.router) as routed:
             out = self._block(hidden, mask, position_ids, extra)
-        for logits, router in routed:
-            sums = hf_moe.add_router_logits(sums, logits, router.top_k, attention_mask)
+        top_k = self.config.num_experts_per_tok      # as the causal LM's loss counts them
+        for logits, _ in routed:
+            sums = hf_moe.add_router_logits(sums, logits, top_k, attention_mask)
         return out, sums
 
     def _block(self, hidden: torch.Tensor, mask: Any, position_ids: torch.Tensor,
