@@ -7,6 +7,7 @@ its forward names, as the engine gives them.
 
 import inspect
 import math
+import sys
 
 import pytest
 import torch
@@ -233,6 +234,44 @@ def test_sliding_window_layers_match_transformers(kind):
     assert "sliding_attention" in kinds, kinds
 
 
+# Keys one family reads and another ignores (configs copied between families carry them): the
+# mask, soft-caps, multipliers, expert counts, the aux loss, rotary switches. Each family must
+# do with them what transformers' own model of that family does: move or stay alike.
+FOREIGN = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+               use_sliding_window=True, max_window_layers=1, final_logit_softcapping=0.5,
+               attn_logit_softcapping=2.0, logit_scale=0.5, embedding_multiplier=2.0,
+               logits_scaling=4.0, residual_multiplier=0.5, attention_multiplier=0.2,
+               num_local_experts=8, num_experts=8, n_routed_experts=8, no_rope_layer_interval=2,
+               partial_rotary_factor=0.5, alibi=True, layerdrop=0.1,
+               use_bidirectional_attention=True, output_router_logits=True,
+               router_aux_loss_coef=0.1)
+# Left out where pipeflow refuses the key (test_unsupported_config_of_a_family_is_refused) or
+# transformers' own model breaks on it (GPT-OSS's rotary with a partial factor).
+LEFT_OUT = {"falcon": "alibi", "opt": "layerdrop", "gemma3_text": "use_bidirectional_attention",
+            "gpt_oss": "partial_rotary_factor"}
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_keys_of_other_families_do_what_transformers_does_with_them(kind):
+    keys = {k: v for k, v in FOREIGN.items() if k != LEFT_OUT.get(kind)}
+    cfg = make_config(kind, **keys)
+    model = hf_model(cfg).eval()
+    seq = pipeflow_copy(cfg, model)
+    ids, mask = batch(), padding_mask("right")
+    labels = labels_for(ids, mask)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, labels=labels)
+        with pf.collect_aux_losses() as aux:
+            ours = run_layers(seq, ids, attention_mask=mask)
+    torch.testing.assert_close(ours, out.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hf.causal_lm_loss(ours, labels) + sum(aux), out.loss,
+                               atol=1e-6, rtol=1e-6)
+    if kind == "llama":     # Llama's forward reads none of them: the same model as without
+        plain = hf_model(make_config(kind)).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(plain(ids, attention_mask=mask).logits, out.logits)
+
+
 # GPT-J: a head bias; OPT: the base model's parts under `decoder.`; Bloom: an embedding norm.
 @pytest.mark.parametrize("kind,tied", [("gpt2", True), ("llama", False), ("llama", True),
                                        ("gptj", False), ("gptj", True), ("opt", True),
@@ -373,7 +412,8 @@ def test_one_adamw_step_matches_transformers(case):
 
 @pytest.mark.parametrize("where", ["none", "left", "right"])
 @pytest.mark.parametrize("kind,extra", [
-    ("mixtral", {}), ("qwen2_moe", {}),
+    ("mixtral", {}), ("qwen2_moe", {}), ("qwen3_moe", {}), ("olmoe", {}), ("phimoe", {}),
+    ("gpt_oss", {}),
     # a dense first block (no router): it passes the sums on unchanged
     ("qwen2_moe", {"mlp_only_layers": [0], "num_hidden_layers": 3})])
 def test_router_aux_loss_matches_transformers(kind, extra, where):
@@ -391,6 +431,34 @@ def test_router_aux_loss_matches_transformers(kind, extra, where):
     torch.testing.assert_close(aux[0], 0.1 * out.aux_loss, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(hf.causal_lm_loss(logits, labels) + sum(aux), out.loss,
                                atol=1e-6, rtol=1e-6)
+
+
+def test_deepseek_v3_adds_no_load_balancing_loss_as_transformers_adds_none():
+    # DeepSeek-V3 balances its experts by a bias outside the loss: its causal LM adds no aux
+    # loss even with output_router_logits, and neither may pipeflow.
+    cfg = make_config("deepseek_v3", **AUX)
+    model = hf_model(cfg).eval()
+    seq = pipeflow_copy(cfg, model)
+    ids = batch()
+    with torch.no_grad():
+        out = model(ids, labels=ids)
+        with pf.collect_aux_losses() as aux:
+            logits = run_layers(seq, ids)
+    assert aux == []
+    torch.testing.assert_close(hf.causal_lm_loss(logits, ids), out.loss, atol=1e-6, rtol=1e-6)
+
+
+def test_each_mask_rule_is_the_one_its_modeling_file_uses():
+    # A family whose base forward never builds a sliding mask must attend fully, whatever its
+    # config carries; one that does must take the rule (window or layer types) it uses.
+    from pipeflow.models import hf_families
+    for kind in MODELS:
+        parts = hf.arch(make_config(kind))
+        source = inspect.getsource(sys.modules[parts.base.__module__])
+        name = "create_sliding_window_causal_mask"
+        sliding = any(name in line and line.strip() != name + "," and not
+                      line.lstrip().startswith(("from ", "import ")) for line in source.splitlines())
+        assert (parts.family.kind is not hf_families.full_attention) == sliding, kind
 
 
 def test_router_sums_cross_the_layers():
