@@ -22,10 +22,14 @@ def hub_config(kind: str, layers: int = 2):
         return transformers.GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=VOCAB,
                                        n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
                                        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=32,
-                                    intermediate_size=64, num_attention_heads=4,
-                                    num_key_value_heads=2, vocab_size=VOCAB,
-                                    max_position_embeddings=SEQ)
+    shape = dict(num_hidden_layers=layers, hidden_size=32, intermediate_size=64,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                 max_position_embeddings=SEQ)
+    if kind == "mixtral":   # per-expert tensors on disk, merged in memory
+        return transformers.MixtralConfig(**shape, num_local_experts=4, num_experts_per_tok=2)
+    if kind == "gpt_neox":  # `embed_out` on disk, `lm_head` in memory
+        return transformers.GPTNeoXConfig(**shape, bos_token_id=0, eos_token_id=0)
+    return transformers.LlamaConfig(**shape)
 
 
 def save_hub(folder: str, kind: str, sharded: bool, layers: int = 2):

@@ -36,7 +36,8 @@ from pipeflow.models import hf_moe
 from pipeflow.models.hf_families import (FAMILIES, Family, family, local_name, positions,
                                          refusal, submodule)
 
-__all__ = ["causal_lm_layers", "from_hf_state_dict", "to_hf_state_dict", "causal_lm_loss",
+__all__ = ["causal_lm_layers", "from_hf_state_dict", "to_hf_state_dict", "memory_layout",
+           "pipeflow_keys", "causal_lm_loss",
            "causal_lm_loss_sum", "num_valid_tokens", "Embedding", "DecoderLayer", "Head",
            "Arch", "arch", "refusal", "supported_model_types", "attention_implementation",
            "IGNORE_INDEX", "TIE_KEY"]
@@ -376,9 +377,18 @@ def _tied_keys(config: Any) -> tuple[str, str] | None:
 def from_hf_state_dict(state: dict[str, Any], config: Any) -> dict[str, Any]:
     """A transformers causal LM's state dict, keyed as `build_sequential(causal_lm_layers(config))`.
 
-    A tied head missing from `state` (checkpoints often store the embedding only) is filled
-    with the embedding's weight.
+    `state` is the model's (`model.state_dict()`) or its checkpoint's as `save_pretrained`
+    wrote it (Mixtral's per-expert tensors, GPT-NeoX's `embed_out`): the family's conversions
+    are applied first, as `from_pretrained` applies them (`hf_checkpoint`). A tied head missing
+    from `state` (checkpoints often store the embedding only) is filled with the embedding's
+    weight.
     """
+    return pipeflow_keys(memory_layout(state, config), config)
+
+
+def pipeflow_keys(state: dict[str, Any], config: Any) -> dict[str, Any]:
+    """A state in the transformers model's own layout, keyed as `build_sequential`: renamed
+    only (a tied head missing from `state` filled with the embedding's entry)."""
     state = dict(state)
     tied = _tied_keys(config)
     if tied is not None and tied[1] not in state and tied[0] in state:
@@ -386,8 +396,17 @@ def from_hf_state_dict(state: dict[str, Any], config: Any) -> dict[str, Any]:
     return _rename(state, _key_map(config), "from_hf_state_dict")
 
 
+def memory_layout(state: dict[str, Any], config: Any) -> dict[str, Any]:
+    """`state` keyed and shaped as the transformers model holds it: a checkpoint's tensors
+    converted as `from_pretrained` converts them, a model's own state unchanged."""
+    from pipeflow.models import hf_checkpoint
+    return hf_checkpoint.to_memory_layout(state, config)
+
+
 def to_hf_state_dict(state: dict[str, Any], config: Any) -> dict[str, Any]:
-    """The inverse of `from_hf_state_dict`: pipeflow keys back to the transformers model's keys."""
+    """The inverse of `from_hf_state_dict`: pipeflow keys back to the transformers model's keys
+    (the model's own layout, for `model.load_state_dict`; `hf_checkpoint.to_checkpoint` gives
+    the layout `save_pretrained` writes)."""
     inverse = {v: k for k, v in _key_map(config).items()}
     out = _rename(state, inverse, "to_hf_state_dict")
     tied = _tied_keys(config)
