@@ -32,15 +32,32 @@ def hub_config(kind: str, layers: int = 2):
     return transformers.LlamaConfig(**shape)
 
 
-def save_hub(folder: str, kind: str, sharded: bool, layers: int = 2):
+def save_hub(folder: str, kind: str, sharded: bool, layers: int = 2,
+             dtype: torch.dtype = torch.float32):
     """A random transformers model saved with safetensors (sharded: many small files and
-    the index); returns the model."""
+    the index), its weights in `dtype`; returns the model."""
     torch.manual_seed(3)
     model = transformers.AutoModelForCausalLM.from_config(hub_config(kind, layers),
                                                           attn_implementation="sdpa")
+    model = model.to(dtype)
     model.save_pretrained(folder, max_shard_size="20KB" if sharded else "5GB")
     assert os.path.isfile(os.path.join(folder, "model.safetensors.index.json")) == sharded
     return model.eval()
+
+
+def save_tokenizer(folder: str):
+    """A small word-level tokenizer with special tokens and a chat template, saved into the
+    Hub folder as `save_pretrained` writes one (tokenizer.json, tokenizer_config.json, the
+    chat template); returns it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>",
+                                               bos_token="<s>", eos_token="</s>")
+    tok.chat_template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+    tok.save_pretrained(folder)
+    return tok
 
 
 def token_file(folder: str, n: int = 4000, eot: int | None = None) -> str:
