@@ -1,4 +1,4 @@
-"""Hugging Face causal language models (GPT-2, Llama, Mixtral and 17 more) as layer lists.
+"""Hugging Face causal language models (GPT-2, Llama, Mixtral and 25 more) as layer lists.
 
 `causal_lm_layers(config)` turns a `transformers` config into `LayerSpec`s that any pipeline
 grid can split: an embedding layer (token ids -> hidden), one layer per decoder block

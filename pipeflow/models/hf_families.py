@@ -2,10 +2,13 @@
 
 A causal LM's base model runs a few steps of its own around the blocks: Granite multiplies its
 embedding, OPT adds learned positions counted from the padding mask, Bloom builds ALiBi
-biases for every block, Cohere scales its logits, Gemma2 soft-caps them. A pipeline plan names
-the submodules, not these steps, so each family is a `Family` row here: its plan where its
-config carries none, its attention implementation, and the step functions that differ from
-the default. A model type with no row is refused (`refusal`): pipeflow.models.hf builds only
+biases for every block, Cohere scales its logits, Gemma2 soft-caps them; each chooses the mask
+of its blocks by its own rule (Llama: always full, Mistral: sliding when `sliding_window` is
+set, Qwen2: by `layer_types`), and only some causal LMs add a load-balancing loss. A pipeline
+plan names the submodules, not these steps, so each family is a `Family` row here: its plan
+where its config carries none, its attention implementation, its mask rule, its expert count,
+and the step functions that differ from the default. A key another family reads changes
+nothing here unless this family's own transformers model reads it. A model type with no row is refused (`refusal`): pipeflow.models.hf builds only
 what tests/test_hf.py compares with transformers.
 """
 
