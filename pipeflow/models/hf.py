@@ -131,6 +131,9 @@ def _meta_head(config: Any, parts: Arch) -> nn.Module:
 def _with_attention(config: Any, parts: Arch) -> Any:
     config = copy.deepcopy(config)
     config._attn_implementation = parts.family.attention_for(config)
+    if parts.router is not None:    # the experts' kernels transformers' own model would choose
+        chosen = _meta_base(parts.base, config).config._experts_implementation
+        config._experts_implementation = chosen
     return config
 
 

@@ -99,8 +99,9 @@ def to_memory_layout(state: Mapping[str, torch.Tensor], config: Any) -> dict[str
     """A whole checkpoint's tensors (as the files hold them, or already as the model holds
     them: then unchanged) keyed and shaped as the transformers model holds them."""
     plan, model = load_plan(state, config)
+    order = {key: i for i, key in enumerate(state)}          # the caller's order kept
     out: dict[str, torch.Tensor] = {}
-    for target, source in plan.items():
+    for target, source in sorted(plan.items(), key=lambda kv: order[kv[1].keys[0]]):
         out.update(realize(target, source, state, model))
     return out
 
