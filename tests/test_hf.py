@@ -241,7 +241,7 @@ FOREIGN = dict(sliding_window=4, layer_types=["sliding_attention", "full_attenti
                use_sliding_window=True, max_window_layers=1, final_logit_softcapping=0.5,
                attn_logit_softcapping=2.0, logit_scale=0.5, embedding_multiplier=2.0,
                logits_scaling=4.0, residual_multiplier=0.5, attention_multiplier=0.2,
-               num_local_experts=8, num_experts=8, n_routed_experts=8, no_rope_layer_interval=2,
+               num_local_experts=6, num_experts=8, n_routed_experts=8, no_rope_layer_interval=2,
                partial_rotary_factor=0.5, alibi=True, layerdrop=0.1,
                use_bidirectional_attention=True, output_router_logits=True,
                router_aux_loss_coef=0.1)

@@ -8,8 +8,9 @@ set, Qwen2: by `layer_types`), and only some causal LMs add a load-balancing los
 plan names the submodules, not these steps, so each family is a `Family` row here: its plan
 where its config carries none, its attention implementation, its mask rule, its expert count,
 and the step functions that differ from the default. A key another family reads changes
-nothing here unless this family's own transformers model reads it. A model type with no row is refused (`refusal`): pipeflow.models.hf builds only
-what tests/test_hf.py compares with transformers.
+nothing here unless this family's own transformers model reads it. A model type with no row
+is refused (`refusal`): pipeflow.models.hf builds only what tests/test_hf.py compares with
+transformers.
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ from typing import Any, Iterable, Mapping
 import torch
 
 __all__ = ["SINGLE", "INDEX", "DEFAULT_SHARD", "export_dtype", "has_weights", "weight_index",
-           "layer_keys", "layer_sources", "read_layers", "hf_tensors", "extra_files", "write_weights", "write_contents",
-           "write_folder"]
+           "layer_keys", "layer_sources", "read_layers", "hf_tensors", "extra_files",
+           "write_weights", "write_contents", "write_folder"]
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
