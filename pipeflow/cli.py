@@ -149,13 +149,36 @@ def _export(args: argparse.Namespace) -> int:
         params, folder = read_params(args.checkpoint)
         hf_config = _checkpoint_hf_config(folder, args.config)
         done = hub.write_folder(params, hf_config, args.hf, args.overwrite,
-                                avoid=(args.checkpoint,))
+                                avoid=(args.checkpoint,), **_export_options(folder, args))
     except (CheckpointError, ConfigError, OSError, ValueError, KeyError) as exc:
         return _error(exc)
     more = done.describe()
-    print(f"wrote {done.path} from {folder}: config.json and {hub.SINGLE} "
+    print(f"wrote {done.path} from {folder}: {', '.join(sorted(os.listdir(done.path)))} "
           f"(AutoModelForCausalLM.from_pretrained({done.path!r}))" + (f"; {more}" if more else ""))
     return 0
+
+
+def _export_options(folder: str, args: argparse.Namespace) -> dict:
+    """What `pipeflow export` writes as the run's `export_hf` would (the source folder's other
+    files, the run's precision, its shard size: recorded in the checkpoint's data.json, else
+    read from --config RUN.toml), each overridden by its flag."""
+    from pipeflow.runtime.checkpoint import read_sealed_json
+    from pipeflow.train import hub
+    from pipeflow.train.loop import DATA_STATE
+    path = os.path.join(folder, DATA_STATE)
+    saved = read_sealed_json(path) if os.path.isfile(path) else {}
+    source, dtype = saved.get("hf_source", ""), saved.get("hf_export_dtype", "")
+    shard = saved.get("hf_max_shard_size", hub.DEFAULT_SHARD)
+    if args.config and "hf_export_dtype" not in saved:
+        from pipeflow.train.model_table import build_model
+        from pipeflow.train.run_config import load_run_config
+        run = load_run_config(args.config)
+        source = build_model(run.model, run.source).hf_source
+        dtype = str(hub.export_dtype(run.train.export_dtype, run.engine.precision))
+        dtype, shard = dtype.removeprefix("torch."), run.train.max_shard_size
+    return {"source": args.source if args.source is not None else source,
+            "dtype": hub.export_dtype(args.dtype or dtype, "fp32"),
+            "max_shard_size": args.max_shard_size or shard}
 
 
 def _checkpoint_hf_config(folder: str, run_toml: str | None):
@@ -171,8 +194,8 @@ def _checkpoint_hf_config(folder: str, run_toml: str | None):
     if os.path.isfile(path):
         saved = read_sealed_json(path).get("hf_config")
     if saved is not None and run_toml is None:
-        import transformers
-        return transformers.AutoConfig.for_model(**saved)
+        from pipeflow.train.model_table import hf_config_of
+        return hf_config_of(saved)
     if run_toml is None:
         raise ConfigError(f"{folder!r} records no Hugging Face config (its {DATA_STATE} has no "
                           f"\"hf_config\": not written by `pipeflow train` of a [model] kind = "
@@ -200,6 +223,13 @@ def _add_export(sub) -> None:
                         "model.safetensors, a sharded index, pytorch_model.bin)")
     export.add_argument("--config", metavar="RUN.toml",
                         help="the run's TOML, for a checkpoint that records no HF config")
+    export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="the weights' dtype (default: the run's precision)")
+    export.add_argument("--max-shard-size", metavar="SIZE",
+                        help="shard the weights past SIZE, e.g. 500MB (default: the run's, 5GB)")
+    export.add_argument("--source", metavar="FOLDER",
+                        help="the Hub folder whose tokenizer and other non-weight files to "
+                        "copy (default: the run's pretrained folder)")
     export.set_defaults(func=_export)
 
 

@@ -22,21 +22,42 @@ def hub_config(kind: str, layers: int = 2):
         return transformers.GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=VOCAB,
                                        n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
                                        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=32,
-                                    intermediate_size=64, num_attention_heads=4,
-                                    num_key_value_heads=2, vocab_size=VOCAB,
-                                    max_position_embeddings=SEQ)
+    shape = dict(num_hidden_layers=layers, hidden_size=32, intermediate_size=64,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                 max_position_embeddings=SEQ)
+    if kind == "mixtral":   # per-expert tensors on disk, merged in memory
+        return transformers.MixtralConfig(**shape, num_local_experts=4, num_experts_per_tok=2)
+    if kind == "gpt_neox":  # `embed_out` on disk, `lm_head` in memory
+        return transformers.GPTNeoXConfig(**shape, bos_token_id=0, eos_token_id=0)
+    return transformers.LlamaConfig(**shape)
 
 
-def save_hub(folder: str, kind: str, sharded: bool, layers: int = 2):
+def save_hub(folder: str, kind: str, sharded: bool, layers: int = 2,
+             dtype: torch.dtype = torch.float32):
     """A random transformers model saved with safetensors (sharded: many small files and
-    the index); returns the model."""
+    the index), its weights in `dtype`; returns the model."""
     torch.manual_seed(3)
     model = transformers.AutoModelForCausalLM.from_config(hub_config(kind, layers),
                                                           attn_implementation="sdpa")
+    model = model.to(dtype)
     model.save_pretrained(folder, max_shard_size="20KB" if sharded else "5GB")
     assert os.path.isfile(os.path.join(folder, "model.safetensors.index.json")) == sharded
     return model.eval()
+
+
+def save_tokenizer(folder: str):
+    """A small word-level tokenizer with special tokens and a chat template, saved into the
+    Hub folder as `save_pretrained` writes one (tokenizer.json, tokenizer_config.json, the
+    chat template); returns it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>",
+                                               bos_token="<s>", eos_token="</s>")
+    tok.chat_template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+    tok.save_pretrained(folder)
+    return tok
 
 
 def token_file(folder: str, n: int = 4000, eot: int | None = None) -> str:

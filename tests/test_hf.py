@@ -7,6 +7,7 @@ its forward names, as the engine gives them.
 
 import inspect
 import math
+import sys
 
 import pytest
 import torch
@@ -48,6 +49,22 @@ EXTRA = {
     "mixtral": dict(num_local_experts=4),
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=64),
+    # Gemma3: local (sliding) and global layers with their own rotary bases; soft-caps (eager)
+    "gemma3_text": dict(sliding_window=4, sliding_window_pattern=2, final_logit_softcapping=0.5,
+                        attn_logit_softcapping=2.0),
+    "smollm3": dict(no_rope_layer_interval=2, pad_token_id=0, **TOKENS),   # layer 1: no rope
+    "glm4": dict(pad_token_id=0, **TOKENS),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2, **TOKENS),
+    "phimoe": dict(num_local_experts=4, num_experts_per_tok=2),
+    # attention sinks, sliding and full layers alternating, experts with biases (eager)
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=4),
+    # multi-head latent attention (low-rank q and kv, a shared rope key), a dense first block,
+    # then routed experts with a shared one and grouped top-k
+    "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8,
+                        num_key_value_heads=4, n_group=2, topk_group=1, rope_scaling=None),
 }
 
 
@@ -66,10 +83,10 @@ def hf_model(cfg, seed=0):
 
 
 def pipeflow_copy(cfg, model):
-    """build_sequential of the layers, holding `model`'s weights."""
+    """build_sequential of the layers, holding `model`'s weights, in its train/eval mode."""
     seq = pf.build_sequential(hf.causal_lm_layers(cfg), seed=1)
     seq.load_state_dict(hf.from_hf_state_dict(model.state_dict(), cfg), strict=True)
-    return seq
+    return seq.train(model.training)
 
 
 def run_layers(seq, ids, **side):
@@ -110,9 +127,13 @@ def labels_for(ids, mask):
 # GPT-J rotates inside attention and has a head bias, OPT counts positions from the mask with
 # an offset of 2 and projects in and out, Bloom adds ALiBi and normalises its embedding,
 # Falcon runs attention and MLP in parallel, StableLM has partial rotary and LayerNorm.
+# Gemma3 keeps a rotary table per layer type, SmolLM3 skips rotary in some layers, GLM4 rotates
+# part of each head and norms after attention and MLP; Qwen3-MoE, OLMoE, PhiMoE (sparsemixer
+# routing, random in training), GPT-OSS and DeepSeek-V3 route experts.
 MODELS = ["gpt2", "llama", "qwen2", "mistral", "qwen3", "gemma", "olmo2", "gpt_neox", "mixtral",
           "phi3", "qwen2_moe", "cohere", "granite", "starcoder2", "gptj", "gemma2", "stablelm",
-          "opt", "falcon", "bloom"]
+          "opt", "falcon", "bloom", "gemma3_text", "smollm3", "glm4", "qwen3_moe", "olmoe",
+          "phimoe", "gpt_oss", "deepseek_v3"]
 
 
 def test_every_supported_family_is_checked_here():
@@ -142,6 +163,8 @@ VARIANTS = [
     ("opt", dict(word_embed_proj_dim=64, do_layer_norm_before=False)),   # no projections
     ("gemma2", dict(final_logit_softcapping=None)),
     ("bloom", dict(apply_residual_connection_post_layernorm=True)),
+    ("gemma3_text", dict(attn_logit_softcapping=None, final_logit_softcapping=None)),   # SDPA
+    ("smollm3", dict(use_sliding_window=True, sliding_window=4, no_rope_layer_interval=4)),
 ]
 
 
@@ -211,6 +234,44 @@ def test_sliding_window_layers_match_transformers(kind):
     assert "sliding_attention" in kinds, kinds
 
 
+# Keys one family reads and another ignores (configs copied between families carry them): the
+# mask, soft-caps, multipliers, expert counts, the aux loss, rotary switches. Each family must
+# do with them what transformers' own model of that family does: move or stay alike.
+FOREIGN = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+               use_sliding_window=True, max_window_layers=1, final_logit_softcapping=0.5,
+               attn_logit_softcapping=2.0, logit_scale=0.5, embedding_multiplier=2.0,
+               logits_scaling=4.0, residual_multiplier=0.5, attention_multiplier=0.2,
+               num_local_experts=6, num_experts=8, n_routed_experts=8, no_rope_layer_interval=2,
+               partial_rotary_factor=0.5, alibi=True, layerdrop=0.1,
+               use_bidirectional_attention=True, output_router_logits=True,
+               router_aux_loss_coef=0.1)
+# Left out where pipeflow refuses the key (test_unsupported_config_of_a_family_is_refused) or
+# transformers' own model breaks on it (GPT-OSS's rotary with a partial factor).
+LEFT_OUT = {"falcon": "alibi", "opt": "layerdrop", "gemma3_text": "use_bidirectional_attention",
+            "gpt_oss": "partial_rotary_factor"}
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_keys_of_other_families_do_what_transformers_does_with_them(kind):
+    keys = {k: v for k, v in FOREIGN.items() if k != LEFT_OUT.get(kind)}
+    cfg = make_config(kind, **keys)
+    model = hf_model(cfg).eval()
+    seq = pipeflow_copy(cfg, model)
+    ids, mask = batch(), padding_mask("right")
+    labels = labels_for(ids, mask)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, labels=labels)
+        with pf.collect_aux_losses() as aux:
+            ours = run_layers(seq, ids, attention_mask=mask)
+    torch.testing.assert_close(ours, out.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hf.causal_lm_loss(ours, labels) + sum(aux), out.loss,
+                               atol=1e-6, rtol=1e-6)
+    if kind == "llama":     # Llama's forward reads none of them: the same model as without
+        plain = hf_model(make_config(kind)).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(plain(ids, attention_mask=mask).logits, out.logits)
+
+
 # GPT-J: a head bias; OPT: the base model's parts under `decoder.`; Bloom: an embedding norm.
 @pytest.mark.parametrize("kind,tied", [("gpt2", True), ("llama", False), ("llama", True),
                                        ("gptj", False), ("gptj", True), ("opt", True),
@@ -273,7 +334,8 @@ def test_loss_matches_transformers(where):
 # A case: a family, "+aux" for its MoE load-balancing loss on (coefficient 0.1), "+tied" for
 # the embedding tied to the head.
 AUX = dict(output_router_logits=True, router_aux_loss_coef=0.1)
-TRAIN_CASES = MODELS + ["gpt2+tied", "llama+tied", "mixtral+aux", "qwen2_moe+aux"]
+MOE_AUX = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "gpt_oss"]
+TRAIN_CASES = MODELS + ["gpt2+tied", "llama+tied"] + [f"{k}+aux" for k in MOE_AUX]
 
 
 def case_config(case: str):
@@ -303,8 +365,10 @@ def train_both(cfg, optimizer, steps: int):
         ids, mask = batch(seed=step), padding_mask(["right", "left", "none"][step % 3])
         labels = labels_for(ids, mask)
         opt_hf.zero_grad(), opt_pf.zero_grad()
+        torch.manual_seed(100 + step)     # one random stream each (PhiMoE samples its experts)
         expected = model(ids, attention_mask=mask, labels=labels).loss
         expected.backward()
+        torch.manual_seed(100 + step)
         loss = pipeflow_loss(seq, ids, mask, labels)
         loss.backward()
         torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-6)
@@ -318,11 +382,16 @@ def train_both(cfg, optimizer, steps: int):
 def assert_trained_alike(cfg, model, seq):
     start = hf_model(cfg).state_dict()
     trained = hf.to_hf_state_dict(seq.state_dict(), cfg)
-    moved = 0
+    still, params = [], dict(model.named_parameters())
     for key, value in model.state_dict().items():
         assert relative(trained[key], value) < 1e-5, (key, relative(trained[key], value))
-        moved += not torch.equal(value, start[key])
-    assert moved == len(start)          # every parameter trained, on both sides
+        if torch.equal(value, start[key]) and key in params:   # buffers do not train
+            still.append(key)
+    # Every parameter trained, on both sides; but PhiMoE's sparsemixer gives a router no
+    # gradient while one expert alone clears its jitter threshold for every token
+    # (transformers' own gradient is 0 there too).
+    assert still == [k for k in still
+                     if cfg.model_type == "phimoe" and k.endswith("router.weight")], still
 
 
 @pytest.mark.parametrize("case", TRAIN_CASES)
@@ -343,7 +412,8 @@ def test_one_adamw_step_matches_transformers(case):
 
 @pytest.mark.parametrize("where", ["none", "left", "right"])
 @pytest.mark.parametrize("kind,extra", [
-    ("mixtral", {}), ("qwen2_moe", {}),
+    ("mixtral", {}), ("qwen2_moe", {}), ("qwen3_moe", {}), ("olmoe", {}), ("phimoe", {}),
+    ("gpt_oss", {}),
     # a dense first block (no router): it passes the sums on unchanged
     ("qwen2_moe", {"mlp_only_layers": [0], "num_hidden_layers": 3})])
 def test_router_aux_loss_matches_transformers(kind, extra, where):
@@ -361,6 +431,35 @@ def test_router_aux_loss_matches_transformers(kind, extra, where):
     torch.testing.assert_close(aux[0], 0.1 * out.aux_loss, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(hf.causal_lm_loss(logits, labels) + sum(aux), out.loss,
                                atol=1e-6, rtol=1e-6)
+
+
+def test_deepseek_v3_adds_no_load_balancing_loss_as_transformers_adds_none():
+    # DeepSeek-V3 balances its experts by a bias outside the loss: its causal LM adds no aux
+    # loss even with output_router_logits, and neither may pipeflow.
+    cfg = make_config("deepseek_v3", **AUX)
+    model = hf_model(cfg).eval()
+    seq = pipeflow_copy(cfg, model)
+    ids = batch()
+    with torch.no_grad():
+        out = model(ids, labels=ids)
+        with pf.collect_aux_losses() as aux:
+            logits = run_layers(seq, ids)
+    assert aux == []
+    torch.testing.assert_close(hf.causal_lm_loss(logits, ids), out.loss, atol=1e-6, rtol=1e-6)
+
+
+def test_each_mask_rule_is_the_one_its_modeling_file_uses():
+    # A family whose base forward never builds a sliding mask must attend fully, whatever its
+    # config carries; one that does must take the rule (window or layer types) it uses.
+    from pipeflow.models import hf_families
+    for kind in MODELS:
+        parts = hf.arch(make_config(kind))
+        source = inspect.getsource(sys.modules[parts.base.__module__])
+        name = "create_sliding_window_causal_mask"
+        uses = [line for line in source.splitlines() if name in line and line.strip() != name
+                + "," and not line.lstrip().startswith(("from ", "import "))]
+        sliding = bool(uses)
+        assert (parts.family.kind is not hf_families.full_attention) == sliding, kind
 
 
 def test_router_sums_cross_the_layers():

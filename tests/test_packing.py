@@ -1,6 +1,7 @@
 """`[data] packed = true`: position ids restart after each end-of-text token, so a document
-packed after another gives the logits it gives alone (attention stays inside it), and the
-packed sampler is deterministic and resumes at its batch."""
+packed after another gives the logits it gives alone (attention stays inside it), for every
+family pipeflow.models.hf builds; and the packed sampler is deterministic and resumes at its
+batch."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pipeflow.models import hf                                     # noqa: E402
 from pipeflow.train.data import packed_positions                   # noqa: E402
 from pipeflow.train.loop import train                              # noqa: E402
 from pipeflow.train.run_config import load_run_config              # noqa: E402
+from test_hf import MODELS, hf_model, make_config, pipeflow_copy, run_layers  # noqa: E402
 
 EOT = 5
 
@@ -45,6 +47,28 @@ def test_a_packed_document_gives_the_logits_it_gives_alone(kind):
     unpacked = engine.eval_step(row)
     assert not torch.allclose(unpacked[:, 7:], alone, atol=1e-3)
     engine.close()
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_every_family_gives_a_packed_document_the_logits_it_gives_alone(kind):
+    # Two rows cut at different places: each block's mask must keep attention inside each
+    # document of each row, and positions (rotary, learned, ALiBi) restart with it. OPT, Bloom
+    # and GPT-OSS in transformers build their masks without position ids (their own forward
+    # attends across the documents); pipeflow builds every family's from them.
+    cfg = make_config(kind)
+    seq = pipeflow_copy(cfg, hf_model(cfg).eval())
+    gen = torch.Generator().manual_seed(2)
+    docs = [torch.randint(6, VOCAB, (1, n), generator=gen) for n in (6, 9, 10, 5)]
+    eot = torch.tensor([[EOT]])
+    rows = torch.cat([torch.cat([docs[0], eot, docs[1]], 1), torch.cat([docs[2], eot, docs[3]], 1)])
+    with torch.no_grad():
+        packed = run_layers(seq, rows, position_ids=packed_positions(rows, EOT))
+        alone = [run_layers(seq, d) for d in docs]
+        first = run_layers(seq, torch.cat([docs[0], eot], 1))
+    torch.testing.assert_close(packed[:1, :7], first, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed[:1, 7:], alone[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed[1:, :10], alone[2], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed[1:, 11:], alone[3], atol=1e-5, rtol=1e-5)
 
 
 def _packed_tokens(folder: str) -> str:

@@ -1,4 +1,4 @@
-"""Hugging Face causal language models (GPT-2, Llama, Mixtral and 17 more) as layer lists.
+"""Hugging Face causal language models (GPT-2, Llama, Mixtral and 25 more) as layer lists.
 
 `causal_lm_layers(config)` turns a `transformers` config into `LayerSpec`s that any pipeline
 grid can split: an embedding layer (token ids -> hidden), one layer per decoder block
@@ -36,7 +36,8 @@ from pipeflow.models import hf_moe
 from pipeflow.models.hf_families import (FAMILIES, Family, family, local_name, positions,
                                          refusal, submodule)
 
-__all__ = ["causal_lm_layers", "from_hf_state_dict", "to_hf_state_dict", "causal_lm_loss",
+__all__ = ["causal_lm_layers", "from_hf_state_dict", "to_hf_state_dict", "memory_layout",
+           "pipeflow_keys", "causal_lm_loss",
            "causal_lm_loss_sum", "num_valid_tokens", "Embedding", "DecoderLayer", "Head",
            "Arch", "arch", "refusal", "supported_model_types", "attention_implementation",
            "IGNORE_INDEX", "TIE_KEY"]
@@ -129,14 +130,17 @@ def _meta_head(config: Any, parts: Arch) -> nn.Module:
 
 def _with_attention(config: Any, parts: Arch) -> Any:
     config = copy.deepcopy(config)
-    config._attn_implementation = parts.family.attention
+    config._attn_implementation = parts.family.attention_for(config)
+    if parts.router is not None:    # the experts' kernels transformers' own model would choose
+        chosen = _meta_base(parts.base, config).config._experts_implementation
+        config._experts_implementation = chosen
     return config
 
 
 def attention_implementation(config: Any) -> str:
-    """The attention the blocks of `config`'s model run ("sdpa", or "eager" for Gemma2 and
-    Bloom); give transformers the same to compare."""
-    return family(config).attention
+    """The attention the blocks of `config`'s model run ("sdpa", or "eager" for Gemma2,
+    Bloom, GPT-OSS and a soft-capped Gemma3); give transformers the same to compare."""
+    return family(config).attention_for(config)
 
 
 def causal_lm_layers(config: Any) -> list[LayerSpec]:
@@ -223,7 +227,7 @@ class _Parts(nn.Module):
         self.config = config
         self.family = parts.family
         self.names = tuple(modules)
-        self.aux = hf_moe.aux_loss_on(config, parts.base)
+        self.aux = hf_moe.aux_loss_on(config, parts)
         for name, module in modules.items():
             self.add_module(name, module)
         _materialize(self, config, parts)
@@ -251,7 +255,8 @@ class Embedding(_Parts):
                 position_ids: torch.Tensor | None = None) -> Any:
         hidden = self.family.embed(self, input_ids, attention_mask, position_ids)
         if self.aux:
-            return hidden, hf_moe.initial_state(self.config, hidden.device)
+            return hidden, hf_moe.initial_state(self.config, self.family.experts,
+                                                hidden.device)
         return hidden
 
     def decode(self, input_ids: torch.Tensor, cache: dict, position: int) -> Any:
@@ -286,16 +291,6 @@ class Head(_Parts):
         return logits
 
 
-def _attention_kind(config: Any, index: int) -> str:
-    """Which mask block `index` attends under, as the base model's forward decides it."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        return layer_types[index]
-    if getattr(config, "sliding_window", None) is not None:
-        return "sliding_attention"      # Mistral: every layer, when the config sets a window
-    return "full_attention"
-
-
 class DecoderLayer(nn.Module):
     """One transformers decoder block; builds its mask, positions and rotary cos/sin locally.
 
@@ -315,7 +310,7 @@ class DecoderLayer(nn.Module):
         with torch.device("meta"):
             block = parts.block(config, layer_idx=index)
         self.layer = _materialize(block, config, parts)
-        self.kind = _attention_kind(config, index)
+        self.kind = parts.family.kind(config, index)   # as the family's base forward chooses
         self._rotary = (None if parts.rotary is None else parts.rotary(config=config),)
         self.decodes = parts.family.cache is not None    # a key/value cache for generation
 
@@ -352,14 +347,15 @@ class DecoderLayer(nn.Module):
         out = out[0] if isinstance(out, tuple) else out
         return out if sums is None else (out, sums)
 
-    def rotary_embeddings(self, hidden: torch.Tensor,
-                          position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary embedding's output for `position_ids`, on the hidden states' device."""
+    def rotary_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor,
+                          *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary embedding's output for `position_ids` (and the family's further
+        arguments: Gemma3's layer type), on the hidden states' device."""
         rotary = self.rotary
         table = next(rotary.buffers())           # inv_freq, or GPT-J's sin/cos table
         if table.device != hidden.device:
             rotary.to(hidden.device)             # a device move only: the table stays fp32
-        return rotary(hidden, position_ids)
+        return rotary(hidden, position_ids, *args)
 
     def forward(self, hidden: Any, *, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> Any:
@@ -371,8 +367,9 @@ class DecoderLayer(nn.Module):
             return self._block(hidden, mask, position_ids, extra)
         with hf_moe.capture_router_logits(self.layer, self.router) as routed:
             out = self._block(hidden, mask, position_ids, extra)
-        for logits, router in routed:
-            sums = hf_moe.add_router_logits(sums, logits, router.top_k, attention_mask)
+        top_k = self.config.num_experts_per_tok      # as the causal LM's loss counts them
+        for logits, _ in routed:
+            sums = hf_moe.add_router_logits(sums, logits, top_k, attention_mask)
         return out, sums
 
     def _block(self, hidden: torch.Tensor, mask: Any, position_ids: torch.Tensor,
@@ -422,9 +419,18 @@ def _tied_keys(config: Any) -> tuple[str, str] | None:
 def from_hf_state_dict(state: dict[str, Any], config: Any) -> dict[str, Any]:
     """A transformers causal LM's state dict, keyed as `build_sequential(causal_lm_layers(config))`.
 
-    A tied head missing from `state` (checkpoints often store the embedding only) is filled
-    with the embedding's weight.
+    `state` is the model's (`model.state_dict()`) or its checkpoint's as `save_pretrained`
+    wrote it (Mixtral's per-expert tensors, GPT-NeoX's `embed_out`): the family's conversions
+    are applied first, as `from_pretrained` applies them (`hf_checkpoint`). A tied head missing
+    from `state` (checkpoints often store the embedding only) is filled with the embedding's
+    weight.
     """
+    return pipeflow_keys(memory_layout(state, config), config)
+
+
+def pipeflow_keys(state: dict[str, Any], config: Any) -> dict[str, Any]:
+    """A state in the transformers model's own layout, keyed as `build_sequential`: renamed
+    only (a tied head missing from `state` filled with the embedding's entry)."""
     state = dict(state)
     tied = _tied_keys(config)
     if tied is not None and tied[1] not in state and tied[0] in state:
@@ -432,8 +438,17 @@ def from_hf_state_dict(state: dict[str, Any], config: Any) -> dict[str, Any]:
     return _rename(state, _key_map(config), "from_hf_state_dict")
 
 
+def memory_layout(state: dict[str, Any], config: Any) -> dict[str, Any]:
+    """`state` keyed and shaped as the transformers model holds it: a checkpoint's tensors
+    converted as `from_pretrained` converts them, a model's own state unchanged."""
+    from pipeflow.models import hf_checkpoint
+    return hf_checkpoint.to_memory_layout(state, config)
+
+
 def to_hf_state_dict(state: dict[str, Any], config: Any) -> dict[str, Any]:
-    """The inverse of `from_hf_state_dict`: pipeflow keys back to the transformers model's keys."""
+    """The inverse of `from_hf_state_dict`: pipeflow keys back to the transformers model's keys
+    (the model's own layout, for `model.load_state_dict`; `hf_checkpoint.to_checkpoint` gives
+    the layout `save_pretrained` writes)."""
     inverse = {v: k for k, v in _key_map(config).items()}
     out = _rename(state, inverse, "to_hf_state_dict")
     tied = _tied_keys(config)

@@ -2,11 +2,15 @@
 
 A causal LM's base model runs a few steps of its own around the blocks: Granite multiplies its
 embedding, OPT adds learned positions counted from the padding mask, Bloom builds ALiBi
-biases for every block, Cohere scales its logits, Gemma2 soft-caps them. A pipeline plan names
-the submodules, not these steps, so each family is a `Family` row here: its plan where its
-config carries none, its attention implementation, and the step functions that differ from
-the default. A model type with no row is refused (`refusal`): pipeflow.models.hf builds only
-what tests/test_hf.py compares with transformers.
+biases for every block, Cohere scales its logits, Gemma2 soft-caps them; each chooses the mask
+of its blocks by its own rule (Llama: always full, Mistral: sliding when `sliding_window` is
+set, Qwen2: by `layer_types`), and only some causal LMs add a load-balancing loss. A pipeline
+plan names the submodules, not these steps, so each family is a `Family` row here: its plan
+where its config carries none, its attention implementation, its mask rule, its expert count,
+and the step functions that differ from the default. A key another family reads changes
+nothing here unless this family's own transformers model reads it. A model type with no row
+is refused (`refusal`): pipeflow.models.hf builds only what tests/test_hf.py compares with
+transformers.
 """
 
 from __future__ import annotations
@@ -73,6 +77,11 @@ def rotary_inputs(layer: Any, hidden: torch.Tensor, attention_mask: torch.Tensor
     return {"position_embeddings": layer.rotary_embeddings(hidden, position_ids)}
 
 
+def _gemma3_inputs(layer, hidden, attention_mask, position_ids):
+    # Gemma3 keeps one rotary table per attention kind (local base for sliding layers).
+    return {"position_embeddings": layer.rotary_embeddings(hidden, position_ids, layer.kind)}
+
+
 def _no_inputs(layer, hidden, attention_mask, position_ids):
     return {}     # OPT: learned positions, added in the embedding layer
 
@@ -112,6 +121,30 @@ def _gemma2_logits(config, logits):
     return torch.tanh(logits / cap) * cap
 
 
+# -- attention kinds: (config, block index) -> "full_attention" | "sliding_attention" ----------
+# As each family's base model forward chooses the mask: a key another family reads (a Llama
+# config carrying `sliding_window` or `layer_types`) changes nothing where this family's
+# forward does not read it.
+
+def full_attention(config: Any, index: int) -> str:
+    """Llama, GPT-2, ...: every block causal over the whole row, whatever the config carries."""
+    return "full_attention"
+
+
+def _window_when_set(config, index):
+    # Mistral, Mixtral, Phi3, StarCoder2, Qwen3-MoE, PhiMoE: `create_sliding_window_causal_mask
+    # if config.sliding_window is not None`, for every block.
+    if getattr(config, "sliding_window", None) is not None:
+        return "sliding_attention"
+    return "full_attention"
+
+
+def _by_layer_types(config, index):
+    # Qwen2, Qwen3, Qwen2-MoE, Gemma2, Gemma3, GPT-OSS, SmolLM3: the mask of
+    # `config.layer_types[i]` (the config class derives it from its own switches).
+    return config.layer_types[index]
+
+
 # -- per-config refusals: config -> reason or None ------------------------------------------
 
 def _falcon_check(config):
@@ -133,6 +166,18 @@ def _no_check(config):
     return None
 
 
+def _gemma3_check(config):
+    if getattr(config, "use_bidirectional_attention", False):
+        return ("Gemma3 with use_bidirectional_attention=True (EmbeddingGemma) is an encoder: "
+                "pipeflow.models.hf trains causal LMs; set use_bidirectional_attention=False")
+    return None
+
+
+def _gemma3_attention(config):
+    # SDPA cannot soft-cap attention scores: transformers' eager path applies the cap.
+    return "sdpa" if getattr(config, "attn_logit_softcapping", None) is None else "eager"
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """One transformers family: what its base model does besides running the blocks.
@@ -140,7 +185,10 @@ class Family:
     plan: base-model submodules in order (dotted paths; the one `ModuleList` is the blocks),
         for configs without a `base_model_pp_plan`; None to take the config's.
     attention: the attention implementation the blocks are built with ("sdpa", or "eager"
-        where the family refuses SDPA).
+        where the family refuses SDPA), or a function of the config that says which.
+    kind: which mask each block attends under (`full_attention` and the rules above).
+    experts: the config field the causal LM's load-balancing loss counts experts by
+        (`num_local_experts`, `num_experts`); None where it adds no such loss.
     embed / block_inputs / logits / check: the steps above.
     cache: the keyword its blocks take a key/value cache by, for generation
         (`DecoderLayer.decode`, checked against transformers' generate in
@@ -148,34 +196,43 @@ class Family:
     """
 
     plan: tuple[str, ...] | None = None
-    attention: str = "sdpa"
+    attention: str | Callable[[Any], str] = "sdpa"
+    kind: Callable[[Any, int], str] = full_attention
+    experts: str | None = None
     embed: Callable[..., torch.Tensor] = embed_in_order
     block_inputs: Callable[..., dict[str, Any]] = rotary_inputs
     logits: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
     check: Callable[[Any], str | None] = _no_check
     cache: str | None = "cache"
 
+    def attention_for(self, config: Any) -> str:
+        """The attention implementation for `config`'s blocks."""
+        return self.attention if isinstance(self.attention, str) else self.attention(config)
+
 
 _LLAMA_LIKE = Family()
+_WINDOWED = Family(kind=_window_when_set)
+_TYPED = Family(kind=_by_layer_types)
+_PLAN = ("embed_tokens", "layers", "norm")      # for configs that carry no pipeline plan
 
 FAMILIES: dict[str, Family] = {
     "gpt2": Family(plan=("wte", "wpe", "drop", "h", "ln_f"), embed=_embed_gpt2),
     "llama": _LLAMA_LIKE,
-    "mistral": _LLAMA_LIKE,
-    "qwen2": _LLAMA_LIKE,
-    "qwen3": _LLAMA_LIKE,
+    "mistral": _WINDOWED,
+    "qwen2": _TYPED,
+    "qwen3": _TYPED,
     "gemma": _LLAMA_LIKE,       # its embedding module scales by sqrt(hidden) itself
     "olmo2": _LLAMA_LIKE,
-    "phi3": _LLAMA_LIKE,
+    "phi3": _WINDOWED,
     "gpt_neox": Family(cache="layer_past"),
-    "mixtral": _LLAMA_LIKE,
-    "qwen2_moe": _LLAMA_LIKE,
+    "mixtral": Family(kind=_window_when_set, experts="num_local_experts"),
+    "qwen2_moe": Family(kind=_by_layer_types, experts="num_experts"),
     "cohere": Family(logits=_cohere_logits),
     "granite": Family(embed=_embed_granite, logits=_granite_logits),
-    "starcoder2": Family(embed=_embed_starcoder2),
+    "starcoder2": Family(kind=_window_when_set, embed=_embed_starcoder2),
     "gptj": Family(),           # plan: wte, drop, h, ln_f; rotary table applied in attention
-    "gemma2": Family(attention="eager", logits=_gemma2_logits),
-    "stablelm": Family(plan=("embed_tokens", "layers", "norm")),
+    "gemma2": Family(attention="eager", kind=_by_layer_types, logits=_gemma2_logits),
+    "stablelm": Family(plan=_PLAN),
     "opt": Family(plan=("decoder.embed_tokens", "decoder.embed_positions", "decoder.project_in",
                         "decoder.layers", "decoder.final_layer_norm", "decoder.project_out"),
                   embed=_embed_opt, block_inputs=_no_inputs, check=_opt_check),
@@ -183,8 +240,17 @@ FAMILIES: dict[str, Family] = {
                      check=_falcon_check, cache="layer_past"),
     "bloom": Family(plan=("word_embeddings", "word_embeddings_layernorm", "h", "ln_f"),
                     attention="eager", block_inputs=_bloom_inputs, cache="layer_past"),
+    "gemma3_text": Family(attention=_gemma3_attention, kind=_by_layer_types,
+                          block_inputs=_gemma3_inputs, logits=_gemma2_logits,
+                          check=_gemma3_check),
+    "smollm3": _TYPED,          # its blocks skip rotary where config.no_rope_layers says
+    "glm4": _LLAMA_LIKE,        # partial rotary and post-norms inside its blocks
+    "qwen3_moe": Family(kind=_window_when_set, experts="num_experts"),
+    "olmoe": Family(plan=_PLAN, experts="num_experts"),
+    "phimoe": Family(plan=_PLAN, kind=_window_when_set, experts="num_local_experts"),
+    "gpt_oss": Family(attention="eager", kind=_by_layer_types, experts="num_local_experts"),
+    "deepseek_v3": Family(),    # MLA and routed + shared experts inside its blocks; no aux loss
 }
-
 
 def refusal(config: Any) -> str | None:
     """Why pipeflow.models.hf does not build `config`'s model, or None when it does."""

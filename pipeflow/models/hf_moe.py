@@ -41,25 +41,27 @@ def router_class(base: type) -> tuple[type, int] | None:
     return recorder.target_class, recorder.index
 
 
-def aux_loss_on(config: Any, base: type) -> bool:
-    """Whether the causal LM adds the load-balancing loss: routers and `output_router_logits`."""
-    return bool(getattr(config, "output_router_logits", False)) and router_class(base) is not None
+def aux_loss_on(config: Any, parts: Any) -> bool:
+    """Whether the causal LM adds the load-balancing loss: `output_router_logits`, routers,
+    and a family whose causal LM adds it (`parts.family.experts`; DeepSeek-V3's does not)."""
+    return (bool(getattr(config, "output_router_logits", False)) and parts.router is not None
+            and parts.family.experts is not None)
 
 
-def num_experts(config: Any) -> int:
-    """E, the routed experts per MoE block (Mixtral: num_local_experts; Qwen2-MoE: num_experts)."""
-    for name in ("num_local_experts", "num_experts"):
-        value = getattr(config, name, None)
-        if value:
-            return int(value)
-    raise ValueError(f"{type(config).__name__}: output_router_logits is set but the config "
-                     f"names no expert count (num_local_experts or num_experts)")
+def num_experts(config: Any, field: str) -> int:
+    """E, the routed experts per MoE block, from the field the family's causal LM reads
+    (Mixtral: num_local_experts; Qwen2-MoE: num_experts), never from another family's."""
+    value = getattr(config, field, None)
+    if not value:
+        raise ValueError(f"{type(config).__name__}: output_router_logits is set but the "
+                         f"config's {field} (the expert count) is {value!r}")
+    return int(value)
 
 
-def initial_state(config: Any, device: torch.device) -> dict[str, torch.Tensor]:
+def initial_state(config: Any, field: str, device: torch.device) -> dict[str, torch.Tensor]:
     """The running sums before any layer: zeros (probabilities in float32, as transformers
-    sums them; counts in int64)."""
-    e = num_experts(config)
+    sums them; counts in int64). `field`: the config's expert count (`num_experts`)."""
+    e = num_experts(config, field)
     return {"prob_sum": torch.zeros(e, dtype=torch.float32, device=device),
             "assigned_sum": torch.zeros(e, dtype=torch.int64, device=device),
             "tokens": torch.zeros((), dtype=torch.int64, device=device)}

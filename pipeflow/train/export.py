@@ -21,6 +21,7 @@ import ctypes
 import dataclasses
 import errno
 import fnmatch
+import json
 import os
 import shutil
 import tempfile
@@ -30,7 +31,7 @@ from pipeflow._io import fsync_dir
 
 __all__ = ["ExportError", "Export", "check_target", "publish", "MARK", "OWN"]
 
-SINGLE, CONFIG = "model.safetensors", "config.json"
+SINGLE, CONFIG, INDEX = "model.safetensors", "config.json", "model.safetensors.index.json"
 OWN = (CONFIG, SINGLE)
 MARK = "pipeflow_export"            # the safetensors metadata key of pipeflow's own files
 # Weights transformers may load instead of (or beside) ours.
@@ -97,14 +98,25 @@ def _checkpoint_near(out: str, avoid: tuple[str, ...]) -> str:
     return ""
 
 
-def _ours(path: str) -> bool:
-    """Whether `path` is a model.safetensors that pipeflow's export wrote."""
+def _ours(out: str, entries: list[str]) -> bool:
+    """Whether the weights in `out` are a pipeflow export's: a marked model.safetensors, or a
+    shard index whose metadata carries the mark (a sharded export)."""
     try:
-        from safetensors import safe_open
-        with safe_open(path, framework="pt") as f:
-            return MARK in (f.metadata() or {})
+        if INDEX in entries:
+            with open(os.path.join(out, INDEX)) as f:
+                return MARK in (json.load(f).get("metadata") or {})
+        if SINGLE in entries:
+            from safetensors import safe_open
+            with safe_open(os.path.join(out, SINGLE), framework="pt") as f:
+                return MARK in (f.metadata() or {})
     except Exception:            # unreadable: not known to be ours (safetensors' own error)
         return False
+    return False
+
+
+def _weights(entry: str) -> bool:
+    """An entry an export replaces whoever wrote it: the config and any weights file."""
+    return entry in OWN or any(fnmatch.fnmatch(entry, p) for p in FOREIGN_WEIGHTS)
 
 
 def _foreign(out: str) -> list[str]:
@@ -112,15 +124,9 @@ def _foreign(out: str) -> list[str]:
     if not os.path.isdir(out):
         return []
     entries = sorted(os.listdir(out))
-    ours = SINGLE in entries and _ours(os.path.join(out, SINGLE))
-    found = []
-    for entry in entries:
-        if entry in OWN:
-            if not ours:
-                found.append(entry)
-        elif any(fnmatch.fnmatch(entry, p) for p in FOREIGN_WEIGHTS):
-            found.append(entry)
-    return found
+    if _ours(out, entries):
+        return []
+    return [e for e in entries if _weights(e)]
 
 
 def check_target(out: str, overwrite: bool = False, avoid: tuple[str, ...] = (),
@@ -260,9 +266,10 @@ def publish(out: str, write: Callable[[str], None], overwrite: bool = False,
         staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.{STAGE}-", dir=parent)
         write(staging)
         if os.path.isdir(out):
-            dropped = set(_foreign(out)) | set(OWN)
             for entry in sorted(os.listdir(out)):
-                if entry in dropped:
+                # Weights and config (ours, or foreign with overwrite) and whatever the new
+                # export wrote itself (a source folder's tokenizer) are replaced.
+                if _weights(entry) or os.path.lexists(os.path.join(staging, entry)):
                     result.replaced.append(entry)
                     continue
                 result.kept.append(entry)

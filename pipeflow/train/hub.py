@@ -1,7 +1,9 @@
 """Hugging Face Hub folders in and out: `[model] pretrained = "folder"` (each rank reads only
-its own layers' tensors from the safetensors files) and `export_hf` / `pipeflow export`
-(`config.json` + `model.safetensors`, `pipeflow.train.export`: never destroying what it
-did not write).
+its own layers' tensors from the safetensors files, converted from the layout
+`save_pretrained` writes) and `export_hf` / `pipeflow export` (weights in that layout, in the
+run's precision, sharded past `max_shard_size`, `config.json`, and the source folder's
+tokenizer and other files; `pipeflow.train.export`: never destroying what it did not
+write).
 
 A Hub folder, as `save_pretrained` writes it:
 
@@ -19,6 +21,7 @@ import errno
 import json
 import os
 import re
+import shutil
 from typing import Any, Iterable, Iterator, Mapping
 
 import torch
@@ -27,8 +30,9 @@ from pipeflow._io import atomic_write_bytes
 from pipeflow.train import export
 from pipeflow.train.export import Export
 
-__all__ = ["SINGLE", "INDEX", "has_weights", "weight_index", "layer_keys", "read_layers",
-           "read_tensor", "hf_tensors", "write_folder"]
+__all__ = ["SINGLE", "INDEX", "DEFAULT_SHARD", "export_dtype", "has_weights", "weight_index",
+           "layer_keys", "layer_sources", "read_layers", "read_tensor", "hf_tensors",
+           "extra_files", "write_weights", "write_contents", "write_folder"]
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -94,12 +98,12 @@ def read_tensor(path: str, key: str) -> torch.Tensor:
         return _tensor(f, path, key)
 
 
-def layer_keys(hf_keys: Iterable[str], hf_config: Any) -> dict[str, str]:
-    """pipeflow key (`build_sequential`'s) -> the HF key its value is read from, by
-    `from_hf_state_dict`'s own map (a tied head missing from the files reads the embedding)."""
+def layer_keys(memory_keys: Iterable[str], hf_config: Any) -> dict[str, str]:
+    """pipeflow key (`build_sequential`'s) -> the transformers model's key its value is (a tied
+    head missing from the files reads the embedding)."""
     from pipeflow.models import hf
     try:
-        return hf.from_hf_state_dict({k: k for k in hf_keys}, hf_config)
+        return hf.pipeflow_keys({k: k for k in memory_keys}, hf_config)
     except KeyError as exc:
         raise ValueError(str(exc).strip("'\"")) from None
 
@@ -108,54 +112,151 @@ def _layer_of(key: str) -> int:
     return int(key.partition(".")[0])
 
 
+def layer_sources(index: Iterable[str], hf_config: Any) -> tuple[dict[str, list[str]], Any]:
+    """pipeflow key -> the files' keys its tensor is made of (one, or every expert's for a
+    merged tensor), by transformers' conversions of the family (`hf_checkpoint.load_plan`);
+    and the plan and model `hf_checkpoint.realize` needs, as a pair."""
+    from pipeflow.models import hf_checkpoint
+    plan, model = hf_checkpoint.load_plan(index, hf_config)
+    names = layer_keys(plan, hf_config)
+    return {pf: list(plan[mem].keys) for pf, mem in names.items()}, (plan, model, names)
+
+
 def read_layers(folder: str, hf_config: Any, layers: Iterable[int]) -> tuple[
         dict[str, torch.Tensor], list[str]]:
     """The tensors of `layers` only, from the folder's safetensors files, keyed as
-    `build_sequential`; and the HF keys read (each file opened once, only these keys read)."""
+    `build_sequential`; and the files' keys read (each file opened once, only these keys read).
+
+    The files may hold the layout `save_pretrained` writes (per-expert tensors, renamed heads):
+    they are converted as `from_pretrained` converts them (`hf_checkpoint`)."""
+    from pipeflow.models import hf_checkpoint
     index = weight_index(folder)
+    sources, (plan, model, names) = layer_sources(index, hf_config)
     wanted = set(layers)
-    mine = {pf: src for pf, src in layer_keys(index, hf_config).items()
-            if _layer_of(pf) in wanted}
+    mine = {pf: mem for pf, mem in names.items() if _layer_of(pf) in wanted}
+    read = _read_keys(index, sorted({k for pf in mine for k in sources[pf]}))
+    memory: dict[str, torch.Tensor] = {}
+    for mem in sorted(set(mine.values())):
+        memory.update(hf_checkpoint.realize(mem, plan[mem], read, model))
+    return {pf: memory[mem] for pf, mem in mine.items()}, sorted(read)
+
+
+def _read_keys(index: Mapping[str, str], keys: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The tensors of `keys` from the files `index` names, each file opened once."""
     by_file: dict[str, list[str]] = {}
-    for src in sorted(set(mine.values())):
-        by_file.setdefault(index[src], []).append(src)
+    for key in keys:
+        by_file.setdefault(index[key], []).append(key)
     read: dict[str, torch.Tensor] = {}
-    for path, keys in sorted(by_file.items()):
+    for path, names in sorted(by_file.items()):
         with _opened(path) as f:
-            for key in keys:
+            for key in names:
                 read[key] = _tensor(f, path, key)
-    return {pf: read[src] for pf, src in mine.items()}, sorted(read)
+    return read
 
 
-def hf_tensors(state: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
-    """A whole model's state (`build_sequential` keys) as the tensors of a `model.safetensors`:
-    HF keys, contiguous, each stored once (a tied head is left to `tie_word_embeddings`, as
-    `save_pretrained` does)."""
-    from pipeflow.models import hf
+def hf_tensors(state: Mapping[str, torch.Tensor], hf_config: Any,
+               dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """A whole model's state (`build_sequential` keys) as the tensors `save_pretrained` writes:
+    the checkpoint layout of the family (`hf_checkpoint.to_checkpoint`: Mixtral's experts
+    split again, GPT-NeoX's `embed_out`), contiguous, floating tensors in `dtype` (None: as
+    they are), each stored once (a tied head is left to `tie_word_embeddings`)."""
+    from pipeflow.models import hf, hf_checkpoint
     out = hf.to_hf_state_dict(dict(state), hf_config)
     tied = hf._tied_keys(hf_config)
     if tied is not None:
         out.pop(tied[1], None)
-    return {k: v.detach().to("cpu").contiguous().clone() for k, v in out.items()}
+    out = hf_checkpoint.to_checkpoint(out, hf_config)
+    return {k: _cast(v.detach(), dtype).to("cpu").contiguous().clone() for k, v in out.items()}
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+
+DEFAULT_SHARD = "5GB"     # save_pretrained's max_shard_size
+_PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def export_dtype(name: str, precision: str) -> torch.dtype:
+    """The dtype an export writes: `name` ("float32", "bfloat16", "float16"), or where it is
+    empty the run's working precision (`precision` "bf16" -> bfloat16: the weights the run
+    computed with, as a bf16 folder it started from)."""
+    chosen = name or _PRECISION_DTYPE.get(precision, "float32")
+    dtype = getattr(torch, chosen, None)
+    if chosen not in _PRECISION_DTYPE.values() or dtype is None:
+        raise ValueError(f"export dtype must be one of {sorted(_PRECISION_DTYPE.values())}, "
+                         f"found {chosen!r}")
+    return dtype
+# A source folder's files that are weights (written anew, in the run's layout) or the config
+# (written from the run's), never copied into an export.
+_NOT_COPIED = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf",
+               ".onnx", ".index.json")
+
+
+def extra_files(source: str) -> list[str]:
+    """The files of the Hub folder `source` an export carries over: every plain file that is
+    not weights nor `config.json` (generation_config.json, tokenizer files, chat template,
+    README), hidden files left out."""
+    if not source or not os.path.isdir(source):
+        return []
+    return sorted(n for n in os.listdir(source)
+                  if os.path.isfile(os.path.join(source, n)) and not n.startswith(".")
+                  and n != "config.json" and not n.endswith(_NOT_COPIED))
+
+
+def write_weights(tensors: Mapping[str, torch.Tensor], folder: str,
+                  max_shard_size: int | str = DEFAULT_SHARD) -> list[str]:
+    """`model.safetensors`, or shards and their index past `max_shard_size`, as
+    `save_pretrained` names them; the file names written."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    split = split_torch_state_dict_into_shards(
+        dict(tensors), filename_pattern="model{suffix}.safetensors",
+        max_shard_size=max_shard_size)
+    for name, keys in split.filename_to_tensors.items():
+        _save_safetensors({k: tensors[k] for k in keys}, os.path.join(folder, name))
+    written = sorted(split.filename_to_tensors)
+    if split.is_sharded:
+        index = {"metadata": {**split.metadata, export.MARK: "1"},
+                 "weight_map": dict(split.tensor_to_filename)}
+        _write_json(os.path.join(folder, INDEX), index)
+        written.append(INDEX)
+    return written
+
+
+def write_contents(folder: str, tensors: Mapping[str, torch.Tensor], hf_config: Any,
+                   source: str = "", max_shard_size: int | str = DEFAULT_SHARD) -> list[str]:
+    """Everything an export folder holds, written into `folder`: the weights (`write_weights`),
+    `config.json` whose `dtype` is the weights', and the source folder's other files
+    (`extra_files`). The file names written."""
+    written = write_weights(tensors, folder, max_shard_size)
+    config = json.loads(hf_config.to_json_string(use_diff=False))
+    floating = [t.dtype for t in tensors.values() if t.is_floating_point()]
+    if floating:
+        config["dtype"] = str(floating[0]).removeprefix("torch.")
+    _write_json(os.path.join(folder, "config.json"), config)
+    for name in extra_files(source):
+        shutil.copy2(os.path.join(source, name), os.path.join(folder, name))
+    return sorted([*written, "config.json", *extra_files(source)])
+
+
+def _write_json(path: str, value: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode(),
+                       sync_dir=False)
 
 
 def write_folder(state: Mapping[str, torch.Tensor], hf_config: Any, out: str,
-                 overwrite: bool = False, avoid: tuple[str, ...] = ()) -> Export:
-    """Write `out/config.json` and `out/model.safetensors` that
-    `AutoModelForCausalLM.from_pretrained(out)` loads, keeping every other file of `out`
-    and refusing a checkpoint folder or weights pipeflow did not write (`export.publish`:
-    the folder is swapped in whole, so `out` is the old folder or the new one, never half)."""
-    tensors = hf_tensors(state, hf_config)
-    config = json.loads(hf_config.to_json_string(use_diff=False))
-    config["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
-
-    def write(staging: str) -> None:
-        _save_safetensors(tensors, os.path.join(staging, SINGLE))
-        atomic_write_bytes(os.path.join(staging, "config.json"),
-                           (json.dumps(config, indent=2, sort_keys=True) + "\n").encode(),
-                           sync_dir=False)
-
-    return export.publish(out, write, overwrite, avoid)
+                 overwrite: bool = False, avoid: tuple[str, ...] = (), *, source: str = "",
+                 dtype: torch.dtype | None = None,
+                 max_shard_size: int | str = DEFAULT_SHARD) -> Export:
+    """Write the folder `AutoModelForCausalLM.from_pretrained(out)` and
+    `AutoTokenizer.from_pretrained(out)` load (`write_contents`: weights in `dtype`, sharded
+    past `max_shard_size`, and the non-weight files of the Hub folder `source`), keeping every
+    other file of `out` and refusing a checkpoint folder or weights pipeflow did not write
+    (`export.publish`: the folder is swapped in whole, so `out` is the old folder or the new
+    one, never half)."""
+    tensors = hf_tensors(state, hf_config, dtype)
+    return export.publish(out, lambda staging: write_contents(
+        staging, tensors, hf_config, source, max_shard_size), overwrite, avoid)
 
 
 def _save_safetensors(tensors: Mapping[str, torch.Tensor], path: str) -> None:
@@ -176,3 +277,4 @@ def _save_safetensors(tensors: Mapping[str, torch.Tensor], path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+

@@ -313,9 +313,10 @@ def _saved_position(save_dir: str, default: int) -> int:
                           f"the file or resume from an earlier checkpoint") from None
 
 
-def _save(engine: Engine, run: RunConfig, position: int, hf_config: Any = None) -> str:
-    """A checkpoint with the data position (and, for an HF model, its config, which
-    `pipeflow export CKPT --hf OUT` reads)."""
+def _save(engine: Engine, run: RunConfig, position: int, hf_config: Any = None,
+          hf_source: str = "") -> str:
+    """A checkpoint with the data position (and, for an HF model, its config and what its
+    export writes, which `pipeflow export CKPT --hf OUT` reads)."""
     folder = engine.save(run.train.save_dir)
     if engine.topo.rank == 0:
         state = {"next_batch": position, "seed": run.engine.seed,
@@ -324,10 +325,21 @@ def _save(engine: Engine, run: RunConfig, position: int, hf_config: Any = None) 
                  "run": run.to_toml()}      # the model and data, for `pipeflow sample`
         if hf_config is not None:
             state["hf_config"] = json.loads(hf_config.to_json_string(use_diff=False))
+            state.update(_export_record(run, hf_source))
         atomic_write_bytes(os.path.join(folder, DATA_STATE), sealed_json(state))
     with engine.watched("checkpoint's data position"):
         waiting.barrier(engine.topo.world)
     return folder
+
+
+def _export_record(run: RunConfig, hf_source: str) -> dict[str, Any]:
+    """What `pipeflow export` of a checkpoint writes as `export_hf` would: the source folder
+    whose other files it carries, the dtype, the shard size."""
+    t = run.train
+    return {"hf_source": os.path.abspath(hf_source) if hf_source else "",
+            "hf_export_dtype": str(hub.export_dtype(t.export_dtype, run.engine.precision)
+                                   ).removeprefix("torch."),
+            "hf_max_shard_size": t.max_shard_size}
 
 
 # -- preemption --------------------------------------------------------------------------------
@@ -378,6 +390,7 @@ class _Loop:
     eot: int | None = None           # [data] packed: the end-of-text id
     started: float = dataclasses.field(default_factory=time.perf_counter)
     hf_config: Any = None            # [model] kind "hf": saved with checkpoints, exported
+    hf_source: str = ""              # [model] kind "hf": the folder whose other files exports carry
 
     @property
     def rank0(self) -> bool:
@@ -466,7 +479,7 @@ def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
             out.line(f"pipeflow: packed rows: position_ids restart after token {eot}")
     return _Loop(run, engine, batches, val, out, position, t.batch_size * batches.seq_len,
                  flops, peak[0] * devices, first_step=engine.step_count, eot=eot,
-                 hf_config=model.hf_config)
+                 hf_config=model.hf_config, hf_source=model.hf_source)
 
 
 def _load_pretrained(engine: Engine, model: Model) -> None:
@@ -496,7 +509,11 @@ def _export_hf(loop: _Loop) -> None:
         t = loop.run.train
         try:
             done = hub.write_folder(state, loop.hf_config, out, t.export_overwrite,
-                                    avoid=(t.save_dir,) if t.save_dir else ())
+                                    avoid=(t.save_dir,) if t.save_dir else (),
+                                    source=loop.hf_source,
+                                    dtype=hub.export_dtype(t.export_dtype,
+                                                           loop.run.engine.precision),
+                                    max_shard_size=t.max_shard_size)
         except (OSError, ValueError) as exc:
             problem = (f"[train] export_hf: {exc}; the checkpoint, if any, is whole: write "
                        f"the folder from it with `pipeflow export CKPT --hf OUT`")
@@ -583,7 +600,7 @@ def _step(loop: _Loop, step: int) -> float:
             loop.out.record({"step": step, "eval_loss": val_loss})
             loop.out.line(f"step {step:5d}  validation loss {val_loss:.4f}")
     if t.save_dir and t.save_every and (step + 1) % t.save_every == 0:
-        _save(engine, loop.run, loop.position, loop.hf_config)
+        _save(engine, loop.run, loop.position, loop.hf_config, loop.hf_source)
     return loss
 
 
@@ -595,7 +612,7 @@ def _stop_early(loop: _Loop, signum: int) -> None:
         # spend the time a preemption warning leaves.
         just_saved = t.save_every and step % t.save_every == 0
         folder = os.path.join(t.save_dir, step_name(step)) if just_saved else \
-            _save(loop.engine, loop.run, loop.position, loop.hf_config)
+            _save(loop.engine, loop.run, loop.position, loop.hf_config, loop.hf_source)
         what = f"checkpoint of step {step} in {folder}; continue with --resume"
         if loop.rank0 and step < t.steps:   # a batch script requeues on it (slurm.sbatch)
             atomic_write_bytes(os.path.join(t.save_dir, STOPPED),
@@ -615,7 +632,7 @@ def _finish(loop: _Loop, elapsed: float, trace: str | None) -> None:
                           f"https://ui.perfetto.dev, or `pipeflow trace {trace} --png t.png`)")
     val_loss = _evaluate(loop)
     if t.save_dir and engine.step_count and (not t.save_every or engine.step_count % t.save_every):
-        _save(engine, loop.run, loop.position, loop.hf_config)
+        _save(engine, loop.run, loop.position, loop.hf_config, loop.hf_source)
     if t.export_hf:
         _export_hf(loop)
     if loop.rank0 and loop.losses:

@@ -32,7 +32,7 @@ from pipeflow.config import ConfigError
 from pipeflow.layers import LayerSpec
 from pipeflow.models import GPTConfig, flops_per_token, gpt_layers, gpt_loss, num_parameters
 
-__all__ = ["Model", "build_model", "import_object", "check_keys", "HF_KEYS"]
+__all__ = ["Model", "build_model", "import_object", "check_keys", "hf_config_of", "HF_KEYS"]
 
 
 @dataclasses.dataclass
@@ -47,6 +47,7 @@ class Model:
     flops_per_token: int | None     # None: 6 x the counted parameters
     hf_config: Any = None           # kind "hf": the transformers config
     pretrained: str = ""            # kind "hf": the Hub folder whose weights the run starts from
+    hf_source: str = ""             # kind "hf": the folder of its config.json (tokenizer, ...)
     notes: list[str] = dataclasses.field(default_factory=list)   # for the log, on rank 0
 
 
@@ -127,12 +128,11 @@ def _hf(table: dict[str, Any]) -> Model:
                           f"'transformers' package ({exc}): pip install transformers") from None
     check_keys(table, HF_KEYS, "hf")
     config, notes = _hf_config_dict(table)
-    import transformers
     pretrained = table.get("pretrained", "")
+    hf_config = hf_config_of(config)
+    if pretrained:
+        notes += _untie_as_transformers_does(hf_config, pretrained)
     try:
-        hf_config = transformers.AutoConfig.for_model(**dict(config))
-        if pretrained:
-            notes += _untie_as_transformers_does(hf_config, pretrained)
         layers = list(hf.causal_lm_layers(hf_config))
     except (ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"[model] kind = \"hf\": {exc}") from None
@@ -141,7 +141,38 @@ def _hf(table: dict[str, Any]) -> Model:
     name = f"Hugging Face {hf_config.model_type}" + (f" from {pretrained}" if pretrained else "")
     return Model(layers, gpt_loss, name, table.get("seq_len", seq),
                  getattr(hf_config, "vocab_size", None), None, hf_config=hf_config,
-                 pretrained=pretrained, notes=notes)
+                 pretrained=pretrained, hf_source=_source_folder(table), notes=notes)
+
+
+def hf_config_of(fields: Mapping[str, Any]) -> Any:
+    """The transformers config of a config.json's fields; a model type pipeflow does not
+    build is refused first, in one line naming it and the supported ones (transformers' own
+    validation of, say, a Mamba2 config never runs)."""
+    import transformers
+
+    from pipeflow.models import hf
+    model_type = fields.get("model_type")
+    if model_type not in hf.supported_model_types():
+        raise ConfigError(f"[model] kind = \"hf\": model_type {model_type!r} is not supported "
+                          f"by pipeflow.models.hf; supported: "
+                          f"{', '.join(hf.supported_model_types())}")
+    from huggingface_hub.errors import StrictDataclassError   # transformers' validation
+    try:
+        return transformers.AutoConfig.for_model(**dict(fields))
+    except (StrictDataclassError, ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"[model] kind = \"hf\": transformers refuses this "
+                          f"{model_type} config ({type(exc).__name__}: {exc})") from None
+
+
+def _source_folder(table: Mapping[str, Any]) -> str:
+    """The folder whose non-weight files (tokenizer, generation config) exports carry: the
+    pretrained folder, or the folder of `config = "..."`; empty for a [model.config] table."""
+    pretrained, config = table.get("pretrained"), table.get("config")
+    if pretrained:
+        return pretrained
+    if isinstance(config, str):
+        return config if os.path.isdir(config) else (os.path.dirname(config) or ".")
+    return ""
 
 
 def _untie_as_transformers_does(hf_config: Any, folder: str) -> list[str]:

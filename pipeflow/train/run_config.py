@@ -57,6 +57,8 @@ class TrainConfig:
     progress: bool = True         # a progress bar on rank 0 when stdout is a terminal (tqdm)
     export_hf: str = ""           # [model] kind "hf": a Hub folder written at the end of the run
     export_overwrite: bool = False  # export_hf may replace weights pipeflow did not write there
+    export_dtype: str = ""        # "float32" | "bfloat16" | "float16"; "": the run's precision
+    max_shard_size: str = "5GB"   # export_hf: one safetensors file up to this, shards past it
 
 
 @dataclasses.dataclass
@@ -240,6 +242,17 @@ def run_config_from(doc: Mapping[str, Any], path: str) -> RunConfig:
     return run
 
 
+def _check_shard_size(size: str) -> None:
+    try:
+        from huggingface_hub.serialization._base import parse_size_to_int
+        parse_size_to_int(size)
+    except ImportError:             # pragma: no cover - the hub comes with transformers
+        return
+    except (ValueError, TypeError):
+        raise ConfigError(f"[train] max_shard_size must be a size like \"5GB\" or \"500MB\" "
+                          f"(save_pretrained's), found {size!r}") from None
+
+
 def _check_together(run: RunConfig) -> None:
     from pipeflow.train.recipe import check_recipe
     t, d = run.train, run.data
@@ -259,6 +272,10 @@ def _check_together(run: RunConfig) -> None:
                           f"which needs [model] kind = \"hf\", found kind = "
                           f"{run.model.get('kind', 'gpt')!r}; remove export_hf or use an HF "
                           f"model")
+    if t.export_dtype not in ("", "float32", "bfloat16", "float16"):
+        raise ConfigError(f"[train] export_dtype must be \"float32\", \"bfloat16\", \"float16\" "
+                          f"or \"\" (the run's precision), found {t.export_dtype!r}")
+    _check_shard_size(t.max_shard_size)
     if d.train and t.corpus:
         raise ConfigError(f"[train] corpus = {t.corpus!r} (bytes) and [data] train = "
                           f"{d.train!r} (tokens) both name training data: keep one")
