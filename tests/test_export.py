@@ -55,10 +55,12 @@ def test_export_into_a_folder_keeps_every_file_it_did_not_write(run, tmp_path, c
         assert main(["export", ckpt, "--hf", str(out)]) == 0
         after = _snapshot(out)
         assert {k: after[k] for k in theirs} == theirs
-        assert sorted(after) == sorted([*theirs, "config.json", "model.safetensors"])
+        # ...and what the run's source folder holds besides weights (its generation config)
+        assert sorted(after) == sorted([*theirs, "config.json", "generation_config.json",
+                                        "model.safetensors"])
     said = capsys.readouterr().out
     assert "kept ['README.md', 'tokenizer']" in said
-    assert "replaced ['config.json', 'model.safetensors']" in said
+    assert "replaced ['config.json', 'generation_config.json', 'model.safetensors']" in said
     assert not [e for e in os.listdir(tmp_path) if e.startswith(".out.")]   # no leftover
 
 
