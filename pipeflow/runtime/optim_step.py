@@ -85,9 +85,9 @@ def _step(stage: StepStage, coef: float) -> None:
     copies."""
     precision = stage.precision
     if coef < 1.0:
-        for p in precision.masters:
-            if p.grad is not None:
-                p.grad.detach().mul_(coef)
+        grads = [p.grad for p in precision.masters if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, coef)        # one launch, as clip_grad_norm_ does
     if stage.optimizer is not None:
         # A parameter no replica had a gradient for is skipped, as torch.optim skips a
         # `.grad` of None (the buckets' views never are); `zero_grad` binds them again.
@@ -142,10 +142,11 @@ def grad_norm(stage: StepStage) -> float:
         sq = stage.shards.square_sum().to(stage.data_comm.device)
         stage.data_comm.allreduce_(sq)
     else:
-        grads = [p.grad.detach() for p in stage.norm_params if p.grad is not None]
-        # Per-tensor norms (no fp64 copy of every gradient), squared and summed in fp64.
-        sq = (torch.stack([torch.linalg.vector_norm(g) for g in grads]).double().square()
-              .sum() if grads else torch.zeros((), dtype=torch.float64, device=stage.device))
+        grads = [p.grad for p in stage.norm_params if p.grad is not None]
+        # Per-tensor norms in one foreach launch (no fp64 copy of every gradient), squared
+        # and summed in fp64.
+        sq = (torch.stack(torch._foreach_norm(grads)).double().square().sum() if grads
+              else torch.zeros((), dtype=torch.float64, device=stage.device))
     sq = sq.reshape(1).to(stage.pipe_comm.device)    # NCCL groups take CUDA tensors only
     if stage.stages > 1:
         stage.pipe_comm.allreduce_(sq)

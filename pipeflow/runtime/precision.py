@@ -142,9 +142,9 @@ class Precision:
     @torch.no_grad()
     def refresh_working(self) -> None:
         """After the optimizer stepped the masters: the working copies are the masters cast."""
-        if self.mixed:
-            for p in self.working:
-                p.copy_(self._master_of[id(p)])
+        if self.mixed and self.working:
+            # One launch for all (as a plain loop's torch._foreach_copy_), casting down.
+            torch._foreach_copy_(self.working, [self._master_of[id(p)] for p in self.working])
 
     @torch.no_grad()
     def load_masters(self, values: dict[int, torch.Tensor]) -> None:
