@@ -20,6 +20,7 @@ class _Bucket:
         self.pending = len(params)
         self.ready = False              # every gradient of the step's last backward is in
         self.request: Request | None = None
+        self.index = -1                 # its place in the reducer's `buckets`
 
 
 class GradReducer:
@@ -89,7 +90,10 @@ class GradReducer:
         # ("launch", bucket) in order, this step's only (for tests).
         self.events: list[tuple[str, int]] = []
         self.thread = threading.get_ident()
-        self._next = 0                       # index in `_ordered` of the next launch
+        # The buckets the hooks launch, in the one order every replica issues them (the
+        # sharded optimizer leaves its ties' to `finish`); index of the next launch in it.
+        self._ordered: list[_Bucket] = self.buckets
+        self._next = 0
         self._armed_ids: set[int] = set()    # parameters in their step's last backward
         self._lock = threading.Lock()
         self._bucket_of: dict[int, _Bucket] = {}   # watched parameter -> its bucket
@@ -101,11 +105,6 @@ class GradReducer:
         self._touched: set[int] = set()
         self._flags: Request | None = None
         self._flag_buffer: torch.Tensor | None = None
-
-    @property
-    def _ordered(self) -> list[_Bucket]:
-        """The buckets the hooks launch, in the one order every replica issues them."""
-        return self.buckets
 
     def close(self) -> None:
         """Remove the gradient hooks: they hold the reducer, which holds the parameters, a
@@ -119,6 +118,7 @@ class GradReducer:
         flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
         bucket = _Bucket(params, flat)
         _bind(bucket)
+        bucket.index = len(self.buckets)
         self.buckets.append(bucket)
         for p in params:
             self._bucket_of[id(watched[id(p)])] = bucket
@@ -131,7 +131,7 @@ class GradReducer:
             self.armed = True
             self.events = []
             self._next = 0
-            self._armed_ids: set[int] = set()
+            self._armed_ids = set()
             for b in self.buckets:
                 b.pending = len(b.params)
                 b.ready = False
@@ -164,7 +164,7 @@ class GradReducer:
             while self._next < len(ordered) and (everything or ordered[self._next].ready):
                 bucket = ordered[self._next]
                 self._next += 1
-                self.events.append(("launch", self.buckets.index(bucket)))
+                self.events.append(("launch", bucket.index))
                 self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
@@ -181,7 +181,7 @@ class GradReducer:
     def _key(self, bucket: _Bucket) -> str:
         """What the strict backend compares across ranks besides shape and dtype, so that two
         buckets of one size issued in different orders are told apart."""
-        return f"gradient bucket {self.buckets.index(bucket)}"
+        return f"gradient bucket {bucket.index}"
 
     def poll(self) -> None:
         """On the engine's thread: launch the buckets made final since the last call, and let

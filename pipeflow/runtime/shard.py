@@ -146,6 +146,9 @@ class ShardedOptimizer(GradReducer):
                 open_buckets[key] = (params, size)
         for (g, _), (params, _) in open_buckets.items():
             self._add_bucket_of(params, g, initial)
+        # The hooks launch every bucket but the ties' (`finish` launches those, after their
+        # sum over the stages that hold them), in index order.
+        self._ordered = [b for b in self.buckets if b.tie is None]
         # Each parameter's fp32 gradient: its view of its bucket's `flat`.
         self._grad_view = {id(p): b.flat[start:end].view_as(p)
                            for b in self.buckets for p, start, end in b.offsets()}
@@ -176,6 +179,7 @@ class ShardedOptimizer(GradReducer):
             bucket.master.copy_(full[bucket.block])
         if dtype == torch.float32:
             _bind(bucket)          # fp32: the parameters' `.grad` are views of `flat`
+        bucket.index = len(self.buckets)
         self.buckets.append(bucket)
         if tie is None:            # a tie's bucket is launched by `finish`, after its sum
             for p in params:
@@ -202,12 +206,6 @@ class ShardedOptimizer(GradReducer):
         self._grad_view[id(p)].add_(p.grad)
         p.grad = None
 
-    @property
-    def _ordered(self) -> list[_Bucket]:
-        """The hooks launch every bucket but the ties' (`finish` launches those, after their
-        sum over the stages that hold them), in index order."""
-        return [b for b in self.buckets if b.tie is None]
-
     def _launch(self, bucket: _Bucket) -> None:
         """Reduce-scatter: block `rank` of the sum over the data group into `master.grad`."""
         if self.reduce_dtype is None:
@@ -227,7 +225,7 @@ class ShardedOptimizer(GradReducer):
         for b in self.buckets:
             if b.tie is not None:
                 _sum_over_holders(b.tie, b.flat)
-                self.events.append(("launch", self.buckets.index(b)))
+                self.events.append(("launch", b.index))
                 self._launch(b)
         self._launch_flags()
         self._wait_all()
