@@ -34,10 +34,11 @@ from pipeflow.runtime.failure import (CollectiveError, Watchdog, abort_world, in
                               report_and_abort, say)
 from pipeflow.runtime.hostmem import keep_freed_memory
 from pipeflow.runtime.optim_step import close_step
-from pipeflow.runtime.planning import plan_pipeline
+from pipeflow.runtime.arrange import ArrangeSettings, arrange_pipeline
 from pipeflow.runtime.rng import seed_everything
 from pipeflow.runtime.runner import Runner, StepState
-from pipeflow.runtime.stage import Stage, StageModule, default_device
+from pipeflow.runtime.stage import (Stage, StageModule, StageSettings, StepSettings,
+                                    default_device)
 from pipeflow.schedules import Action
 
 __all__ = ["Engine", "StageModule", "BatchError", "StepStats"]
@@ -71,12 +72,16 @@ class Engine:
 
     `comm` runs the engine on a sub-communicator instead of `MPI.COMM_WORLD`; `device`
     overrides the default (this rank's GPU by node-local rank, else the CPU); `trace` records
-    each instruction's start and end (`timeline`); `measure_activations` counts the bytes
-    stashed for backward (`peak_activation_bytes`); `sample`, a micro-batch of inputs, is what
-    `partition = "time"` and `schedule = "auto"` measure the layers on. With `count_items`
+    each instruction's start and end (`runner.timeline`); `measure_activations` counts the
+    bytes stashed for backward (`stats.peak_activation_bytes`); `sample`, a micro-batch of
+    inputs, is what `partition = "time"` and `schedule = "auto"` measure the layers on. With `count_items`
     (`targets of a micro-batch -> number of valid items`, e.g. non-padding tokens), `loss_fn`
     returns each micro-batch's summed loss and the engine divides by the global batch's
     count, so a padded token-mean loss equals the one-process model's.
+
+    What this rank holds is `engine.stage` (layers, device, communicators, precision,
+    optimizer: `runtime.stage.Stage`) and what every rank runs `engine.plan`
+    (`schedules.plan.Plan`); their facts are read there.
     """
 
     def __init__(self, layers: Sequence[LayerSpec], loss_fn: LossFn,
@@ -100,8 +105,8 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - a failure on some ranks only ends the job
             self._fail(exc)
         self.count_items = count_items
-        self.trace = trace
-        self.measure_activations = measure_activations
+        self.runner.trace = trace
+        self.runner.measure_activations = measure_activations
 
     def _build(self, layers, loss_fn, optimizer, config, world, device, sample) -> None:
         self.config = config = config if config is not None else Config()
@@ -114,19 +119,24 @@ class Engine:
         waiting.use(waiting.choose(config.wait, topo.local_size, topo.local_cores))
         dev = default_device(topo, torch.device(device) if device is not None else None)
         bind_device(dev)      # before CUDA's first use: layer building forks its RNG
-        planned = plan_pipeline(layers, config, world, topo.pipeline, sample, dev)
-        self.schedule_choice = planned.choice       # why ("" unless schedule "auto")
-        self._stage = Stage(layers, config, topo, planned.plan, optimizer, dev)
-        self._where = self._stage.describe()
+        arranged = arrange_pipeline(layers, fields_of(ArrangeSettings, config), world,
+                                    topo.pipeline, sample, dev)
+        self.schedule_choice = arranged.choice       # why ("" unless schedule "auto")
+        # What this rank holds (layers, device, communicators, precision, optimizer) and
+        # what every rank runs: read their facts there (`engine.stage.topo`, `engine.plan`).
+        self.stage = Stage(layers, fields_of(StageSettings, config),
+                           fields_of(StepSettings, config), topo, arranged.plan, optimizer, dev)
+        self.plan = self.stage.plan
+        self._where = self.stage.describe()
         self.loss_fn = loss_fn
         # With count_items the first training step checks that the loss is a sum.
         self._loss_check = SummedLossCheck(loss_fn)
         self._loss_checked = False
         # Callbacks hold the engine weakly: a cycle would keep a dropped engine's weights and
         # optimizer state (on the GPU) alive until the garbage collector happens to run.
-        self.runner = Runner(self._stage, self._loss_check, _weak(self._at))
-        if config.keep_host_memory and self._stage.split_backward \
-                and self._stage.device.type == "cpu":
+        self.runner = Runner(self.stage, self._loss_check, _weak(self._at))
+        if config.keep_host_memory and self.plan.spec.split_backward \
+                and dev.type == "cpu":
             keep_freed_memory()     # B to W keeps more graphs alive: no page faults each step
         self._control = world.Dup()    # the per-step agreement and the close check
         # Dropout and other random draws: reproducible from Config.seed, different per rank
@@ -137,104 +147,46 @@ class Engine:
         self.watchdog = Watchdog(config.watchdog_s, _weak(self._report_where))
         _OPEN.add(self)
 
-    # -- what this rank holds -------------------------------------------------------------
-    topo = property(lambda self: self._stage.topo)
-    module = property(lambda self: self._stage.module)
-    precision = property(lambda self: self._stage.precision)
-    optimizer = property(lambda self: self._stage.optimizer)
-    reducer = property(lambda self: self._stage.reducer)
-    device = property(lambda self: self._stage.device)
-    backend = property(lambda self: self._stage.backend)
-    boundaries = property(lambda self: self._stage.boundaries)
-    n_layers = property(lambda self: self._stage.n_layers)
-    pipe_comm = property(lambda self: self._stage.pipe_comm)
-    data_comm = property(lambda self: self._stage.data_comm)
-    is_first = property(lambda self: self._stage.holds_first)
-    is_last = property(lambda self: self._stage.holds_last)
-    schedule = property(lambda self: self._stage.schedule)     # what runs: "auto" resolved
-
+    # -- the documented shortcuts (docs/design.md); every other fact is read where it lives:
+    # `engine.stage` (this rank's share), `engine.plan` (what every rank runs), `engine.stats`.
     @property
-    def stage(self) -> int:
-        """This rank's pipeline stage (0 .. pipeline - 1)."""
-        return self._stage.index
-
-    @property
-    def stages(self) -> int:
-        return self._stage.stages
-
-    @property
-    def recompute(self) -> str:
-        return self._stage.recompute
+    def schedule(self) -> str:
+        """The schedule that runs: `Config.schedule` with "auto" resolved (why:
+        `schedule_choice`)."""
+        return self.plan.spec.name
 
     @property
     def loss_scale(self) -> float:
         """The current dynamic loss scale (fp16); 1.0 without scaling. Alike on every rank."""
-        return self.precision.loss_scale
-
-    # The optimizer steps taken (`stats.step`), settable by a checkpoint's loader.
-    @property
-    def step_count(self) -> int:
-        return self.stats.step
-
-    @step_count.setter
-    def step_count(self, step: int) -> None:
-        self.stats.step = step
-
-
-    @property
-    def expected_peak_stash(self) -> list[int]:
-        return self._stage.expected_peak_stash
-
-    @property
-    def trace(self) -> bool:
-        return self.runner.trace
-
-    @trace.setter
-    def trace(self, on: bool) -> None:
-        self.runner.trace = on
-
-    @property
-    def measure_activations(self) -> bool:
-        return self.runner.measure_activations
-
-    @measure_activations.setter
-    def measure_activations(self, on: bool) -> None:
-        self.runner.measure_activations = on
-
-    def parameters(self) -> Iterable[nn.Parameter]:
-        return self.module.parameters()
-
-    @property
-    def shards(self) -> Any:
-        """The distributed optimizer (`runtime.shard.ShardedOptimizer`) where
-        `Config.shard_optimizer` shards this stage's masters over d > 1 replicas; else None."""
-        return self._stage.shards
+        return self.stage.precision.loss_scale
 
     def named_master_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """(name, the fp32 parameter the optimizer steps), tied names included; trainable
-        parameters only. Sharded (`shards`), each replica steps blocks of them: this is then
+        parameters only. Sharded (`stage.shards`), each replica steps blocks of them: this is then
         their whole fp32 values, gathered over the data group (call it on every replica)."""
-        named = [(n, p) for n, p in self.module.named_parameters(remove_duplicate=False)
+        stage = self.stage
+        named = [(n, p) for n, p in stage.module.named_parameters(remove_duplicate=False)
                  if p.requires_grad]
-        if self.shards is not None:
-            whole = self.shards.full_masters()
+        if stage.shards is not None:
+            whole = stage.shards.full_masters()
             return [(n, whole[id(p)]) for n, p in named]
-        return [(n, self.precision.master_of(p)) for n, p in named]
+        return [(n, stage.precision.master_of(p)) for n, p in named]
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's state dict with full-precision values (frozen parameters included).
         Sharded: gathered over the data group, so every replica calls it."""
-        state = {k: v.detach() for k, v in self.module.state_dict().items()}
-        whole = self.shards.full_masters() if self.shards is not None else {}
-        for name, p in self.module.named_parameters(remove_duplicate=False):
+        stage = self.stage
+        state = {k: v.detach() for k, v in stage.module.state_dict().items()}
+        whole = stage.shards.full_masters() if stage.shards is not None else {}
+        for name, p in stage.module.named_parameters(remove_duplicate=False):
             state[name] = whole[id(p)] if id(p) in whole else \
-                self.precision.master_of(p).detach()
+                stage.precision.master_of(p).detach()
         return state
 
     def memory_report(self) -> dict[str, Any]:
         """This rank's bytes of model state and activations (see `runtime.memory`)."""
         from pipeflow.runtime.memory import memory_report
-        return memory_report(self._stage, self.stats.peak_activation_bytes)
+        return memory_report(self.stage, self.stats.peak_activation_bytes)
 
     # -- steps ----------------------------------------------------------------------------
     def train_step(self, inputs: Batch | None, targets: Batch | None, **side: Any) -> float:
@@ -244,29 +196,30 @@ class Engine:
         Side inputs (`attention_mask=...`) are split like the inputs and given, on every
         stage, to the layers whose `forward` names them; pass them on every rank.
         """
-        cuda = self.device.type == "cuda"
+        stage = self.stage
+        cuda = stage.device.type == "cuda"
         if cuda:     # the step's own peak: its forwards, backwards, reductions and optimizer
-            torch.cuda.reset_peak_memory_stats(self.device)
+            torch.cuda.reset_peak_memory_stats(stage.device)
         start = time.perf_counter()
         with self.watchdog:
-            self.module.train()
+            stage.module.train()
             st = self._start("train_step", inputs, targets, side, train=True)
             # Agreed on every rank: the batch agreement counted items (count_items is set).
             checking = st.batches.items is not None and not self._loss_checked
             if checking and self.count_items is not None:
                 self._loss_check.arm(self.count_items)
-            if self._stage.reducer is not None:
-                self._stage.reducer.begin_step()     # the views, after a user's zero_grad
-            self._measure(lambda: self.runner.run(self._stage.program, st))
+            if stage.reducer is not None:
+                stage.reducer.begin_step()     # the views, after a user's zero_grad
+            self._measure(lambda: self.runner.run(self.plan.programs[stage.index], st))
             loss = self._guarded("loss", lambda: self._global_loss(st.losses, st))
             if checking:        # before the update: a wrong loss never moves the weights
                 self._loss_checked = True
                 self._guarded("loss contract", self._agree_loss_contract)
-            self._guarded("optimizer step", lambda: close_step(self._stage, loss, self.stats))
+            self._guarded("optimizer step", lambda: close_step(stage, loss, self.stats))
             if cuda:     # device time, not the host's enqueue time; watched: a stuck link
-                self._guarded("device synchronize", lambda: torch.cuda.synchronize(self.device))
+                self._guarded("device synchronize", lambda: torch.cuda.synchronize(stage.device))
         if cuda:
-            self.stats.peak_memory_bytes = torch.cuda.max_memory_allocated(self.device)
+            self.stats.peak_memory_bytes = torch.cuda.max_memory_allocated(stage.device)
         self.stats.loss = loss
         self.stats.step += 1
         self.stats.peak_stash = st.peak_stash
@@ -283,12 +236,13 @@ class Engine:
         targets, `outputs` without.
         """
         with self.watchdog:
-            self.module.eval()
+            self.stage.module.eval()
             st = self._start("eval_step", inputs, targets, side, train=False)
             # Whether targets were given is the agreed view of the ranks holding the last
             # stage, never this rank's own: a rank in the middle passes none either way.
             keep = st.keep_outputs = return_outputs or not st.batches.has_targets
-            self._guarded("eval", lambda: self.runner.run(self._stage.eval_program, st))
+            program = self.plan.eval_programs[self.stage.index]
+            self._guarded("eval", lambda: self.runner.run(program, st))
             loss = self._guarded("loss", lambda: self._global_loss(st.losses, st)) \
                 if st.batches.has_targets else None
             outputs = self._guarded("outputs", lambda: self._gather_outputs(st.outputs)) \
@@ -315,23 +269,24 @@ class Engine:
 
         with self.watchdog:
             self._agree("generate")
-            self.module.eval()
+            self.stage.module.eval()
             request, problem = None, None
             try:
                 request = gen.Request.make(prompt_ids, max_new_tokens, temperature, top_k,
                                            top_p, eos, seed, use_cache)
             except (TypeError, ValueError) as exc:
                 problem = str(exc)
-            missing, limit = gen.layer_report(self._stage)
+            missing, limit = gen.layer_report(self.stage)
             views = waiting.allgather(self._control, (
                 request.digest() if request else None, problem, missing, limit))
             request, cached, limit = self._agree_generate(request, views)
-            topo = self.topo
+            topo = self.stage.topo
             mine = range(topo.replica, len(request.prompts), topo.data)
-            decoding = gen.Decoding(self._stage, request, mine, cached, limit, self._at)
+            decoding = gen.Decoding(self.stage, request, mine, cached, limit, self._at)
             results = self._guarded("generate", decoding.run)
+            last = self.plan.holds_last(self.stage.index)
             shared = self._guarded("generate results", lambda: waiting.allgather(
-                self._control, results if self.is_last else None))
+                self._control, results if last else None))
         merged = {i: toks for part in shared if part for i, toks in part.items()}
         return [merged[i] for i in range(len(request.prompts))]
 
@@ -362,7 +317,7 @@ class Engine:
         self._instruction = "batch"
         self._check_open(call)
         try:
-            batches = split_step(call, self.stats.step, inputs, targets, side, stage=self._stage,
+            batches = split_step(call, self.stats.step, inputs, targets, side, stage=self.stage,
                                  control=self._control, needs_targets=train,
                                  count_items=self.count_items, deadline_s=self.config.agree_s)
         except waiting.NotJoined as exc:
@@ -372,7 +327,7 @@ class Engine:
             mult = 1.0 / max(batches.items, 1)
         else:
             mult = 1.0 / (cfg.microbatches * cfg.data)   # the mean over m and d
-        scale = self.precision.loss_scale
+        scale = self.stage.precision.loss_scale
         return StepState(train=train, batches=batches, loss_multiplier=mult * scale,
                          aux_multiplier=scale / (cfg.microbatches * cfg.data))
 
@@ -400,9 +355,9 @@ class Engine:
         if d > 1:
             # On the data group's object channel: its tensor channel may still carry the
             # gradient buckets' reductions, and every rank sums in the same order.
-            parts = self._stage.data_comm.allgather_object((total, aux))
+            parts = self.stage.data_comm.allgather_object((total, aux))
             total, aux = math.fsum(p[0] for p in parts), math.fsum(p[1] for p in parts)
-        parts = self.pipe_comm.allgather_object((total, aux))
+        parts = self.stage.pipe_comm.allgather_object((total, aux))
         return parts[self._last_rank()][0] + math.fsum(p[1] for p in parts)
 
     def _agree_loss_contract(self) -> None:
@@ -410,21 +365,22 @@ class Engine:
         holding the last stage to every rank: a ConfigError raised on all alike."""
         check = self._loss_check
         check.count_items = None                 # no micro-batch gave a loss: not checked
-        mine = check.problem if self.is_last else None
+        mine = check.problem if self.plan.holds_last(self.stage.index) else None
         problems = [p for p in waiting.allgather(self._control, mine) if p]
         if problems:
-            raise ConfigError(f"{self._stage.describe()}: stopped at the first training step, "
+            raise ConfigError(f"{self.stage.describe()}: stopped at the first training step, "
                               f"before its update: {problems[0]}")
 
     def _last_rank(self) -> int:
         """The pipeline rank holding the last virtual stage."""
-        return self._stage.plan.owner(self._stage.last_virtual)[0]
+        return self.plan.owner(self.plan.last_virtual)[0]
 
     def _gather_outputs(self, outputs: list[Any]) -> Any:
         """The last stage's outputs of every micro-batch and replica, in global batch order,
         on world rank 0."""
-        mine = tree.map_tensors(lambda t: t.to("cpu"), outputs) if self.is_last else None
-        parts = waiting.gather(self._control, (self.topo.replica, mine), 0)
+        mine = tree.map_tensors(lambda t: t.to("cpu"), outputs) \
+            if self.plan.holds_last(self.stage.index) else None
+        parts = waiting.gather(self._control, (self.stage.topo.replica, mine), 0)
         if self._control.rank != 0:
             return None
         pieces = [o for _, outs in sorted((p for p in parts if p[1] is not None),
@@ -445,8 +401,9 @@ class Engine:
 
     def _gather_state(self) -> dict[str, torch.Tensor] | None:
         local = {k: v.to("cpu") for k, v in self.master_state_dict().items()}
-        parts = waiting.gather(self.topo.pipe, local, 0) if self.topo.replica == 0 else None
-        if self.topo.rank != 0:
+        topo = self.stage.topo
+        parts = waiting.gather(topo.pipe, local, 0) if topo.replica == 0 else None
+        if topo.rank != 0:
             return None
         merged: dict[str, torch.Tensor] = {}
         for part in parts:
@@ -457,24 +414,26 @@ class Engine:
         """Load a whole model's state dict (keys as in `build_sequential`, e.g. from
         `gather_state_dict` or `models.hf.from_hf_state_dict`): each rank takes its layers'
         entries; masters and working copies are both set. Pass it on every rank."""
-        mine = {k: v for k, v in state.items() if _key_order(k) in set(self.module.indices)}
-        expected = set(self.module.state_dict())
+        module = self.stage.module
+        mine = {k: v for k, v in state.items() if _key_order(k) in set(module.indices)}
+        expected = set(module.state_dict())
         missing, unexpected = sorted(expected - set(mine)), sorted(set(mine) - expected)
         if missing or unexpected:
             raise ConfigError(
-                f"{self._stage.describe()}: load_state_dict expected the keys of layers "
-                f"{self.module.indices[0]}..{self.module.indices[-1]}; missing {missing[:5]}, "
+                f"{self.stage.describe()}: load_state_dict expected the keys of layers "
+                f"{module.indices[0]}..{module.indices[-1]}; missing {missing[:5]}, "
                 f"unexpected {unexpected[:5]}; use build_sequential's keys ('<layer>.<name>')")
         self._load_params(mine)
 
     def _load_params(self, params: Mapping[str, torch.Tensor]) -> None:
         """Full-precision values by name: the working weights (cast) and the masters."""
-        self.module.load_state_dict({k: v.to(self.device) for k, v in params.items()})
-        values = {id(p): params[n].to(self.device) for n, p in
-                  self.module.named_parameters(remove_duplicate=False) if n in params}
-        self.precision.load_masters(values)
-        if self.shards is not None:
-            self.shards.load_full(values)       # this replica's blocks of the masters
+        stage = self.stage
+        stage.module.load_state_dict({k: v.to(stage.device) for k, v in params.items()})
+        values = {id(p): params[n].to(stage.device) for n, p in
+                  stage.module.named_parameters(remove_duplicate=False) if n in params}
+        stage.precision.load_masters(values)
+        if stage.shards is not None:
+            stage.shards.load_full(values)       # this replica's blocks of the masters
 
     def save(self, directory: str | os.PathLike) -> str:
         """Write a checkpoint (per-layer shards, atomically, checksummed); returns its folder.
@@ -490,42 +449,43 @@ class Engine:
         with self.watchdog:
             self._agree("load")
         with self.watchdog.allow(self._io_allowance_s()):
-            self.step_count = load_checkpoint(self._checkpoint_state(), directory)
+            self.stats.step = load_checkpoint(self._checkpoint_state(), directory)
 
     def _io_allowance_s(self) -> float:
         """Seconds a checkpoint's I/O may take beyond `watchdog_s`: the largest rank's bytes
         (masters and optimizer state) at `CHECKPOINT_IO_BYTES_S`, a slow shared file system's
         rate; agreed, so the ranks that wait on the writers allow as long as they write."""
-        mine = sum(p.numel() * 4 for p in self.module.parameters())
-        state = self.optimizer.state if self.optimizer is not None else {}
-        blocks = self.topo.data if self.shards is not None else 1   # sharded: 1/d held here
+        stage = self.stage
+        mine = sum(p.numel() * 4 for p in stage.module.parameters())
+        state = stage.optimizer.state if stage.optimizer is not None else {}
+        blocks = stage.topo.data if stage.shards is not None else 1   # sharded: 1/d held here
         mine += blocks * sum(v.numel() * v.element_size() for st in state.values()
                              for v in st.values() if torch.is_tensor(v))
         return max(waiting.allgather(self._control, mine)) / CHECKPOINT_IO_BYTES_S
 
     def _checkpoint_state(self) -> CheckpointState:
         """What a checkpoint reads and writes: a narrow view, not the engine."""
+        stage, sharded = self.stage, self.stage.shards is not None
         return CheckpointState(
-            topo=self.topo, n_layers=self.n_layers, step=self.step_count,
-            config=self.config.to_dict(), layer_indices=self.module.indices,
+            topo=stage.topo, n_layers=stage.n_layers, step=self.stats.step,
+            config=self.config.to_dict(), layer_indices=stage.module.indices,
             master_state_dict=self.master_state_dict,
             named_master_parameters=self.named_master_parameters,
-            load_params=self._load_params, optimizer=self.optimizer,
-            scaler=self.precision.scaler, device=self.device, model=self._fingerprint,
-            optimizer_entries=self._sharded_entries if self.shards is not None else None,
-            load_optimizer_entries=(self._load_sharded_entries if self.shards is not None
-                                    else None),
-            plan={"schedule": self.schedule, "virtual_stages": self._stage.num_chunks,
-                  "boundaries": list(self.boundaries)})
+            load_params=self._load_params, optimizer=stage.optimizer,
+            scaler=stage.precision.scaler, device=stage.device, model=self._fingerprint,
+            optimizer_entries=self._sharded_entries if sharded else None,
+            load_optimizer_entries=self._load_sharded_entries if sharded else None,
+            plan={"schedule": self.schedule, "virtual_stages": self.plan.chunks,
+                  "boundaries": list(self.plan.boundaries)})
 
     def _names(self) -> list[tuple[str, nn.Parameter]]:
-        return [(n, p) for n, p in self.module.named_parameters(remove_duplicate=False)
+        return [(n, p) for n, p in self.stage.module.named_parameters(remove_duplicate=False)
                 if p.requires_grad]
 
     def _sharded_entries(self) -> tuple[dict[str, dict], dict[str, dict]]:
         """Sharded: whole optimizer state and group settings by parameter name, as an
         unsharded run saves them (gathered over the data group: every replica calls it)."""
-        states, settings = self.shards.full_optimizer_state()
+        states, settings = self.stage.shards.full_optimizer_state()
         named = self._names()
         return ({n: states[id(p)] for n, p in named if id(p) in states},
                 {n: settings[id(p)] for n, p in named if id(p) in settings})
@@ -534,9 +494,9 @@ class Engine:
         """Sharded: whole per-name optimizer state (of a checkpoint of any grid, sharded or
         not) cut into this replica's blocks."""
         named = self._names()
-        self.shards.load_optimizer_state({id(p): states[n] for n, p in named if n in states},
-                                         {id(p): settings[n] for n, p in named
-                                          if n in settings})
+        self.stage.shards.load_optimizer_state(
+            {id(p): states[n] for n, p in named if n in states},
+            {id(p): settings[n] for n, p in named if n in settings})
 
     def close(self) -> None:
         """Check that every rank made the same calls, then free this engine's communicators
@@ -559,7 +519,7 @@ class Engine:
         finally:
             self.watchdog.close()
         self._control.Free()
-        self._stage.close()
+        self.stage.close()
 
     @contextlib.contextmanager
     def watched(self, what: str) -> Iterator[None]:
@@ -626,11 +586,11 @@ class Engine:
         """The watchdog's report: where this rank is, and what it waits for."""
         text = (f"{self._where} at instruction {self._instruction_text(probe=True)} of step "
                 f"{self.stats.step}")
-        stuck = [op for comm in (self._stage.pipe_comm, self._stage.data_comm)
+        stuck = [op for comm in (self.stage.pipe_comm, self.stage.data_comm)
                  if comm is not None for op in comm.in_flight()]
         if stuck:     # NCCL: the host waits at a later point than the link that is stuck
             text += "; on the device, still waiting: " + "; ".join(stuck[:4])
-        topo = self.topo
+        topo = self.stage.topo
         if waiting.policy() == "spin" and \
                 waiting.choose("auto", topo.local_size, topo.local_cores) == "yield":
             text += (f" (this node runs {topo.local_size} ranks on {topo.local_cores} cores "
@@ -641,7 +601,7 @@ class Engine:
     def _guarded(self, what: str, fn: Callable[[], Any]) -> Any:
         if what not in ("run", "eval"):
             self._at(what)
-        t0 = self.runner.clock.mark() if self.trace and what == "optimizer step" else None
+        t0 = self.runner.clock.mark() if self.runner.trace and what == "optimizer step" else None
         try:
             result = fn()
         except ConfigError:
@@ -685,6 +645,12 @@ def check_launcher(world: MPI.Comm) -> None:
         f"{who}, but its MPI world holds 1 rank: every process would train alone. pipeflow "
         f"is launched with mpirun or srun, which start the ranks of one MPI job: `mpirun -n "
         f"{size} pipeflow train CONFIG.toml` (or `srun -n {size} ...`), not torchrun")
+
+
+def fields_of(settings: type, config: Config) -> Any:
+    """The frozen record `settings` (a part's own dataclass: `StageSettings`, ...) filled
+    from `config` by field name: a part reads only the fields it declares, never `Config`."""
+    return settings(**{f.name: getattr(config, f.name) for f in dataclasses.fields(settings)})
 
 
 def use_deterministic_algorithms() -> None:

@@ -21,7 +21,9 @@ from mpi4py import MPI
 from pipeflow import tree
 from pipeflow.comm import waiting
 from pipeflow.comm.topology import Topology
-from pipeflow.config import Config, ConfigError
+from pipeflow.config import ConfigError
+from pipeflow.runtime.stage import StepSettings
+from pipeflow.schedules.plan import Plan
 
 __all__ = ["BatchError", "MicroBatch", "StepBatches", "BatchStage", "split_step", "agree",
            "agree_call", "SummedLossCheck"]
@@ -89,11 +91,11 @@ def split(what: str, batch: Any, m: int, d: int, replica: int, device: torch.dev
 class BatchStage(Protocol):
     """What splitting a step's batch reads of a rank's stage (`runtime.stage.Stage` is one)."""
 
-    config: Config
+    step_settings: StepSettings
     topo: Topology
     device: torch.device
-    holds_first: bool                   # this rank runs the first virtual stage
-    holds_last: bool                    # ... the last
+    plan: Plan                          # which rank runs the first and the last virtual stage
+    index: int                          # this rank's pipeline stage
 
     def describe(self) -> str: ...
 
@@ -102,22 +104,24 @@ def split_step(call: str, step: int, inputs: Any, targets: Any, side: Mapping[st
             stage: BatchStage, control: MPI.Comm, needs_targets: bool,
             count_items: Callable[[Any], Any] | None, deadline_s: float = 0.0) -> StepBatches:
     """Split this rank's share of the batch and agree with every other rank on the call."""
-    cfg, topo = stage.config, stage.topo
+    cfg, topo = stage.step_settings, stage.topo
+    holds_first = stage.plan.holds_first(stage.index)
+    holds_last = stage.plan.holds_last(stage.index)
     m, d, where = cfg.microbatches, cfg.data, stage.describe()
     local = cfg.batch == "local"
     micro = [MicroBatch() for _ in range(m)]
     problem, items = None, None
     try:
-        if stage.holds_first:
+        if holds_first:
             _fill(micro, "inputs", _need(call, "inputs", inputs, where, "first"),
                   m, d, topo.replica, stage.device, where, local)
-        if stage.holds_last and (targets is not None or needs_targets):
+        if holds_last and (targets is not None or needs_targets):
             _fill(micro, "targets", _need(call, "targets", targets, where, "last"),
                   m, d, topo.replica, stage.device, where, local)
             if count_items is not None:
                 items = int(sum(int(count_items(mb.targets)) for mb in micro))
-        rows = _rows(inputs if stage.holds_first else None) or \
-            _rows(targets if stage.holds_last else None)
+        rows = _rows(inputs if holds_first else None) or \
+            _rows(targets if holds_last else None)
         for name, value in side.items():
             found = _rows(value)
             if rows is not None and found not in (None, rows):
@@ -131,13 +135,13 @@ def split_step(call: str, step: int, inputs: Any, targets: Any, side: Mapping[st
     except BatchError as exc:
         problem = str(exc)
     mine = {"rank": topo.rank, "call": call, "step": step, "problem": problem, "items": items,
-            "inputs": _signature(inputs) if stage.holds_first else None,
-            "targets": _signature(targets) if stage.holds_last else None,
+            "inputs": _signature(inputs) if holds_first else None,
+            "targets": _signature(targets) if holds_last else None,
             "side": sorted((k, _signature(v)) for k, v in side.items()),
             "replica": topo.replica,
             "values": None if local or d == 1 or problem else _values(
-                inputs if stage.holds_first else None,
-                targets if stage.holds_last else None, side, first=step == 0)}
+                inputs if holds_first else None,
+                targets if holds_last else None, side, first=step == 0)}
     verdict = agree(control, mine, deadline_s)
     return StepBatches(micro, verdict["items"], has_targets=verdict["has_targets"])
 

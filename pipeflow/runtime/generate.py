@@ -209,7 +209,7 @@ class Decoding:
         plan = stage.plan
         self.last = plan.last_virtual
         self.first_rank, self.last_rank = plan.owner(0)[0], plan.owner(self.last)[0]
-        self.mine = sorted((v, c) for c, v in enumerate(plan.layout[stage.index]))
+        self.mine = sorted((v, c) for c, v in enumerate(plan.programs.layout[stage.index]))
         n = len(self.indices)
         self.sequences = [list(request.prompts[i]) for i in self.indices]
         self.results: dict[int, list[int]] = {i: [] for i in self.indices}
@@ -278,7 +278,7 @@ class Decoding:
     def _forward(self, chunk: int, j: int, x: Any, position: int) -> Any:
         stage = self.stage
         layers = stage.chunk_layers[chunk]
-        if stage.plan.layout[stage.index][chunk] == 0:
+        if stage.plan.programs.layout[stage.index][chunk] == 0:
             x = stage.precision.cast_input(x)
         if not self.cached:
             return run_layers(layers, x)

@@ -18,9 +18,10 @@ from torch import nn
 from pipeflow.comm.base import Communicator
 from pipeflow.comm.mpi import mpi_iallreduce_
 from pipeflow.comm.topology import Topology
-from pipeflow.config import Config, ConfigError
+from pipeflow.config import ConfigError
 from pipeflow.runtime.data_parallel import GradReducer
 from pipeflow.runtime.precision import Precision
+from pipeflow.runtime.stage import StepSettings
 
 __all__ = ["close_step", "NonFiniteError", "StepStage"]
 
@@ -32,7 +33,7 @@ class NonFiniteError(ConfigError):
 class StepStage(Protocol):
     """What closing a step reads of a rank's stage (`runtime.stage.Stage` is one)."""
 
-    config: Config
+    step_settings: StepSettings
     topo: Topology
     stages: int                         # pipeline size
     device: torch.device
@@ -70,7 +71,7 @@ def close_step(stage: StepStage, loss: float, stats: Any) -> None:
         _skip(stage, stats, loss, norm)
         return
     stats.nonfinite_in_row = 0
-    clip = stage.config.clip
+    clip = stage.step_settings.clip
     # As torch.nn.utils.clip_grad_norm_, over the whole model.
     coef = clip / (norm + 1e-6) if clip > 0 else 1.0
     if stage.shards is not None:
@@ -121,7 +122,7 @@ def _skip(stage: StepStage, stats: Any, loss: float, norm: float) -> None:
     if stage.precision.scaler is not None:
         return                          # fp16: the loss scaler's business
     stats.nonfinite_in_row += 1
-    limit = stage.config.max_nonfinite_steps
+    limit = stage.step_settings.max_nonfinite_steps
     if stage.topo.rank == 0:
         print(f"pipeflow: step {stats.step}: non-finite loss {loss} or gradient norm {norm}; "
               f"step skipped on every rank ({stats.nonfinite_in_row} in a row, at most "

@@ -23,11 +23,11 @@ from pipeflow.aux_loss import collect_aux_losses
 from pipeflow.comm.base import Communicator
 from pipeflow.comm.strict import no_device_sync
 from pipeflow.comm.topology import Topology
-from pipeflow.config import Config
 from pipeflow.runtime.batch import StepBatches
 from pipeflow.runtime.data_parallel import GradReducer
 from pipeflow.runtime.precision import Precision
 from pipeflow.runtime.recompute import SavedTensorMeter, auto_policy, stage_forward
+from pipeflow.runtime.stage import StepSettings
 from pipeflow.schedules.plan import Plan
 from pipeflow.schedules.split_backward import backward_input, backward_weight
 from pipeflow.tree import Header
@@ -116,7 +116,7 @@ class RunnerStage(Protocol):
 
     plan: Plan                          # programs, routes, layout (pure, alike on every rank)
     index: int                          # this rank's pipeline stage
-    config: Config
+    step_settings: StepSettings
     topo: Topology
     device: torch.device
     backend: str
@@ -146,7 +146,7 @@ class Runner:
         self.pending_sends: list = []
         # Megatron-Core's deallocate_output_tensor: once an activation is sent, its storage
         # goes; the stash keeps only its graph (grad_fn) for the backward.
-        self.free_sent_outputs = stage.config.free_sent_outputs
+        self.free_sent_outputs = stage.step_settings.free_sent_outputs
         self._announced: dict[tuple[int, int], Header] = {}   # (peer, chunk) -> last sent
         self._heard: dict[tuple[int, int], Header] = {}       # (peer, chunk) -> last received
         # What each instruction needs from the plan, looked up once (O(1) an instruction):
@@ -157,8 +157,8 @@ class Runner:
         self._routes = {a: plan.route(a, rank)
                         for prog in (plan.programs[rank], plan.eval_programs[rank]) for a in prog
                         if a.op in sched.SENDS or a.op in sched.RECVS}
-        self._first_chunk = {c for c, v in enumerate(plan.layout[rank]) if v == 0}
-        self._last_chunk = {c for c, v in enumerate(plan.layout[rank])
+        self._first_chunk = {c for c, v in enumerate(plan.programs.layout[rank]) if v == 0}
+        self._last_chunk = {c for c, v in enumerate(plan.programs.layout[rank])
                             if v == plan.last_virtual}
         self._arm_at = _arming(plan, rank, stage.chunk_layers)
         # The class's functions, not bound methods: a runner holding its own methods is a
@@ -305,7 +305,7 @@ class Runner:
         # An auxiliary loss may have used the output (its graph holds it): never freed then.
         aux_used = st.train and st.stash[(act.mb, act.chunk)][2] is not None
         st.sends.append(_FreeAfter(request, _freeable(ts)) if self.free_sent_outputs
-                        and st.train and not self.stage.plan.split_backward and not aux_used
+                        and st.train and not self.stage.plan.spec.split_backward and not aux_used
                         else request)
 
     def recv_gradient(self, act: sched.Action, st: StepState) -> None:
@@ -341,7 +341,7 @@ class Runner:
             if extra is not None and extra.requires_grad:
                 outs, grads = outs + [extra * st.aux_multiplier], \
                     list(grads) + [torch.ones((), device=extra.device)]
-        if stage.plan.split_backward:
+        if stage.plan.spec.split_backward:
             params = [p for layer in stage.chunk_layers[act.chunk] for p in layer.parameters()]
             got, st.pending_w[key] = backward_input(outs, grads, needs_grad, params)
             st.grads_out[key] = [g if g is not None else torch.zeros_like(t)
@@ -375,7 +375,7 @@ class Runner:
         """Measure this chunk on a real micro-batch and pick the cheapest policy whose stash
         (depth from the simulator) fits the budget."""
         stage = self.stage
-        budget = int(stage.config.activation_budget_mb * 2**20)
+        budget = int(stage.step_settings.activation_budget_mb * 2**20)
         tail = ((lambda out: self.loss_fn(tree.cast_floating(out, torch.float32), target))
                 if target is not None else None)
         stage.recompute = auto_policy(layers, x, stage.plan.peak_stash[stage.index],

@@ -1,10 +1,14 @@
 """`Stage`: what one rank holds — its layers, device, communicators, precision, optimizer.
 
-The runner, the batch splitter and the step closer take a `Stage`, never the `Engine`.
+The runner, the batch splitter and the step closer take a `Stage`, never the `Engine`. The
+facts of the pipeline as a whole (schedule, layout, programs, boundaries) are read from
+`stage.plan` and `stage.plan.spec`; the settings a stage and its steps read arrive as two
+small frozen records made from `Config` by the engine (`StageSettings`, `StepSettings`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -15,7 +19,7 @@ from torch import nn
 from pipeflow.comm import waiting
 from pipeflow.comm.base import Communicator
 from pipeflow.comm.topology import Topology, choose_backend, grid_communicators
-from pipeflow.config import Config, ConfigError
+from pipeflow.config import ConfigError
 from pipeflow.layers import LayerSpec, build_layer, get_parameter, set_parameter, tie_groups
 from pipeflow.runtime.data_parallel import GradReducer
 from pipeflow.runtime.precision import DTYPES, LossScaler, Precision, class_matches
@@ -23,9 +27,44 @@ from pipeflow.runtime.shard import ShardedOptimizer
 from pipeflow.schedules.ir import Action
 from pipeflow.schedules.plan import Plan
 
-__all__ = ["Stage", "StageModule", "Tie"]
+__all__ = ["Stage", "StageModule", "StageSettings", "StepSettings", "Tie"]
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSettings:
+    """The `Config` fields building a stage reads (the engine fills them by name)."""
+
+    seed: int                           # layer i is built under (seed, i)
+    precision: str
+    fp32_modules: Sequence[Any]
+    loss_scale: float                   # fp16's dynamic loss scale, from here ...
+    loss_scale_growth: float
+    loss_scale_backoff: float
+    loss_scale_interval: int
+    loss_scale_min: float               # ... to here
+    recompute_modules: Sequence[Any]
+    backend: str
+    bucket_mb: float
+    grad_reduce_dtype: str
+    shard_optimizer: bool
+    compile: bool | str
+    watchdog_s: float                   # the communicators' own timeout
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """The `Config` fields a step reads of the stage that runs it: the batch splitter
+    (`runtime.batch`), the runner and the step closer (`runtime.optim_step`)."""
+
+    microbatches: int
+    data: int                           # replicas: the loss's mean is over m · d
+    batch: str                          # "global" or "local" inputs on each replica
+    free_sent_outputs: bool
+    activation_budget_mb: float         # recompute "auto"'s budget
+    clip: float
+    max_nonfinite_steps: int
 
 
 class StageModule(nn.Module):
@@ -62,17 +101,19 @@ class Stage:
     interleaved schedule); `chunk_layers[c]` are its layers in order.
     """
 
-    def __init__(self, layers: Sequence[LayerSpec], config: Config, topo: Topology, plan: Plan,
+    def __init__(self, layers: Sequence[LayerSpec], settings: StageSettings,
+                 step_settings: StepSettings, topo: Topology, plan: Plan,
                  optimizer: OptimizerFactory, device: torch.device) -> None:
-        """Build this rank's share of `plan` (made by `runtime.planning.plan_pipeline`, the
+        """Build this rank's share of `plan` (made by `runtime.arrange.arrange_pipeline`, the
         same on every rank) on `device`: layers, ties, precision, communicators, reducer and
         optimizer. Collective over the world: every rank builds its stage together."""
-        self.config, self.topo, self.plan, self.device = config, topo, plan, device
+        self.settings, self.step_settings = settings, step_settings
+        self.topo, self.plan, self.device = topo, plan, device
         self.index, self.stages = topo.stage, topo.pipeline
         self.n_layers = len(layers)
         world = topo.world
         ranges = self.plan.layer_ranges(self.index)
-        built = {i: build_layer(layers[i], config.seed, i) for r in ranges for i in r}
+        built = {i: build_layer(layers[i], settings.seed, i) for r in ranges for i in r}
         # Ranks finish building at different times: wait for the last one here, by the wait
         # policy, rather than inside the communicator splits below (MPI's own, which spin).
         waiting.barrier(world)
@@ -81,16 +122,16 @@ class Stage:
         self.ties = self._tie(layers, built)
         self.module = StageModule(built).to(self.device)
         self.chunk_layers = [[self.module.get_submodule(str(i)) for i in r] for r in ranges]
-        if config.compile:
-            _compile_layers(self.module, config.compile, self.plan.split_backward,
+        if settings.compile:
+            _compile_layers(self.module, settings.compile, self.plan.spec.split_backward,
                             self.describe())
         # The distributed optimizer: masters and optimizer state sharded over the replicas.
-        self.sharded = config.shard_optimizer and topo.data > 1
-        self.precision = Precision(self.module, config.precision, config.fp32_modules,
-                                   _scaler(config), sharded=self.sharded)
+        self.sharded = settings.shard_optimizer and topo.data > 1
+        self.precision = Precision(self.module, settings.precision, settings.fp32_modules,
+                                   _scaler(settings), sharded=self.sharded)
         self.recompute = self.plan.recompute[self.index]   # "auto": resolved on first use
-        mark_selective(self.module, config.recompute_modules, self.recompute, self.describe())
-        self.backend = choose_backend(config.backend, topo, self.device)
+        mark_selective(self.module, settings.recompute_modules, self.recompute, self.describe())
+        self.backend = choose_backend(settings.backend, topo, self.device)
         self.pipe_comm, self.data_comm = self._communicators()
         self._tie_groups()
         self.shards: ShardedOptimizer | None = None
@@ -99,7 +140,7 @@ class Stage:
             return
         masters = self.precision.masters
         self.reducer = (GradReducer(self.precision.working, self.data_comm,
-                                    int(config.bucket_mb * 2**20), grad_params=masters,
+                                    int(settings.bucket_mb * 2**20), grad_params=masters,
                                     reduce_dtype=self._reduce_dtype())
                         if self.data_comm is not None and masters else None)
         # A tied weight counts in the gradient norm on the first stage that holds it only.
@@ -111,7 +152,7 @@ class Stage:
     def _reduce_dtype(self) -> torch.dtype | None:
         """`Config.grad_reduce_dtype` as the dtype buckets cross the data group in (None: the
         fp32 buckets themselves); bf16 over MPI, which has no bf16 sum, is refused."""
-        name = self.config.grad_reduce_dtype
+        name = self.settings.grad_reduce_dtype
         if name == "fp32" or self.data_comm is None:
             return None
         if name == "bf16" and self.backend in ("mpi", "strict"):
@@ -131,50 +172,9 @@ class Stage:
             return
         probe = _make_optimizer(factory, working, self.describe())
         self.shards = ShardedOptimizer(working, self.precision.take_initial(), self.ties,
-                                       self.data_comm, int(self.config.bucket_mb * 2**20),
+                                       self.data_comm, int(self.settings.bucket_mb * 2**20),
                                        probe, self.describe(), self._reduce_dtype())
         self.reducer, self.optimizer = self.shards, self.shards.optimizer
-
-    # -- where things are (the plan's facts about this rank) -----------------------------
-    @property
-    def schedule(self) -> str:
-        return self.plan.name
-
-    @property
-    def num_chunks(self) -> int:
-        return self.plan.chunks
-
-    @property
-    def boundaries(self) -> list[int]:
-        return list(self.plan.boundaries)
-
-    @property
-    def last_virtual(self) -> int:
-        return self.plan.last_virtual
-
-    @property
-    def holds_first(self) -> bool:
-        return self.plan.holds_first(self.index)
-
-    @property
-    def holds_last(self) -> bool:
-        return self.plan.holds_last(self.index)
-
-    @property
-    def program(self) -> list[Action]:
-        return self.plan.programs[self.index]
-
-    @property
-    def eval_program(self) -> tuple[Action, ...]:
-        return self.plan.eval_programs[self.index]
-
-    @property
-    def split_backward(self) -> bool:
-        return self.plan.split_backward
-
-    @property
-    def expected_peak_stash(self) -> list[int]:
-        return list(self.plan.peak_stash)
 
     def describe(self) -> str:
         return self.topo.describe()
@@ -199,7 +199,7 @@ class Stage:
                 continue
             first, first_attr = holders[0]
             source = built[first] if first in built else \
-                build_layer(layers[first], self.config.seed, first)   # its initialisation
+                build_layer(layers[first], self.settings.seed, first)   # its initialisation
             shared = get_parameter(source, first_attr)
             for i, attr in mine:
                 set_parameter(built[i], attr, shared)
@@ -214,7 +214,8 @@ class Stage:
             from pipeflow.comm.torch_dist import check_nccl_launch_order
             check_nccl_launch_order(self.plan.programs, self.describe())
         return grid_communicators(self.topo, self.backend, self.device,
-                                  ring=self.plan.ring, timeout_s=self.config.watchdog_s)
+                                  ring=self.plan.spec.ring(self.plan.chunks),
+                                  timeout_s=self.settings.watchdog_s)
 
     def _tie_groups(self) -> None:
         """Under torch.distributed, a group per spanning tie and replica, made on every rank
@@ -268,11 +269,12 @@ def mark_selective(module: nn.Module, names: Sequence[Any], policy: str, where: 
                       f"`pipeflow_selective = True`", stacklevel=2)
 
 
-def _scaler(config: Config) -> LossScaler | None:
-    if config.precision != "fp16":
+def _scaler(settings: StageSettings) -> LossScaler | None:
+    if settings.precision != "fp16":
         return None
-    return LossScaler(config.loss_scale, config.loss_scale_growth, config.loss_scale_backoff,
-                      config.loss_scale_interval, config.loss_scale_min)
+    return LossScaler(settings.loss_scale, settings.loss_scale_growth,
+                      settings.loss_scale_backoff, settings.loss_scale_interval,
+                      settings.loss_scale_min)
 
 
 def _make_optimizer(factory: OptimizerFactory, masters: list[nn.Parameter],

@@ -129,7 +129,7 @@ def _weigh(c: Candidate, costs: LayerCosts, stages: int, microbatches: int,
         return [sum(values[i] for i in span) for span in spans]
 
     f = total(costs.forward)
-    if plan.split_backward:
+    if plan.spec.split_backward:
         times = list(zip(f, total(costs.backward_input), total(costs.weight)))
     else:
         times = [(x, b, 0.0) for x, b in zip(f, total(costs.backward))]

@@ -59,34 +59,14 @@ class Plan:
         return Plan(spec, chunks, stages, microbatches, bounds, programs, evals,
                     tuple(simulate(programs).peak_stash), policies)
 
-    # -- where things are -----------------------------------------------------------------
-    @property
-    def layout(self) -> Layout:
-        return self.programs.layout
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
+    # -- where things are (the schedule's own facts: `spec`; the layout: `programs.layout`) --
     @property
     def last_virtual(self) -> int:
         return self.stages * self.chunks - 1
 
-    @property
-    def split_backward(self) -> bool:
-        return self.spec.split_backward
-
-    @property
-    def ring(self) -> bool:
-        """Whether the last rank sends to the first (looped, several chunks a rank)."""
-        return self.spec.ring(self.chunks)
-
-    def virtual(self, rank: int, chunk: int) -> int:
-        return self.layout[rank][chunk]
-
     def owner(self, virtual: int) -> tuple[int, int]:
         """(rank, chunk) of virtual stage `virtual`."""
-        return self.layout.owner[virtual]
+        return self.programs.layout.owner[virtual]
 
     def rank_of_layer(self, layer: int) -> int:
         for v in range(self.last_virtual + 1):
@@ -102,11 +82,12 @@ class Plan:
 
     def layer_ranges(self, rank: int) -> list[range]:
         """The layers of each of `rank`'s chunks, in chunk order."""
-        return [range(self.boundaries[v], self.boundaries[v + 1]) for v in self.layout[rank]]
+        return [range(self.boundaries[v], self.boundaries[v + 1])
+                for v in self.programs.layout[rank]]
 
     def route(self, act: Action, rank: int) -> Route:
         """Where the send or receive `act` of `rank` goes: peer, receiving chunk, tag."""
-        return route(act, rank, self.layout, self.microbatches)
+        return route(act, rank, self.programs.layout, self.microbatches)
 
     def last_gradient_action(self, rank: int) -> Action | None:
         """The instruction after which `rank`'s weight gradients are final for the step (its
@@ -119,7 +100,7 @@ class Plan:
         last W under split backward, else its last B): each chunk's data-parallel buckets
         launch as they become final during it, so with several chunks a rank (interleaved,
         V) the earlier chunks' reductions overlap the later chunks' backwards."""
-        op = WEIGHT if self.split_backward else BACKWARD
+        op = WEIGHT if self.spec.split_backward else BACKWARD
         last: dict[int, Action] = {}
         for a in self.programs[rank]:
             if a.op == op:

@@ -1,4 +1,6 @@
-"""Planning a pipeline: the schedule (`auto` resolved by measuring), the partition, the `Plan`.
+"""Arranging a pipeline: the schedule (`auto` resolved by measuring), the partition, and the
+`schedules.plan.Plan` they make (what every rank runs; the planner's sizing result is another
+thing, in `pipeflow.planner`).
 
 World rank 0 measures what needs measuring (`partition = "time"`, `schedule = "auto"`) on a
 sample micro-batch and broadcasts it; every rank then computes the same pure `Plan` from the
@@ -14,7 +16,7 @@ import torch
 from mpi4py import MPI
 
 from pipeflow.comm import waiting
-from pipeflow.config import SCHEDULES, Config, ConfigError, parse_policy
+from pipeflow.config import SCHEDULES, ConfigError, parse_policy
 from pipeflow.layers import LayerSpec
 from pipeflow import tree
 from pipeflow.runtime.partition import (clock, each_layer, grad_outputs, leaf_input,
@@ -24,55 +26,71 @@ from pipeflow.schedules.auto import LayerCosts, choose_schedule
 from pipeflow.schedules.plan import Plan
 from pipeflow.schedules.split_backward import backward_input, backward_weight
 
-__all__ = ["Planned", "plan_pipeline", "measure_layer_costs"]
+__all__ = ["ArrangeSettings", "Arrangement", "arrange_pipeline", "measure_layer_costs"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Planned:
-    """The plan and why: the text of `auto`'s choice ("" when a schedule was named)."""
+class ArrangeSettings:
+    """The `Config` fields arranging a pipeline reads (the engine fills them by name)."""
+
+    schedule: str                       # a name, or "auto"
+    virtual_stages: int
+    partition: str | Sequence[int]
+    microbatches: int
+    recompute: str | Sequence[str]
+    activation_budget_mb: float         # "auto"'s activation budget
+    seed: int                           # the layers measured are built as for training
+    precision: str
+    fp32_modules: Sequence[Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrangement:
+    """The `Plan` every rank runs and why: the text of `auto`'s choice ("" when a schedule
+    was named)."""
 
     plan: Plan
     choice: str = ""
 
 
-def plan_pipeline(layers: Sequence[LayerSpec], config: Config, world: MPI.Comm, stages: int,
-                  sample: Any, device: torch.device) -> Planned:
-    """The same `Plan` on every rank of `world` for `layers` under `config`."""
-    schedule, chunks, times, choice = _resolve_schedule(layers, config, world, sample, device,
+def arrange_pipeline(layers: Sequence[LayerSpec], settings: ArrangeSettings, world: MPI.Comm,
+                     stages: int, sample: Any, device: torch.device) -> Arrangement:
+    """The same `Plan` on every rank of `world` for `layers` under `settings`."""
+    schedule, chunks, times, choice = _resolve_schedule(layers, settings, world, sample, device,
                                                         stages)
-    boundaries = partition_layers(layers, stages * chunks, config.partition, times)
-    plan = Plan.build(schedule, stages, config.microbatches, chunks, boundaries,
-                      parse_policy(config.recompute, stages))
-    return Planned(plan, choice)
+    boundaries = partition_layers(layers, stages * chunks, settings.partition, times)
+    plan = Plan.build(schedule, stages, settings.microbatches, chunks, boundaries,
+                      parse_policy(settings.recompute, stages))
+    return Arrangement(plan, choice)
 
 
-def _measure_times(layers: Sequence[LayerSpec], config: Config, world: MPI.Comm, sample: Any,
-                   device: torch.device) -> list[float] | None:
+def _measure_times(layers: Sequence[LayerSpec], settings: ArrangeSettings, world: MPI.Comm,
+                   sample: Any, device: torch.device) -> list[float] | None:
     """`partition = "time"`: measured once, on world rank 0, so every rank splits alike."""
-    if config.partition != "time":
+    if settings.partition != "time":
         return None
     times = None
     if world.rank == 0 and sample is not None:
-        times = measure_layer_times(layers, sample, config.seed, device=device,
-                                    precision=config.precision,
-                                    fp32_modules=config.fp32_modules)
+        times = measure_layer_times(layers, sample, settings.seed, device=device,
+                                    precision=settings.precision,
+                                    fp32_modules=settings.fp32_modules)
     return waiting.bcast(world, times, 0)
 
 
-def _resolve_schedule(layers: Sequence[LayerSpec], config: Config, world: MPI.Comm,
+def _resolve_schedule(layers: Sequence[LayerSpec], settings: ArrangeSettings, world: MPI.Comm,
                       sample: Any, device: torch.device, stages: int
                       ) -> tuple[str, int, list[float] | None, str]:
     """(schedule, model chunks per rank, layer times for partition 'time', the text of
     schedule 'auto''s choice). 'auto' measures on world rank 0 and broadcasts, then every
     rank chooses alike from the same numbers; rank 0 prints the choice."""
-    if config.schedule != "auto":
-        return (config.schedule, config.virtual_stages,
-                _measure_times(layers, config, world, sample, device), "")
+    if settings.schedule != "auto":
+        return (settings.schedule, settings.virtual_stages,
+                _measure_times(layers, settings, world, sample, device), "")
     costs = None
     if world.rank == 0 and sample is not None:
-        costs = measure_layer_costs(layers, sample, config.seed, device=device,
-                                    precision=config.precision,
-                                    fp32_modules=config.fp32_modules)
+        costs = measure_layer_costs(layers, sample, settings.seed, device=device,
+                                    precision=settings.precision,
+                                    fp32_modules=settings.fp32_modules)
     costs = waiting.bcast(world, costs, 0)
     if costs is None:
         raise ConfigError(
@@ -80,10 +98,10 @@ def _resolve_schedule(layers: Sequence[LayerSpec], config: Config, world: MPI.Co
             f"times on a sample micro-batch, and world rank 0 was given none: pass "
             f"Engine(..., sample=inputs[:micro_batch_size]) (a micro-batch of the inputs), or "
             f"name a schedule (one of {[s for s in SCHEDULES if s != 'auto']})")
-    times = costs.totals if config.partition == "time" else None
+    times = costs.totals if settings.partition == "time" else None
     choice = choose_schedule(
-        costs, stages, config.microbatches, int(config.activation_budget_mb * 2**20),
-        boundaries=lambda k: partition_layers(layers, k, config.partition, times))
+        costs, stages, settings.microbatches, int(settings.activation_budget_mb * 2**20),
+        boundaries=lambda k: partition_layers(layers, k, settings.partition, times))
     if world.rank == 0:
         print(choice.describe(), flush=True)
     return choice.schedule, choice.chunks, times, choice.describe()
