@@ -153,7 +153,7 @@ def per_step_counts(cfg: GPTConfig, m: int, backend: str) -> dict[str, float]:
     data = Batches(load_corpus(), m, cfg.seq_len, seed=0)
     for k in range(2):
         engine.train_step(*data.batch(k))
-    comm = engine.pipe_comm
+    comm = engine.stage.pipe_comm
     sent = collections.Counter()
     real_send = comm.send_message
 
@@ -174,8 +174,8 @@ def per_step_counts(cfg: GPTConfig, m: int, backend: str) -> dict[str, float]:
     spans = [(name, b - a) for name, a, b in engine.runner.timeline]
     comm.send_message = real_send
     instructions = [d for name, d in spans if name != "optimizer step"]
-    links = max(1, len({engine.runner.route(a).peer for a in engine._stage.program
-                        if a.op in SENDS}))
+    program = engine.plan.programs[engine.stage.index]
+    links = max(1, len({engine.runner.route(a).peer for a in program if a.op in SENDS}))
     engine.close()
     mine = dict(step=step, instructions=len(instructions),
                 per_instruction=sum(instructions) / max(1, len(instructions)),

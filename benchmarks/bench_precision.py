@@ -155,12 +155,12 @@ def watch_gradients(engine: pf.Engine) -> dict[str, int]:
 
     def hook(optimizer, args, kwargs) -> None:
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        working = [p.grad for p in engine.module.parameters()
+        working = [p.grad for p in engine.stage.module.parameters()
                    if all(p is not q for q in params)]
         seen["grads"] = _nbytes([p.grad for p in params] + working)
 
-    if engine.optimizer is not None:
-        engine.optimizer.register_step_pre_hook(hook)
+    if engine.stage.optimizer is not None:
+        engine.stage.optimizer.register_step_pre_hook(hook)
     return seen
 
 
@@ -196,31 +196,33 @@ def stage_memory(engine: pf.Engine, grads_seen: dict[str, int], x: torch.Tensor,
     """
     # One more step with the engine's own saved-tensor meter on (it is off by default: it
     # costs a Python call per saved tensor), for the most it stashed at once.
-    engine.measure_activations = True
+    engine.runner.measure_activations = True
     engine.train_step(x, y)
-    engine.measure_activations = False
-    precision = engine.precision
-    working = list(engine.module.parameters())
-    opt_state = ([t for s in engine.optimizer.state.values() for t in s.values()
-                  if torch.is_tensor(t)] if engine.optimizer is not None else [])
+    engine.runner.measure_activations = False
+    precision = engine.stage.precision
+    working = list(engine.stage.module.parameters())
+    opt_state = ([t for s in engine.stage.optimizer.state.values() for t in s.values()
+                  if torch.is_tensor(t)] if engine.stage.optimizer is not None else [])
     mb = x.shape[0] // engine.config.microbatches
-    if engine.is_first:
+    first, last = engine.plan.holds_first(engine.stage.index), \
+        engine.plan.holds_last(engine.stage.index)
+    if first:
         sample = x[:mb]
     else:
         shape, dtype = comm.recv(source=comm.rank - 1)
         sample = torch.randn(shape).to(dtype).requires_grad_(True)
-    engine.module.train()
+    engine.stage.module.train()
     out_meta: list[Any] = []
 
     def forward() -> Any:
         with torch.enable_grad():
-            out = engine.module(precision.cast_input(sample))
+            out = engine.stage.module(precision.cast_input(sample))
             out_meta.append((tuple(out.shape), out.dtype))
             # The last stage's loss is taken in fp32, as the engine does.
-            return gpt_loss(out.float(), y[:mb]) if engine.is_last else out
+            return gpt_loss(out.float(), y[:mb]) if last else out
 
     activations = saved_bytes(forward)
-    if not engine.is_last:
+    if not last:
         comm.send(out_meta[0], dest=comm.rank + 1)
     return dict(
         params=sum(p.numel() for p in working),
@@ -357,7 +359,7 @@ def main() -> None:
         if pair != MPI.COMM_NULL:
             engine = engines2[p]
             mine = stage_memory(engine, grads2[p], x, y, pair)
-            sent_mine = engine.pipe_comm.bytes_sent / (engine.step_count * args.microbatches)
+            sent_mine = engine.stage.pipe_comm.bytes_sent / (engine.stats.step * args.microbatches)
         if two:
             gathered = COMM.gather((mine, sent_mine), root=0)
             if rank0:
@@ -368,7 +370,7 @@ def main() -> None:
                       plains[p].skipped_steps) for p in precisions}
         status2 = {p: (engines2[p].loss_scale, engines2[p].stats.skipped_steps)
                    for p in precisions} if two else {}
-        bounds = engines2["fp32"].boundaries if two else None
+        bounds = list(engines2["fp32"].plan.boundaries) if two else None
         report = make_report(args, cfg, precisions, systems, check, first_losses, bounds,
                              mem1, mem2, sent, status, status2, load_before, load_after)
         print(report, flush=True)
@@ -487,7 +489,7 @@ def make_report(args, cfg: GPTConfig, precisions: list[str], systems: list[Syste
             "### (b) Two stages and (d) the bytes they send each other",
             "",
             f"Ranks 0 and 1, one stage each (layers split {bounds}). Bytes sent per "
-            f"micro-batch are the engine's point-to-point payload counter (`engine.pipe_comm."
+            f"micro-batch are the engine's point-to-point payload counter (`engine.stage.pipe_comm."
             f"bytes_sent`) over all steps × {m} micro-batches: stage 0 sends activations, "
             f"stage 1 their gradients.",
             "",
@@ -510,7 +512,7 @@ def make_report(args, cfg: GPTConfig, precisions: list[str], systems: list[Syste
               "stage holds when the optimizer steps (fp32 master gradients: pipeflow adds "
               "each low-precision gradient into them as autograd makes it, then frees it). "
               "Optimizer state: AdamW's tensors. Activations: the bytes one micro-batch saves "
-              "for backward (the forward of `engine.module`, and the fp32 loss on the last "
+              "for backward (the forward of `engine.stage.module`, and the fp32 loss on the last "
               "stage), metered with "
               + ("`pipeflow.runtime.recompute.SavedTensorMeter`" if SavedTensorMeter is not None
                  else "`torch.autograd.graph.saved_tensors_hooks`")

@@ -56,7 +56,7 @@ def main() -> None:
                             pf.Config(pipeline=p, microbatches=2 * p, schedule="interleaved",
                                       virtual_stages=2, backend=b))
                for b in backends}
-    topo = next(iter(engines.values())).topo
+    topo = next(iter(engines.values())).stage.topo
     auto = waiting.choose("auto", topo.local_size, topo.local_cores)
     runs = [(b, w) for b in backends for w in POLICIES]
     times: dict[tuple[str, str], list[float]] = {r: [] for r in runs}

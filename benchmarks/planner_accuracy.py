@@ -111,7 +111,7 @@ def data_parallel_works(shape: Shape, batch: int) -> bool:
                        pf.Config(pipeline=1, data=2, microbatches=1), comm=COMM)
     x, y = _batch(shape, batch, seed=1)
     engine.train_step(x, y)
-    total = float(sum(p.detach().double().sum() for p in engine.parameters()))
+    total = float(sum(p.detach().double().sum() for p in engine.stage.module.parameters()))
     engine.close()
     views = COMM.allgather(total)
     return abs(views[0] - views[1]) <= 1e-9 * max(1.0, abs(views[0]))

@@ -74,10 +74,10 @@ class Engine:
     overrides the default (this rank's GPU by node-local rank, else the CPU); `trace` records
     each instruction's start and end (`runner.timeline`); `measure_activations` counts the
     bytes stashed for backward (`stats.peak_activation_bytes`); `sample`, a micro-batch of
-    inputs, is what `partition = "time"` and `schedule = "auto"` measure the layers on. With `count_items`
-    (`targets of a micro-batch -> number of valid items`, e.g. non-padding tokens), `loss_fn`
-    returns each micro-batch's summed loss and the engine divides by the global batch's
-    count, so a padded token-mean loss equals the one-process model's.
+    inputs, is what `partition = "time"` and `schedule = "auto"` measure the layers on. With
+    `count_items` (`targets of a micro-batch -> number of valid items`, e.g. non-padding
+    tokens), `loss_fn` returns each micro-batch's summed loss and the engine divides by the
+    global batch's count, so a padded token-mean loss equals the one-process model's.
 
     What this rank holds is `engine.stage` (layers, device, communicators, precision,
     optimizer: `runtime.stage.Stage`) and what every rank runs `engine.plan`

@@ -118,7 +118,7 @@ def train_keeping_engine(path: str, comm, before=None, after=None) -> list[float
 def logits_of(loop, ids: torch.Tensor) -> torch.Tensor | None:
     """The engine's logits for `ids` (the whole batch, on rank 0; None elsewhere)."""
     engine = loop.engine
-    feed = ids if engine.is_first else None
+    feed = ids if engine.plan.holds_first(engine.stage.index) else None
     return engine.eval_step(feed, return_outputs=True)
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 import pipeflow as pf
-from pipeflow.runtime.planning import measure_layer_costs
+from pipeflow.runtime.arrange import measure_layer_costs
 from pipeflow.schedules.auto import LayerCosts, choose_schedule, peak_activation_bytes
 from pipeflow.config import ConfigError
 from pipeflow.layers import build_layer

@@ -35,8 +35,8 @@ def test_auto_trains_like_one_process_and_reports_its_choice(stages, microbatche
     engine = pf.Engine(layers, loss_fn, adamw, config, comm=comm, sample=sample)
     choice = engine.schedule_choice
     # One choice, the same on every rank, from numbers rank 0 measured; rank 0 prints it.
-    assert comm.allgather((engine.schedule, choice, engine.boundaries)) == \
-        [(engine.schedule, choice, engine.boundaries)] * comm.size
+    assert comm.allgather((engine.schedule, choice, list(engine.plan.boundaries))) == \
+        [(engine.schedule, choice, list(engine.plan.boundaries))] * comm.size
     assert choice.startswith(f"pipeflow: schedule 'auto' chose {engine.schedule!r}")
     assert (choice in capsys.readouterr().out) == (comm.rank == 0)
     assert config.schedule == "auto" and config.virtual_stages == 1
@@ -56,7 +56,7 @@ def test_auto_trains_like_one_process_and_reports_its_choice(stages, microbatche
     # It runs the schedule it chose: the stash is that schedule's simulated one.
     chunks = 2 if engine.schedule in ("interleaved", "zbv") else 1
     expected = simulate(build_schedule(engine.schedule, stages, microbatches, chunks))
-    assert engine.stats.peak_stash == expected.peak_stash[engine.stage]
-    assert len(engine.boundaries) == stages * chunks + 1
+    assert engine.stats.peak_stash == expected.peak_stash[engine.stage.index]
+    assert len(engine.plan.boundaries) == stages * chunks + 1
     engine.close()
     comm.Free()

@@ -54,7 +54,7 @@ def test_a_fresh_run_into_a_folder_with_higher_steps_keeps_what_it_writes(tmp_pa
     assert _steps(tmp_path) == ["step-00000001", "step-00000002"]
     resumed = _engine()
     resumed.load(tmp_path)
-    assert resumed.step_count == 2
+    assert resumed.stats.step == 2
     reference, _ = train_reference(toy_layers(), data[:2])
     assert_same_parameters(resumed.gather_state_dict(), reference.state_dict())
     for engine in (old, new, resumed):
@@ -76,7 +76,7 @@ def test_saving_a_step_again_and_leftovers_of_interrupted_saves(tmp_path):
     assert not [d for d in os.listdir(tmp_path) if d.startswith(".")]   # no staging left
     assert sorted(meta["checksums"]) == sorted(set(os.listdir(folder)) - {"engine.json"})
     engine.load(tmp_path)
-    assert engine.step_count == 1
+    assert engine.stats.step == 1
     engine.close()
 
 
@@ -123,7 +123,7 @@ def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_usable(tmp_pat
     assert len(os.listdir(tmp_path / staged)) == 2               # two shards, no engine.json
     engine = _engine()
     engine.load(tmp_path)
-    assert engine.step_count == 1
+    assert engine.stats.step == 1
     reference, _ = train_reference(toy_layers(), batches(2, 4)[:1])
     assert_same_parameters(engine.gather_state_dict(), reference.state_dict())
     engine.close()
@@ -141,12 +141,12 @@ def test_parameter_groups_and_their_changed_settings_are_restored(tmp_path):
     data = batches(3, 4)
     engine = _engine(optimizer=_two_groups)
     engine.train_step(*data[0])
-    for group in engine.optimizer.param_groups:     # what a learning-rate schedule does
+    for group in engine.stage.optimizer.param_groups:     # what a learning-rate schedule does
         group["lr"] *= 0.5
     engine.save(tmp_path)
     resumed = _engine(optimizer=_two_groups)
     resumed.load(tmp_path)
-    assert [(g["lr"], g["weight_decay"]) for g in resumed.optimizer.param_groups] == \
+    assert [(g["lr"], g["weight_decay"]) for g in resumed.stage.optimizer.param_groups] == \
         [(5e-3, 0.1), (1.5e-3, 0.0)]
     for x, y in data[1:]:
         engine.train_step(x, y)
@@ -226,7 +226,7 @@ def test_a_checkpoint_of_format_1_still_loads_without_the_random_state(tmp_path)
     other = _engine()
     with pytest.warns(RuntimeWarning, match="the random state is not restored"):
         other.load(tmp_path)
-    assert other.step_count == 1
+    assert other.stats.step == 1
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(engine.named_master_parameters(),
                                                            other.named_master_parameters()))
     engine.close()
@@ -267,10 +267,10 @@ def test_a_failed_save_keeps_the_previous_checkpoint_loadable(tmp_path, monkeypa
     assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000001"]   # nothing half-written
     other = _engine()
     other.load(tmp_path)
-    assert other.step_count == 1
+    assert other.stats.step == 1
     assert all(torch.equal(a, b) for a, b in zip(_masters(other).values(), saved.values()))
     # The engine that failed to save goes on and saves once there is room again.
-    assert engine.save(tmp_path).endswith(f"step-{engine.step_count:08d}")
+    assert engine.save(tmp_path).endswith(f"step-{engine.stats.step:08d}")
     for e in (engine, other):
         e.close()
 
@@ -327,7 +327,7 @@ def test_a_save_past_the_file_size_limit_fails_and_the_previous_one_loads(tmp_pa
     assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000001"]
     engine = _engine()
     engine.load(tmp_path)
-    assert engine.step_count == 1
+    assert engine.stats.step == 1
     engine.close()
 
 
@@ -462,9 +462,9 @@ def test_the_same_model_with_a_function_argument_loads_its_own_checkpoint(tmp_pa
     engine.save(tmp_path)
     other = pf.Engine([pf.LayerSpec(Activated, 4, again)], mse, sgd, pf.Config())
     other.load(tmp_path)
-    assert other.step_count == 1
-    assert torch.equal(other.module.state_dict()["0.lin.weight"],
-                       engine.module.state_dict()["0.lin.weight"])
+    assert other.stats.step == 1
+    assert torch.equal(other.stage.module.state_dict()["0.lin.weight"],
+                       engine.stage.module.state_dict()["0.lin.weight"])
     for e in (engine, other):
         e.close()
 

@@ -128,7 +128,7 @@ def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank_and_keeps_the_last
     assert sorted(os.listdir(folder)) == ["latest", "step-00000001"]
     other = _engine(comm, *grid)
     other.load(folder)
-    assert other.step_count == 1
+    assert other.stats.step == 1
     assert all(torch.equal(saved[k], v) for k, v in _masters(other).items())
     engine.train_step(*data[2])                 # the engine goes on, and saves again
     assert engine.save(folder).endswith("step-00000003")

@@ -84,7 +84,7 @@ def test_replicas_with_different_unrouted_experts_train_like_one_process(pipelin
     config = pf.Config(pipeline=pipeline, data=data, microbatches=M, schedule=schedule,
                        bucket_mb=1e-4, shard_optimizer=shard)   # about a bucket a tensor
     engine = pf.Engine(layers, loss_fn, sgd_momentum, config)
-    reducer = engine.shards if shard else engine.reducer
+    reducer = engine.stage.shards if shard else engine.stage.reducer
     sizes = [b.flat.numel() for b in reducer.buckets]
     assert any(WORLD.allgather(len(sizes) > len(set(sizes)))), \
         "no rank has two buckets of one size: nothing to confuse"
@@ -143,10 +143,10 @@ def test_a_parameter_without_gradient_is_skipped_as_torch_optim_skips_it(
     for x, y in steps:
         losses.append(engine.train_step(x, y))
         if user_zero_grad:
-            engine.optimizer.zero_grad()
+            engine.stage.optimizer.zero_grad()
     reference, ref_losses = train_reference(layers, steps, optimizer=make)
     full = engine.gather_state_dict()
-    local = engine.module.state_dict()
+    local = engine.stage.module.state_dict()
     everyone = WORLD.allgather(local)
     engine.close()
     for other in everyone:                        # the replicas agree

@@ -49,7 +49,7 @@ def _check_grid(pipeline, data, schedule, tied, clip, optimizer):
     if WORLD.rank == 0:
         assert_same_parameters(full, reference.state_dict())
     # Every replica holds the same weights, and tied copies on two stages are identical.
-    local = {k: v for k, v in engine.module.state_dict().items()}
+    local = {k: v for k, v in engine.stage.module.state_dict().items()}
     everyone = WORLD.allgather(local)
     for other in everyone:
         for k, v in other.items():
@@ -75,10 +75,10 @@ def test_gradient_reduction_overlaps_the_last_backward():
     layers = toy_layers()
     engine = pf.Engine(layers, loss_fn, adamw,
                        pf.Config(pipeline=1, data=WORLD.size, microbatches=2, bucket_mb=0.0005))
-    reducer = engine.reducer
+    reducer = engine.stage.reducer
     assert len(reducer.buckets) >= 3
     # Mark the moment backward reaches the stage's first layer.
-    first_layer = engine.module.get_submodule(str(engine.module.indices[0]))
+    first_layer = engine.stage.module.get_submodule(str(engine.stage.module.indices[0]))
     next(first_layer.parameters()).register_post_accumulate_grad_hook(
         lambda p: reducer.events.append(("first layer", -1)) if reducer.armed else None)
     engine.train_step(*batches(1, 4 * WORLD.size)[0])
@@ -137,7 +137,7 @@ if WORLD.size >= 4:
                            bucket_mb=0.0005, **({"virtual_stages": 2} if schedule == "interleaved"
                                                 else {}))
         engine = pf.Engine(layers, loss_fn, plain_sgd, config)
-        reducer, stage = engine.reducer, engine._stage
+        reducer, stage = engine.stage.reducer, engine.stage
         last = stage.plan.last_gradient_actions(stage.index)
         final = max(last.values(), key=stage.plan.programs[stage.index].index)
         early = [c for c, act in last.items() if act != final]
@@ -198,7 +198,7 @@ def test_tied_gradients_are_summed_by_torch_distributed_not_mpi(pipeline, monkey
     config = pf.Config(pipeline=pipeline, data=WORLD.size // pipeline, microbatches=2,
                        backend="gloo")
     engine = pf.Engine(layers, loss_fn, plain_sgd, config)
-    stage = engine._stage
+    stage = engine.stage
     ties = stage.ties
     assert len(ties) == (1 if stage.index in (0, pipeline - 1) else 0)
     assert all(t.dist is not None and t.dist.size == 2 for t in ties)
@@ -357,7 +357,7 @@ def test_a_closed_replicated_engine_frees_its_weights_without_the_garbage_collec
     engine = pf.Engine(toy_layers(), loss_fn, adamw,
                        pf.Config(pipeline=1, data=WORLD.size, microbatches=2))
     engine.train_step(*batches(1, 4 * WORLD.size)[0])
-    weights = weakref.ref(next(engine.module.parameters()))
+    weights = weakref.ref(next(engine.stage.module.parameters()))
     engine.close()
     gc.collect()
     gc.disable()

@@ -57,7 +57,7 @@ def test_shard_optimizer_on_one_replica_trains_as_unsharded():
     # d = 1: nothing to shard; the flag changes nothing, and the memory report says so.
     layers = toy_layers()
     engine = pf.Engine(layers, loss_fn, sgd, pf.Config(shard_optimizer=True))
-    assert engine.shards is None
+    assert engine.stage.shards is None
     for x, y in batches(2, 6):
         engine.train_step(x, y)
     reference, _ = train_reference(layers, batches(2, 6), optimizer=sgd)
@@ -141,14 +141,14 @@ def test_resume_keeps_changed_param_group_settings(tmp_path, name):
     data = batches(4, 8)
     engine = pf.Engine(layers, loss_fn, factory, pf.Config(microbatches=2))
     engine.train_step(*data[0])
-    for group, change in zip(engine.optimizer.param_groups, changes):
+    for group, change in zip(engine.stage.optimizer.param_groups, changes):
         group.update(change)
     engine.train_step(*data[1])
     engine.save(tmp_path)
     resumed = pf.Engine(layers, loss_fn, factory, pf.Config(microbatches=2))
     resumed.load(tmp_path)
-    for i, (a, b) in enumerate(zip(engine.optimizer.param_groups,
-                                   resumed.optimizer.param_groups)):
+    for i, (a, b) in enumerate(zip(engine.stage.optimizer.param_groups,
+                                   resumed.stage.optimizer.param_groups)):
         saved = {k: v for k, v in a.items() if k != "params"}
         loaded = {k: v for k, v in b.items() if k != "params"}
         assert loaded == saved, f"param group {i}: saved {saved}, loaded {loaded}"
@@ -167,14 +167,14 @@ def test_an_interrupted_save_leaves_the_last_whole_checkpoint(tmp_path):
     engine = pf.Engine(layers, loss_fn, adamw, pf.Config())
     engine.train_step(*batches(1, 4)[0])
     engine.save(tmp_path)
-    saved = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    saved = {k: v.clone() for k, v in engine.stage.module.state_dict().items()}
     # A later save that died before its engine.json: shards only, `latest` not moved.
     (tmp_path / "step-00000009").mkdir()
     (tmp_path / "step-00000009" / "layer-00000.pt").write_bytes(b"half")
     engine.train_step(*batches(1, 4, seed=2)[0])
     engine.load(tmp_path)
-    assert engine.step_count == 1
-    assert all(torch.equal(saved[k], v) for k, v in engine.module.state_dict().items())
+    assert engine.stats.step == 1
+    assert all(torch.equal(saved[k], v) for k, v in engine.stage.module.state_dict().items())
     with pytest.raises(CheckpointError, match="no checkpoint in .*expected a 'latest' file"):
         engine.load(tmp_path / "step-00000009")
     assert not list(tmp_path.rglob("*.tmp"))

@@ -70,7 +70,7 @@ def test_pipeline_trains_like_one_process(stages, microbatches, schedule, partit
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     # This stage's parameters, then the gathered whole model.
     ref_state = reference.state_dict()
-    local = engine.module.state_dict()
+    local = engine.stage.module.state_dict()
     assert_same_parameters(local, {k: ref_state[k] for k in local})
     full = engine.gather_state_dict()
     if comm.rank == 0:
@@ -80,9 +80,9 @@ def test_pipeline_trains_like_one_process(stages, microbatches, schedule, partit
     # The stash measured at run time is the simulator's figure.
     expected = simulate(build_schedule(schedule, stages, microbatches,
                                        chunks=config.virtual_stages)).peak_stash
-    assert engine.stats.peak_stash == expected[engine.stage]
+    assert engine.stats.peak_stash == expected[engine.stage.index]
     if schedule == "1f1b":
-        assert engine.stats.peak_stash == min(stages - engine.stage, microbatches)
+        assert engine.stats.peak_stash == min(stages - engine.stage.index, microbatches)
     engine.close()
     comm.Free()
 
@@ -117,12 +117,12 @@ def test_eval_step_is_forward_only_and_agrees_everywhere():
     layers = toy_layers()
     engine = pf.Engine(layers, loss_fn, adamw, pf.Config(pipeline=2, microbatches=3), comm=comm)
     x, y = batches(1, 12)[0]
-    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    before = {k: v.clone() for k, v in engine.stage.module.state_dict().items()}
     loss = engine.eval_step(x, y)
     reference = pf.build_sequential(layers, 0)
     assert loss == pytest.approx(loss_fn(reference(x), y).item(), rel=1e-6)
     assert comm.allgather(loss) == [loss] * comm.size
-    assert all(torch.equal(before[k], v) for k, v in engine.module.state_dict().items())
+    assert all(torch.equal(before[k], v) for k, v in engine.stage.module.state_dict().items())
     # A different batch shape afterwards: shapes are exchanged again, not assumed.
     x2, y2 = batches(1, 6, seed=5)[0]
     assert engine.train_step(x2, y2) == pytest.approx(loss_fn(reference(x2), y2).item(),
@@ -219,13 +219,13 @@ def test_messages_of_megabytes_arrive_whole_and_every_send_completes(backend):
     engine = pf.Engine(layers, loss_fn, sgd,
                        pf.Config(pipeline=comm.size, microbatches=4, backend=backend),
                        comm=comm)
-    watch = SendWatch(engine.pipe_comm)
+    watch = SendWatch(engine.stage.pipe_comm)
     x, y = batches(1, 4 * 2**12)[0]       # 4096 samples a micro-batch: 1.3 MB of activations
     loss = engine.train_step(x, y)
     _assert_sends_completed(comm, watch)
     reference, ref_losses = train_reference(layers, [(x, y)], optimizer=sgd)
     assert loss == pytest.approx(ref_losses[0], rel=1e-5)
-    local = engine.module.state_dict()
+    local = engine.stage.module.state_dict()
     # Sums over 80000 tokens in another order: 1e-4, where a lost message is off by far more.
     assert_same_parameters(local, {k: v for k, v in reference.state_dict().items()
                                    if k in local}, rtol=1e-4)
@@ -250,9 +250,11 @@ def test_bad_batches_raise_the_same_clear_error_on_every_rank():
     x, y = batches(1, 8)[0]
     # Only the last stage lacks its targets; every rank learns of it.
     with pytest.raises(pf.BatchError, match="stage 1 of 2.*targets=None"):
-        engine.train_step(x, None if engine.is_last else y)
+        engine.train_step(x, None if engine.plan.holds_last(engine.stage.index) else y)
     # Other ranks may pass None for what they do not use.
-    loss = engine.train_step(x if engine.is_first else None, y if engine.is_last else None)
+    first, last = engine.plan.holds_first(engine.stage.index), \
+        engine.plan.holds_last(engine.stage.index)
+    loss = engine.train_step(x if first else None, y if last else None)
     assert comm.allgather(loss) == [loss] * comm.size
     engine.close()
     comm.Free()
@@ -283,7 +285,7 @@ def test_checkpoint_resumes_onto_a_different_grid(tmp_path_factory, optimizer):
                         pf.Config(pipeline=2, microbatches=2, schedule="interleaved",
                                   virtual_stages=2, partition=[0, 1, 4, 5, 7]), comm=comm)
     resumed.load(folder)
-    assert resumed.step_count == 2
+    assert resumed.stats.step == 2
     for x, y in data[2:]:
         resumed.train_step(x, y)
     reference, _ = train_reference(layers, data, optimizer=optimizer)

@@ -56,7 +56,7 @@ def test_local_batches_train_like_one_process_on_the_global_batch():
     steps = batches(3, 8)
     engine = pf.Engine(layers, loss_fn, sgd,
                        pf.Config(data=2, microbatches=2, batch="local"), comm=comm)
-    r = engine.topo.replica
+    r = engine.stage.topo.replica
     for x, y in steps:
         engine.train_step(x[4 * r:4 * (r + 1)], y[4 * r:4 * (r + 1)])   # its rows only
     state = engine.gather_state_dict()
@@ -97,9 +97,9 @@ def test_memory_report_counts_the_masters_of_frozen_parameters_of_several_dtypes
                                  shard_optimizer=True, bucket_mb=0.0005), comm=pair())
     engine.train_step(*batches(1, 8)[0])
     report = engine.memory_report()
-    frozen = [p for p in engine.module.parameters() if not p.requires_grad]
+    frozen = [p for p in engine.stage.module.parameters() if not p.requires_grad]
     dtypes = sorted({str(p.dtype) for p in frozen})
-    expected = engine.shards.memory()["masters"] + 4 * sum(p.numel() for p in frozen)
+    expected = engine.stage.shards.memory()["masters"] + 4 * sum(p.numel() for p in frozen)
     engine.close()
     _verdict(dtypes == ["torch.bfloat16", "torch.float32"] and report["masters"] == expected,
              f"frozen dtypes {dtypes}; masters {report['masters']} B, expected {expected} B "

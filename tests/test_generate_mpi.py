@@ -85,7 +85,7 @@ def test_prompts_that_stop_at_the_same_step(grid):
 def test_different_arguments_on_two_ranks_are_refused_on_both():
     engine = grid_engine(pipeline=2)
     with pytest.raises(pf.ConfigError, match="different arguments on different ranks"):
-        engine.generate(PROMPTS, 3 + engine.topo.rank)
+        engine.generate(PROMPTS, 3 + engine.stage.topo.rank)
     # The engine still works: the refusal came before any message.
     assert engine.generate(PROMPTS, 2)[0] == engine.generate(PROMPTS, 2)[0]
     engine.close()

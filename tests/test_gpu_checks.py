@@ -246,13 +246,13 @@ def test_flops_count_a_tied_weight_once_and_no_embedding_lookups():
     from pipeflow.train.metrics import count_parameters
     from toy import adamw, loss_fn, toy_layers
     engine = pf.Engine(toy_layers(tied=True), loss_fn, adamw, pf.Config())
-    layers = engine.module
+    layers = engine.stage.module
     embedding = sum(p.numel() for n, p in layers.named_parameters() if "emb" in n)
     every = sum(p.numel() for p in layers.parameters())        # each tensor once
     assert count_parameters(engine) == every                   # the tied table, as the head
     engine.close()
     untied = pf.Engine(toy_layers(tied=False), loss_fn, adamw, pf.Config())
-    everything = sum(p.numel() for p in untied.module.parameters())
+    everything = sum(p.numel() for p in untied.stage.module.parameters())
     assert count_parameters(untied) == everything - embedding  # the lookup table left out
     untied.close()
 
@@ -261,7 +261,7 @@ def test_flops_count_a_tied_weight_once_and_no_embedding_lookups():
 def test_auto_and_partition_time_measure_layers_in_the_runs_precision(precision, dtype):
     # They measured fp32 layers for bf16/fp16 runs: other times (on a GPU's tensor cores,
     # several-fold) and twice the saved bytes the run will really stash.
-    from pipeflow.runtime.planning import measure_layer_costs
+    from pipeflow.runtime.arrange import measure_layer_costs
     seen: list = []
 
     class Probe(torch.nn.Module):
@@ -343,7 +343,7 @@ def test_a_closed_engine_frees_its_weights_without_the_garbage_collector():
     from toy import adamw, batches, loss_fn, toy_layers
     engine = pf.Engine(toy_layers(), loss_fn, adamw, pf.Config(microbatches=2))
     engine.train_step(*batches(1, 4)[0])
-    weights = weakref.ref(next(engine.module.parameters()))
+    weights = weakref.ref(next(engine.stage.module.parameters()))
     engine.close()
     gc.disable()
     try:
@@ -393,7 +393,7 @@ def test_a_stuck_nccl_link_is_named_in_the_hang_report():
     flight = comm.in_flight()
     assert len(flight) == 1 and flight[0].startswith("receive of message 7 from rank 1 (issued")
     engine = pf.Engine(toy_layers(), loss_fn, adamw, pf.Config())
-    engine._stage.pipe_comm.in_flight = comm.in_flight
+    engine.stage.pipe_comm.in_flight = comm.in_flight
     engine._instruction = "loss"
     report = engine._report_where()
     assert "at instruction loss" in report

@@ -72,7 +72,7 @@ def test_each_rank_reads_only_its_layers_and_the_run_exports_what_it_trained(tmp
     seen = {}
 
     def before(loop):
-        seen["layers"] = list(loop.engine.module.indices)
+        seen["layers"] = list(loop.engine.stage.module.indices)
         seen["before"] = logits_of(loop, ids)
 
     def after(loop):

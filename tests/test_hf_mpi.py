@@ -167,7 +167,7 @@ def test_a_mean_loss_with_count_items_stops_every_rank_at_the_first_step(loss):
                        pf.Config(pipeline=2, microbatches=4), comm=comm,
                        count_items=hf.num_valid_tokens)
     ids, labels, mask = _data(padded=True)[0]
-    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    before = {k: v.clone() for k, v in engine.stage.module.state_dict().items()}
     try:
         engine.train_step(ids, labels, attention_mask=mask)
         error = None
@@ -183,7 +183,7 @@ def test_a_mean_loss_with_count_items_stops_every_rank_at_the_first_step(loss):
         assert "causal_lm_loss_sum" in errors[0] and errors[0].split("stopped")[1] == \
             errors[1].split("stopped")[1]
         # Found before the update: the wrong loss never moved a weight.
-        after = engine.module.state_dict()
+        after = engine.stage.module.state_dict()
         assert all(torch.equal(before[k], after[k]) for k in before)
     engine.close()
     comm.Free()

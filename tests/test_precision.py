@@ -29,10 +29,10 @@ def test_masters_stay_fp32_and_working_weights_are_the_masters_cast_down(precisi
                        pf.Config(microbatches=2, precision=precision, loss_scale=256.0))
     for x, y in batches(3, 8):
         engine.train_step(x, y)
-    for name, p in engine.module.named_parameters():
-        master = engine.precision.master_of(p)
+    for name, p in engine.stage.module.named_parameters():
+        master = engine.stage.precision.master_of(p)
         assert master.dtype == torch.float32
-        assert engine.optimizer.state[master]["exp_avg"].dtype == torch.float32
+        assert engine.stage.optimizer.state[master]["exp_avg"].dtype == torch.float32
         if "norm" in name:                       # LayerNorm is kept in fp32 by default
             assert p.dtype == torch.float32 and torch.equal(p, master)
         else:
@@ -94,7 +94,7 @@ def test_fp32_modules_match_by_class_name_suffix_and_keep_their_buffers():
     layers = [pf.LayerSpec(NormBlock, 4)]
     engine = pf.Engine(layers, lambda out, t: (out - t).pow(2).mean(),
                        lambda ps: torch.optim.SGD(ps, lr=0.1), pf.Config(precision="bf16"))
-    block = engine.module.get_submodule("0")
+    block = engine.stage.module.get_submodule("0")
     assert block.lin.weight.dtype == torch.bfloat16
     assert block.norm.weight.dtype == torch.float32          # "RMSNorm" suffix
     assert block.rotary.inv_freq.dtype == torch.float32      # a buffer, "RotaryEmbedding"
@@ -164,7 +164,7 @@ def test_fp32_modules_keep_their_children_in_fp32():
     engine = pf.Engine(layers, lambda out, t: (out - t).pow(2).mean(),
                        lambda ps: torch.optim.SGD(ps, lr=0.1),
                        pf.Config(precision="bf16", fp32_modules=["Router"]))
-    block = engine.module.get_submodule("0")
+    block = engine.stage.module.get_submodule("0")
     reference = pf.build_sequential(layers, 0)[0]
     assert block.lin.weight.dtype == torch.bfloat16
     kept = dict(block.router.state_dict())

@@ -45,20 +45,20 @@ def test_overflow_on_one_stage_of_one_replica_skips_the_step_everywhere():
     engine = pf.Engine(layers, loss_fn, adamw,
                        pf.Config(pipeline=pipeline, data=data, microbatches=2, precision="fp16",
                                  loss_scale=1024.0, loss_scale_interval=2))
-    target = engine.topo.rank_of(stage=0, replica=data - 1)
+    target = engine.stage.topo.rank_of(stage=0, replica=data - 1)
     steps = batches(4, 8)
     engine.train_step(*steps[0])                        # a good step
     assert engine.loss_scale == 1024.0
-    before = [m.detach().clone() for m in engine.precision.masters]
+    before = [m.detach().clone() for m in engine.stage.precision.masters]
     ARMED["on"] = WORLD.rank == target
     engine.train_step(*steps[1])                        # overflow on one rank only
     ARMED["on"] = False
     # Skipped everywhere: no parameter moved on any rank, the scale halved on every rank.
-    assert all(torch.equal(b, m) for b, m in zip(before, engine.precision.masters))
+    assert all(torch.equal(b, m) for b, m in zip(before, engine.stage.precision.masters))
     assert WORLD.allgather((engine.loss_scale, engine.stats.skipped_steps)) == [(512.0, 1)] * WORLD.size
     # Training continues, and after `loss_scale_interval` good steps the scale grows back.
     engine.train_step(*steps[2])
-    assert not all(torch.equal(b, m) for b, m in zip(before, engine.precision.masters))
+    assert not all(torch.equal(b, m) for b, m in zip(before, engine.stage.precision.masters))
     assert engine.loss_scale == 512.0
     engine.train_step(*steps[3])
     assert WORLD.allgather(engine.loss_scale) == [1024.0] * WORLD.size
@@ -98,7 +98,7 @@ def _gpt_run(precision: str, comm: MPI.Comm, steps: int):
                                  loss_scale=2.0 ** 12), comm=comm)
     data = Batches(load_corpus(), 8, cfg.seq_len, seed=0)
     losses = [engine.train_step(*data.batch(i)) for i in range(steps)]
-    sent = comm.allreduce(engine.pipe_comm.bytes_sent)
+    sent = comm.allreduce(engine.stage.pipe_comm.bytes_sent)
     engine.close()
     return losses, sent
 

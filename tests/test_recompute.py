@@ -380,7 +380,7 @@ def test_selective_recomputes_the_module_classes_it_is_told():
         config = pf.Config(microbatches=2, recompute="selective", recompute_modules=names)
         if names:
             engine = pf.Engine(toy_layers(), loss_fn, adamw, config, measure_activations=True)
-            assert engine.module.get_submodule("1").pipeflow_selective is True
+            assert engine.stage.module.get_submodule("1").pipeflow_selective is True
         else:
             with pytest.warns(UserWarning, match="finds no module to recompute"):
                 engine = pf.Engine(toy_layers(), loss_fn, adamw, config,

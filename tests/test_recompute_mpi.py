@@ -41,12 +41,12 @@ def test_every_policy_trains_bit_for_bit_like_none(schedule, recompute):
     budget = 0.6 * comm.allreduce(base.stats.peak_activation_bytes, op=MPI.MAX) / 2**20
     other, losses = _train(comm, 2, schedule, recompute, budget_mb=budget)
     assert losses == base_losses
-    for (name, a), (_, b) in zip(base.module.state_dict().items(),
-                                 other.module.state_dict().items()):
+    for (name, a), (_, b) in zip(base.stage.module.state_dict().items(),
+                                 other.stage.module.state_dict().items()):
         assert torch.equal(a, b), name
     if recompute != "none":
         assert other.stats.peak_activation_bytes < base.stats.peak_activation_bytes or \
-            other.recompute == "none"
+            other.stage.recompute == "none"
     base.close()
     other.close()
     comm.Free()
@@ -64,7 +64,7 @@ def test_auto_fits_a_budget_that_none_exceeds_and_recomputes_most_on_stage_0():
     assert held[0] > budget
     auto, _ = _train(comm, stages, "1f1b", "auto", budget_mb=budget / 2**20, steps=2)
     after = comm.allgather(auto.stats.peak_activation_bytes)
-    policies = comm.allgather(auto.recompute)
+    policies = comm.allgather(auto.stage.recompute)
     assert all(a <= budget for a in after), (after, budget, policies)
     saved = [h - a for h, a in zip(held, after)]
     assert saved[0] == max(saved) and saved[0] > 0, (saved, policies)

@@ -29,7 +29,7 @@ def test_eval_on_one_rank_while_another_trains_fails_on_both():
     engine = pf.Engine(toy_layers(), loss_fn, adamw, pf.Config(pipeline=2, microbatches=2),
                        comm=comm)
     x, y = batches(1, 8)[0]
-    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    before = {k: v.clone() for k, v in engine.stage.module.state_dict().items()}
     with pytest.raises(pf.BatchError, match="ranks disagree on the call: rank . is in "
                                             "(train_step|eval_step) of step 0"):
         if comm.rank == 0:
@@ -37,7 +37,7 @@ def test_eval_on_one_rank_while_another_trains_fails_on_both():
         else:
             engine.eval_step(x, y)
     # Nobody stepped.
-    assert all(torch.equal(before[k], v) for k, v in engine.module.state_dict().items())
+    assert all(torch.equal(before[k], v) for k, v in engine.stage.module.state_dict().items())
     engine.close()
     comm.Free()
 
@@ -56,14 +56,14 @@ def test_ranks_a_step_apart_fail_on_both(grid):
     x, y = batches(1, 8)[0]
     engine.train_step(x, y)
     if comm.rank == 1:
-        engine.step_count += 1
-    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+        engine.stats.step += 1
+    before = {k: v.clone() for k, v in engine.stage.module.state_dict().items()}
     with pytest.raises(pf.BatchError, match="ranks disagree on the step number: rank . is in "
                                             "train_step of step [12], rank . in train_step "
                                             "of step [12]"):
         engine.train_step(x, y)
-    assert all(torch.equal(before[k], v) for k, v in engine.module.state_dict().items())
-    engine.step_count = 1                  # agreed again: the engine trains on
+    assert all(torch.equal(before[k], v) for k, v in engine.stage.module.state_dict().items())
+    engine.stats.step = 1                  # agreed again: the engine trains on
     assert math.isfinite(engine.train_step(x, y))
     engine.close()
     comm.Free()
@@ -113,13 +113,13 @@ def test_a_non_finite_step_is_skipped_everywhere_then_the_run_stops(precision):
     engine = pf.Engine(layers, loss_fn, sgd, config, comm=comm)
     data = batches(5, 8)
     engine.train_step(*data[0])
-    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    before = {k: v.clone() for k, v in engine.stage.module.state_dict().items()}
     Poison.on = True
     try:
         for x, y in data[1:3]:            # two non-finite steps: skipped, weights intact
             assert math.isnan(engine.train_step(x, y))
             assert engine.stats.skipped
-        assert all(torch.equal(before[k], v) for k, v in engine.module.state_dict().items())
+        assert all(torch.equal(before[k], v) for k, v in engine.stage.module.state_dict().items())
         assert engine.stats.skipped_steps == 2
         with pytest.raises(NonFiniteError, match="3 steps in a row had a non-finite"):
             engine.train_step(*data[3])

@@ -41,7 +41,7 @@ def _run(layers, optimizer, steps, **config):
                        pf.Config(microbatches=3, bucket_mb=TINY, **config))
     losses = [engine.train_step(x, y) for x, y in steps]
     state = engine.gather_state_dict()
-    working = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    working = {k: v.detach().clone() for k, v in engine.stage.module.state_dict().items()}
     result = (losses, state, engine.stats.grad_norm, working, engine.loss_scale,
               engine.stats.skipped_steps)
     engine.close()
@@ -378,12 +378,12 @@ def test_a_sharded_resume_loads_through_the_optimizers_own_load_state_dict(tmp_p
     engine.train_step(*batches(1, BATCH)[0])
     engine.save(folder)
     loaded = []
-    engine.optimizer.register_load_state_dict_post_hook(lambda opt: loaded.append(opt))
+    engine.stage.optimizer.register_load_state_dict_post_hook(lambda opt: loaded.append(opt))
     engine.load(folder)
-    steps = [st["step"] for st in engine.optimizer.state.values()]
+    steps = [st["step"] for st in engine.stage.optimizer.state.values()]
     engine.close()
     comm.Free()
-    assert loaded == [engine.optimizer]
+    assert loaded == [engine.stage.optimizer]
     assert steps and all(torch.is_tensor(s) and float(s) == 1.0 for s in steps)
 
 
@@ -396,7 +396,7 @@ def test_every_replicas_block_starts_aligned():
     config = pf.Config(pipeline=1, data=2, microbatches=2, bucket_mb=TINY, shard_optimizer=True,
                        precision="bf16")
     engine = pf.Engine(toy_layers(), loss_fn, adamw, config, comm=comm)
-    for b in engine.shards.buckets:
+    for b in engine.stage.shards.buckets:
         assert b.block.start * 4 % 256 == 0 and b.flat.numel() % (2 * 64) == 0, b.block
         offset = b.weights[b.block].data_ptr() - b.weights.data_ptr()
         assert offset % 128 == 0, (offset, b.weights.dtype)        # bf16: 64 elements
@@ -412,7 +412,7 @@ def _two_groups(params):
 
 def _settings(engine):
     return [{k: v for k, v in g.items() if k != "params"}
-            for g in engine.optimizer.param_groups]
+            for g in engine.stage.optimizer.param_groups]
 
 
 def _changed(saved, loaded) -> str:
@@ -440,7 +440,7 @@ def test_a_sharded_resume_keeps_each_groups_own_and_changed_settings(tmp_path_fa
     engine = pf.Engine(layers, loss_fn, _two_groups,
                        pf.Config(data=2, shard_optimizer=True, **config), comm=comm)
     engine.train_step(*steps[0])
-    for group, change in zip(engine.optimizer.param_groups,
+    for group, change in zip(engine.stage.optimizer.param_groups,
                              [dict(lr=3e-3, betas=(0.8, 0.95)), dict(lr=2e-2, eps=1e-6)]):
         group.update(change)
     engine.train_step(*steps[1])

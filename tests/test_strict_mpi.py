@@ -41,8 +41,8 @@ def test_training_through_the_strict_communicator_equals_one_process(pipeline, d
                        virtual_stages=2 if interleaved else 1, clip=clip, backend="strict",
                        bucket_mb=0.001)
     engine = pf.Engine(layers, loss_fn, adamw, config)
-    assert engine.backend == "strict"
-    assert isinstance(engine.pipe_comm, StrictCommunicator)
+    assert engine.stage.backend == "strict"
+    assert isinstance(engine.stage.pipe_comm, StrictCommunicator)
     steps = batches(3, 4 * m * data)
     losses = [engine.train_step(x, y) for x, y in steps]
     reference, ref_losses = train_reference(layers, steps, clip=clip)
@@ -50,7 +50,8 @@ def test_training_through_the_strict_communicator_equals_one_process(pipeline, d
     full = engine.gather_state_dict()
     if WORLD.rank == 0:
         assert_same_parameters(full, reference.state_dict())
-    assert engine.pipe_comm.collectives + engine.pipe_comm.object_collectives > 0   # checked
+    pipe = engine.stage.pipe_comm
+    assert pipe.collectives + pipe.object_collectives > 0   # checked
     engine.close()
 
 
@@ -226,7 +227,7 @@ def test_tied_gradients_are_summed_through_the_strict_communicator():
                        pf.Config(pipeline=2, microbatches=2, backend="strict"), comm=group)
     for x, y in batches(2, 8):
         engine.train_step(x, y)
-    tie, = engine._stage.ties
+    tie, = engine.stage.ties
     assert isinstance(tie.dist, StrictCommunicator)
     assert tie.dist.collectives == 2                  # one agreed sum a step
     engine.close()

@@ -155,9 +155,9 @@ def test_any_structure_between_stages_trains_like_one_process(form, schedule):
     model, ref_losses = reference(layers, batches)
     _check(engine, comm, model, losses, ref_losses)
     # The first stage's parameters moved: its gradients were paired with the right outputs.
-    if engine.stage == 0:
+    if engine.stage.index == 0:
         start = pf.build_sequential(layers, 0).state_dict()["0.emb.weight"]
-        assert not torch.allclose(engine.module.state_dict()["0.emb.weight"], start)
+        assert not torch.allclose(engine.stage.module.state_dict()["0.emb.weight"], start)
     engine.close()
     comm.Free()
 
@@ -170,7 +170,7 @@ def test_a_float_mask_made_without_grad_crosses_forward_only():
                        comm=comm)
     x, y, _ = data(1)[0]
     engine.train_step(x, y)
-    sent = comm.allgather(engine.pipe_comm.bytes_sent)
+    sent = comm.allgather(engine.stage.pipe_comm.bytes_sent)
     per_mb = (BATCH // M) * SEQ
     # Forward: hidden and mask; backward: the hidden's gradient only, never the mask's.
     assert sent[0] == M * per_mb * (WIDTH + 1) * 4
@@ -193,7 +193,7 @@ def test_side_inputs_reach_every_stage_and_never_cross():
     _, plain_losses = reference(layers, batches, side=False)
     assert losses[1:] != pytest.approx(plain_losses[1:], rel=1e-5)
     # Activations only crossed: hidden states, no mask.
-    assert comm.allgather(engine.pipe_comm.bytes_sent)[0] == \
+    assert comm.allgather(engine.stage.pipe_comm.bytes_sent)[0] == \
         3 * M * (BATCH // M) * SEQ * WIDTH * 4
     engine.close()
     comm.Free()
@@ -312,8 +312,8 @@ def test_sent_activations_are_freed_and_training_is_unchanged(form, monkeypatch)
                            comm=comm)
         for x, y, _ in data():
             engine.train_step(x, y)
-        states[free] = engine.module.state_dict()
-        if engine.stage == 0:
+        states[free] = engine.stage.module.state_dict()
+        if engine.stage.index == 0:
             per_mb = (BATCH // M) * SEQ * WIDTH * 4
             assert held == ([0] * len(held) if free else [per_mb] * len(held)), held
         engine.close()

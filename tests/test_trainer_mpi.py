@@ -97,12 +97,12 @@ def _library_loop(run, comm: MPI.Comm, plan: dict) -> list[float]:
     batches = Batches(load_corpus(), t.batch_size, cfg.seq_len, run.engine.seed)
     losses = []
     for step in range(t.steps):
-        if engine.optimizer is not None:
-            for group in engine.optimizer.param_groups:
+        if engine.stage.optimizer is not None:
+            for group in engine.stage.optimizer.param_groups:
                 group["lr"] = lr_at(step, t)
-        x, y = batches.local_batch(step, engine.topo.replica, run.engine.data)
-        losses.append(engine.train_step(x if engine.is_first else None,
-                                        y if engine.is_last else None))
+        x, y = batches.local_batch(step, engine.stage.topo.replica, run.engine.data)
+        losses.append(engine.train_step(x if engine.plan.holds_first(engine.stage.index) else None,
+                                        y if engine.plan.holds_last(engine.stage.index) else None))
     engine.close()
     return losses
 

@@ -38,10 +38,10 @@ def test_a_hang_report_names_spinning_ranks_that_outnumber_cores():
     try:
         assert waiting.policy() == "spin"
         assert "spin while they wait" not in engine._report_where()
-        engine.topo.local_cores = 0
+        engine.stage.topo.local_cores = 0
         report = engine._report_where()
-        assert (f"this node runs {engine.topo.local_size} ranks on "
-                f"{engine.topo.local_cores} cores") in report
+        assert (f"this node runs {engine.stage.topo.local_size} ranks on "
+                f"{engine.stage.topo.local_cores} cores") in report
         assert "set wait = 'auto' or 'yield'" in report
         waiting.use("yield")
         assert "spin while they wait" not in engine._report_where()

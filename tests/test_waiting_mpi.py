@@ -98,7 +98,7 @@ def test_yielding_trains_like_one_process(policy, backend, wait):
     config = pf.Config(pipeline=p, data=1, microbatches=2 * p, schedule="interleaved",
                        virtual_stages=2, clip=0.3, backend=backend, wait=wait)
     engine = pf.Engine(layers, loss_fn, sgd_momentum, config)
-    topo = engine.topo
+    topo = engine.stage.topo
     assert waiting.policy() == waiting.choose(wait, topo.local_size, topo.local_cores)
     steps = batches(3, 8 * p)
     losses = [engine.train_step(x, y) for x, y in steps]

@@ -1,7 +1,7 @@
 """`schedule = "auto"`: the fastest schedule that fits the memory budget, by the simulator.
 
 World rank 0 measures each layer on a sample micro-batch
-(`runtime.planning.measure_layer_costs`): its forward (F), whole backward, input gradient
+(`runtime.arrange.measure_layer_costs`): its forward (F), whole backward, input gradient
 (B) and weight gradient (W) times, and the bytes one micro-batch keeps for backward. Every
 rank then runs the same pure `choose_schedule` on those broadcast numbers, so all choose
 alike: for each candidate schedule the engine's stage boundaries, each virtual stage's sums,

@@ -289,13 +289,15 @@ def _batch(batches: Batches, index: int, engine: Engine, eot: int | None = None
     targets) and side inputs: its replica's rows only, read alone, on the first and last
     stages, nothing on the stages in between (they receive activations). Packed rows (`eot`)
     add `position_ids`, which every stage reads."""
+    plan, stage = engine.plan, engine.stage
+    ends = plan.holds_first(stage.index) or plan.holds_last(stage.index)
     if eot is not None:
-        x, y = batches.local_batch(index, engine.topo.replica, engine.config.data)
+        x, y = batches.local_batch(index, stage.topo.replica, engine.config.data)
         side = {"position_ids": packed_positions(x, eot)}
-        return (x, y) if engine.is_first or engine.is_last else (None, None), side
-    if not (engine.is_first or engine.is_last):
+        return (x, y) if ends else (None, None), side
+    if not ends:
         return (None, None), {}
-    return batches.local_batch(index, engine.topo.replica, engine.config.data), {}
+    return batches.local_batch(index, stage.topo.replica, engine.config.data), {}
 
 
 # -- checkpoints with the data position ----------------------------------------------------
@@ -318,7 +320,7 @@ def _save(engine: Engine, run: RunConfig, position: int, hf_config: Any = None,
     """A checkpoint with the data position (and, for an HF model, its config and what its
     export writes, which `pipeflow export CKPT --hf OUT` reads)."""
     folder = engine.save(run.train.save_dir)
-    if engine.topo.rank == 0:
+    if engine.stage.topo.rank == 0:
         state = {"next_batch": position, "seed": run.engine.seed,
                  "batch_size": run.train.batch_size,
                  "train": run.data.train or run.train.corpus or "stdlib",
@@ -328,7 +330,7 @@ def _save(engine: Engine, run: RunConfig, position: int, hf_config: Any = None,
             state.update(_export_record(run, hf_source))
         atomic_write_bytes(os.path.join(folder, DATA_STATE), sealed_json(state))
     with engine.watched("checkpoint's data position"):
-        waiting.barrier(engine.topo.world)
+        waiting.barrier(engine.stage.topo.world)
     return folder
 
 
@@ -443,7 +445,7 @@ def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
     _check_packing(eot, model, run.data)
     batches, val, source = _datasets(run, model)
     engine = _build_engine(run, model, batches, comm)
-    position = engine.step_count
+    position = engine.stats.step
     if t.resume:
         try:
             engine.load(t.save_dir)
@@ -451,34 +453,34 @@ def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
             engine.close()
             raise ConfigError(f"--resume: {exc}; resume with the run's own [model] (see "
                               f"--print-config), or start a new save_dir") from None
-        position = _saved_position(t.save_dir, engine.step_count)
+        position = _saved_position(t.save_dir, engine.stats.step)
     elif model.pretrained:
         _load_pretrained(engine, model)
     flops = model.flops_per_token or 6 * count_parameters(engine)
     devices = devices_in_use(engine)     # ranks sharing a GPU share its peak
-    peak = waiting.bcast(comm, peak_flops(engine.device, t.peak_tflops) if comm.rank == 0 else None,
-                         0)
+    peak = waiting.bcast(
+        comm, peak_flops(engine.stage.device, t.peak_tflops) if comm.rank == 0 else None, 0)
     out = None
     if comm.rank == 0:
         if t.save_dir and os.path.exists(os.path.join(t.save_dir, STOPPED)):
             os.unlink(os.path.join(t.save_dir, STOPPED))      # this run goes on from there
         trackers = open_trackers(t, run.tables(), append=t.resume)
-        out = MetricsLog(trackers, t.steps, engine.step_count, t.progress, log)
+        out = MetricsLog(trackers, t.steps, engine.stats.step, t.progress, log)
         c = run.engine
         where = ", ".join(f"{type(k).__name__[:-7].lower()} {k.path}" for k in trackers)
         out.line(f"pipeflow: {model.name} on {source}; grid pipeline={c.pipeline} x "
                  f"data={c.data}, {c.microbatches} micro-batches, {engine.schedule}, stages "
-                 f"{engine.boundaries}; MFU against {peak[0] / 1e12:.3g} TFLOP/s a rank "
-                 f"({peak[1]})" + (f"; metrics to {where}" if where else ""))
+                 f"{list(engine.plan.boundaries)}; MFU against {peak[0] / 1e12:.3g} TFLOP/s a "
+                 f"rank ({peak[1]})" + (f"; metrics to {where}" if where else ""))
         for note in model.notes:
             out.line(note)
         if t.resume:
-            out.line(f"pipeflow: resumed at step {engine.step_count}, batch {position}, "
+            out.line(f"pipeflow: resumed at step {engine.stats.step}, batch {position}, "
                      f"from {t.save_dir}{pinned}")
         if eot is not None:
             out.line(f"pipeflow: packed rows: position_ids restart after token {eot}")
     return _Loop(run, engine, batches, val, out, position, t.batch_size * batches.seq_len,
-                 flops, peak[0] * devices, first_step=engine.step_count, eot=eot,
+                 flops, peak[0] * devices, first_step=engine.stats.step, eot=eot,
                  hf_config=model.hf_config, hf_source=model.hf_source)
 
 
@@ -487,12 +489,12 @@ def _load_pretrained(engine: Engine, model: Model) -> None:
     engine's masters and working weights; a problem on any rank is raised on every rank."""
     problem = None
     try:
-        state, _ = hub.read_layers(model.pretrained, model.hf_config, engine.module.indices)
+        state, _ = hub.read_layers(model.pretrained, model.hf_config, engine.stage.module.indices)
         engine.load_state_dict(state)
     except (ConfigError, OSError, ValueError, RuntimeError) as exc:
-        problem = f"rank {engine.topo.rank}: {exc}"
+        problem = f"rank {engine.stage.topo.rank}: {exc}"
     with engine.watched("pretrained weights"):
-        problems = [p for p in waiting.allgather(engine.topo.world, problem) if p]
+        problems = [p for p in waiting.allgather(engine.stage.topo.world, problem) if p]
     if problems:
         raise ConfigError(f"[model] pretrained = {model.pretrained!r}: cannot load the weights "
                           f"({problems[0]}); is the folder's config.json the one its weights "
@@ -505,7 +507,7 @@ def _export_hf(loop: _Loop) -> None:
     engine, out = loop.engine, loop.run.train.export_hf
     state = engine.gather_state_dict()
     problem = None
-    if engine.topo.rank == 0:
+    if engine.stage.topo.rank == 0:
         t = loop.run.train
         try:
             done = hub.write_folder(state, loop.hf_config, out, t.export_overwrite,
@@ -518,7 +520,7 @@ def _export_hf(loop: _Loop) -> None:
             problem = (f"[train] export_hf: {exc}; the checkpoint, if any, is whole: write "
                        f"the folder from it with `pipeflow export CKPT --hf OUT`")
     with engine.watched("export_hf"):
-        problem = waiting.bcast(engine.topo.world, problem, 0)
+        problem = waiting.bcast(engine.stage.topo.world, problem, 0)
     if problem:
         raise ConfigError(problem)
     if loop.rank0:
@@ -568,8 +570,9 @@ def _report_recompute(loop: _Loop) -> None:
     """"auto" is resolved on each stage's first micro-batch: say what it chose."""
     engine = loop.engine
     with engine.watched("recompute report"):
-        chosen = waiting.gather(engine.topo.world, (engine.stage, engine.recompute,
-                                                    engine.stats.peak_activation_bytes), 0)
+        stage = engine.stage
+        chosen = waiting.gather(stage.topo.world, (stage.index, stage.recompute,
+                                                   engine.stats.peak_activation_bytes), 0)
     if loop.rank0:
         per_stage = {s: (p, b) for s, p, b in chosen}
         loop.out.line("pipeflow: recompute per stage: " + ", ".join(
@@ -578,12 +581,12 @@ def _report_recompute(loop: _Loop) -> None:
 
 def _step(loop: _Loop, step: int) -> float:
     engine, t = loop.engine, loop.run.train
-    if engine.optimizer is not None:
-        for group in engine.optimizer.param_groups:
+    if engine.stage.optimizer is not None:
+        for group in engine.stage.optimizer.param_groups:
             group["lr"] = lr_at(step, t)
     first = step == loop.first_step and loop.run.engine.recompute != "none"
     # Count saved activations on the first step only: the meter costs time.
-    engine.measure_activations = first
+    engine.runner.measure_activations = first
     args, side = _batch(loop.batches, loop.position, engine, loop.eot)
     loss = engine.train_step(*args, **side)
     loop.position += 1
@@ -605,7 +608,7 @@ def _step(loop: _Loop, step: int) -> float:
 
 
 def _stop_early(loop: _Loop, signum: int) -> None:
-    t, step = loop.run.train, loop.engine.step_count
+    t, step = loop.run.train, loop.engine.stats.step
     name = signal.Signals(signum).name
     if t.save_dir:
         # The periodic save may have just written this very step: a second write would only
@@ -631,14 +634,14 @@ def _finish(loop: _Loop, elapsed: float, trace: str | None) -> None:
             loop.out.line(f"pipeflow: wrote the last step's timeline to {trace} (open it in "
                           f"https://ui.perfetto.dev, or `pipeflow trace {trace} --png t.png`)")
     val_loss = _evaluate(loop)
-    if t.save_dir and engine.step_count and (not t.save_every or engine.step_count % t.save_every):
+    if t.save_dir and engine.stats.step and (not t.save_every or engine.stats.step % t.save_every):
         _save(engine, loop.run, loop.position, loop.hf_config, loop.hf_source)
     if t.export_hf:
         _export_hf(loop)
     if loop.rank0 and loop.losses:
         done = len(loop.losses)
         if val_loss is not None:
-            loop.out.record({"step": engine.step_count - 1, "eval_loss": val_loss})
+            loop.out.record({"step": engine.stats.step - 1, "eval_loss": val_loss})
         loop.out.line(f"pipeflow: {done} steps in {elapsed:.1f} s "
                       f"({done * loop.tokens / elapsed:.0f} tok/s); loss {loop.losses[0]:.3f}"
                       f" -> {loop.losses[-1]:.3f}" + (f", validation loss {val_loss:.3f}"
@@ -667,11 +670,11 @@ def train(run: RunConfig, comm: MPI.Comm | None = None, log: Callable = print,
             if comm.size == 1:
                 raise
             # No other rank can be expected at a step boundary: end the job now, named.
-            report_and_abort(f"rank {comm.rank} interrupted at step {loop.engine.step_count}",
+            report_and_abort(f"rank {comm.rank} interrupted at step {loop.engine.stats.step}",
                              exc)
         except Exception as exc:
             if not isinstance(exc, ConfigError):    # those are raised on every rank alike
-                say(f"pipeflow: rank {comm.rank} raised at step {loop.engine.step_count}:\n"
+                say(f"pipeflow: rank {comm.rank} raised at step {loop.engine.stats.step}:\n"
                     + "".join(traceback.format_exception(exc)) + "pipeflow: closing; unless "
                     f"every rank closes within {FAILING_CLOSE_S:g} s (they failed alike), "
                     f"the job ends then\n")
@@ -685,7 +688,7 @@ def train(run: RunConfig, comm: MPI.Comm | None = None, log: Callable = print,
 def _loop(loop: _Loop, comm: MPI.Comm, preemption: Preemption, trace: str | None,
           on_step: Callable[[int], None] | None) -> list[float]:
     start = time.perf_counter()
-    for step in range(loop.engine.step_count, loop.run.train.steps):
+    for step in range(loop.engine.stats.step, loop.run.train.steps):
         _step(loop, step)
         if on_step is not None:
             on_step(step)

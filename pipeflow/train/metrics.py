@@ -84,13 +84,13 @@ def devices_in_use(engine: "Engine") -> int:
     """The distinct devices the job's ranks run on, the count MFU's peak is multiplied by:
     ranks that share one GPU (several ranks over MPI on one device) share its peak. A CPU
     rank counts as a device of its own (its peak is measured per rank). A collective."""
-    device = engine.device
+    device = engine.stage.device
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         mine: tuple = (socket.gethostname(), str(getattr(props, "uuid", device.index)))
     else:
-        mine = (socket.gethostname(), engine.topo.rank)
-    return len(set(waiting.allgather(engine.topo.world, mine)))
+        mine = (socket.gethostname(), engine.stage.topo.rank)
+    return len(set(waiting.allgather(engine.stage.topo.world, mine)))
 
 
 def count_parameters(engine: "Engine") -> int:
@@ -98,8 +98,8 @@ def count_parameters(engine: "Engine") -> int:
     token's forward multiplies, summed over the stages (replica 0 of each). An embedding
     table is looked up, not multiplied, so it does not count; a weight tied between an
     embedding and the output head (two stages hold copies) counts once, as the head."""
-    local = _multiplied_parameters(engine.module) if engine.topo.replica == 0 else 0
-    return sum(waiting.allgather(engine.topo.world, local))
+    local = _multiplied_parameters(engine.stage.module) if engine.stage.topo.replica == 0 else 0
+    return sum(waiting.allgather(engine.stage.topo.world, local))
 
 
 def _multiplied_parameters(module: torch.nn.Module) -> int:
@@ -122,8 +122,8 @@ def stage_stats(engine: "Engine") -> list[dict[str, Any]] | None:
     """Each stage's peak memory (largest over its replicas) and measured bubble (mean), on
     world rank 0; a collective: every rank calls it at the same step."""
     memory, kind = _peak_memory(engine)
-    mine = (engine.stage, memory, kind, bubble_fraction(engine.runner.timeline))
-    views = waiting.gather(engine.topo.world, mine, 0)
+    mine = (engine.stage.index, memory, kind, bubble_fraction(engine.runner.timeline))
+    views = waiting.gather(engine.stage.topo.world, mine, 0)
     if views is None:
         return None
     stages: dict[int, list] = {}
@@ -138,7 +138,7 @@ def memory_reports(engine: "Engine") -> list[dict[str, Any]] | None:
     """Every rank's `engine.memory_report()` (bytes of working weights, masters, gradients,
     optimizer state, activations at peak, and per parameter), by world rank, on world rank
     0; a collective: every rank calls it at the same step."""
-    return waiting.gather(engine.topo.world, engine.memory_report(), 0)
+    return waiting.gather(engine.stage.topo.world, engine.memory_report(), 0)
 
 
 class MetricsLog:

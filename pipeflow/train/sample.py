@@ -137,7 +137,7 @@ def _load(engine: Any, source: _Source, comm: MPI.Comm) -> None:
     """Each rank reads its own layers' tensors; a problem on any rank raised on all."""
     problem = None
     try:
-        engine.load_state_dict(source.read(list(engine.module.indices)))
+        engine.load_state_dict(source.read(list(engine.stage.module.indices)))
     except (ConfigError, OSError, ValueError, KeyError, RuntimeError) as exc:
         problem = f"rank {comm.rank}: {exc}"
     problems = [p for p in waiting.allgather(comm, problem) if p]

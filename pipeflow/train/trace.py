@@ -42,10 +42,11 @@ def gather_trace(engine: "Engine") -> dict[str, Any] | None:
     skew (microseconds on one node). Open the file in https://ui.perfetto.dev or
     chrome://tracing: one lane a rank, one box an instruction (F3, B3, SA3, ...).
     """
-    world = engine.topo.world
+    topo = engine.stage.topo
+    world = topo.world
     waiting.barrier(world)
     origin = time.perf_counter()
-    lane = {"rank": engine.topo.rank, "stage": engine.stage, "replica": engine.topo.replica,
+    lane = {"rank": topo.rank, "stage": topo.stage, "replica": topo.replica,
             "events": [(name, start - origin, end - origin)
                        for name, start, end in engine.runner.timeline]}
     lanes = waiting.gather(world, lane, 0)

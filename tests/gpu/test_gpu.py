@@ -49,7 +49,7 @@ def test_one_rank_over_torch_distributed_equals_build_sequential():
     engine = pf.Engine(layers, loss_fn, adamw,
                        pf.Config(microbatches=2, backend=backend, clip=0.3),
                        comm=MPI.COMM_SELF if WORLD.size == 1 else None, device=_device())
-    assert engine.backend == backend
+    assert engine.stage.backend == backend
     steps = batches(3, 8)
     losses = [engine.train_step(x, y) for x, y in steps]
     reference, ref_losses = train_reference(layers, steps, clip=0.3, device=_device())
@@ -99,14 +99,14 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():
                                  loss_scale=1024.0, clip=1.0), device=_device())
     steps = batches(3, 8)
     engine.train_step(*steps[0])
-    before = [m.detach().clone() for m in engine.precision.masters]
+    before = [m.detach().clone() for m in engine.stage.precision.masters]
     ARMED["on"] = WORLD.rank == 0
     engine.train_step(*steps[1])
     ARMED["on"] = False
-    assert all(torch.equal(b, m) for b, m in zip(before, engine.precision.masters))
+    assert all(torch.equal(b, m) for b, m in zip(before, engine.stage.precision.masters))
     assert WORLD.allgather((engine.loss_scale, engine.stats.skipped_steps)) == [(512.0, 1)] * WORLD.size
     engine.train_step(*steps[2])
-    assert not all(torch.equal(b, m) for b, m in zip(before, engine.precision.masters))
+    assert not all(torch.equal(b, m) for b, m in zip(before, engine.stage.precision.masters))
     engine.close()
 
 

@@ -35,7 +35,7 @@ layers = toy_layers()
 layers.insert(-1, pf.LayerSpec(Bomb))
 engine = pf.Engine(layers, loss_fn, adamw, pf.Config(pipeline=2, microbatches=2))
 for step, (x, y) in enumerate(batches(4, 8)):
-    if MODE == "outside" and step == 2 and engine.stage == 1:
+    if MODE == "outside" and step == 2 and engine.stage.index == 1:
         raise ValueError("user code failed between steps")
     engine.train_step(x, y)
 print("finished without failing", flush=True)

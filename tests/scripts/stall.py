@@ -46,7 +46,7 @@ deadline = 2.0 if MODE in ("save-rank0", "close-skipped") else 30.0
 engine = pf.Engine(layers, loss_fn, adamw,
                    pf.Config(pipeline=2, microbatches=2, watchdog_s=20.0 if deadline < 30
                              else 2.0, agree_s=deadline))
-steps = 3 + (MODE == "extra-step" and engine.stage == 1)
+steps = 3 + (MODE == "extra-step" and engine.stage.index == 1)
 for k, (x, y) in enumerate(batches(steps, 8)):
     if MODE == "outside" and RANK == 1 and k == 2:
         time.sleep(120)
