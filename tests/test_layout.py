@@ -80,3 +80,38 @@ def test_module_imports_have_no_circle():
     for node in sorted(graph):
         if node not in state:
             visit(node)
+
+
+def _class_properties(path: str, cls: str) -> list[str]:
+    """The properties a class defines (decorated, or `name = property(...)`), from its source."""
+    import ast
+
+    tree = ast.parse((ROOT / path).read_text())
+    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
+    names = [f.name for f in body if isinstance(f, ast.FunctionDef)
+             and any(isinstance(d, ast.Name) and d.id == "property" for d in f.decorator_list)]
+    return sorted(names + [t.id for a in body if isinstance(a, ast.Assign)
+                           and getattr(getattr(a.value, "func", None), "id", "") == "property"
+                           for t in a.targets])
+
+
+def test_facts_are_read_where_they_live():
+    # Engine keeps only the shortcuts docs/design.md documents; the rest is read from
+    # `engine.stage` and `engine.plan`, and a stage's plan facts from `stage.plan`.
+    assert _class_properties("pipeflow/engine.py", "Engine") == ["loss_scale", "schedule"]
+    assert _class_properties("pipeflow/runtime/stage.py", "Stage") == []
+
+
+def test_config_stops_at_the_facade():
+    # Below the Engine no module takes `Config` whole: each part reads its own settings
+    # record (ArrangeSettings, StageSettings, StepSettings), filled by the engine.
+    import ast
+
+    found = []
+    for package in ("runtime", "comm", "schedules"):
+        for path in sorted((ROOT / "pipeflow" / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module == "pipeflow.config" \
+                        and any(a.name == "Config" for a in node.names):
+                    found.append(path.relative_to(ROOT).as_posix())
+    assert not found, f"{found} import Config: give the part a settings record instead"

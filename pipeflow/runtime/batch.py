@@ -104,11 +104,11 @@ def split_step(call: str, step: int, inputs: Any, targets: Any, side: Mapping[st
             stage: BatchStage, control: MPI.Comm, needs_targets: bool,
             count_items: Callable[[Any], Any] | None, deadline_s: float = 0.0) -> StepBatches:
     """Split this rank's share of the batch and agree with every other rank on the call."""
-    cfg, topo = stage.step_settings, stage.topo
+    settings, topo = stage.step_settings, stage.topo
     holds_first = stage.plan.holds_first(stage.index)
     holds_last = stage.plan.holds_last(stage.index)
-    m, d, where = cfg.microbatches, cfg.data, stage.describe()
-    local = cfg.batch == "local"
+    m, d, where = settings.microbatches, settings.data, stage.describe()
+    local = settings.batch == "local"
     micro = [MicroBatch() for _ in range(m)]
     problem, items = None, None
     try:
