@@ -443,8 +443,8 @@ def test_mfu_counts_a_gpu_that_ranks_share_once(monkeypatch):
     from pipeflow.train import metrics
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: types.SimpleNamespace(uuid=f"GPU-{device.index}"))
-    engine = types.SimpleNamespace(device=torch.device("cuda", 0),
-                                   topo=types.SimpleNamespace(world="world", rank=0))
+    engine = types.SimpleNamespace(stage=types.SimpleNamespace(
+        device=torch.device("cuda", 0), topo=types.SimpleNamespace(world="world", rank=0)))
     views = {}
     monkeypatch.setattr(metrics.waiting, "allgather", lambda comm, mine: views["all"])
     views["all"] = [("node1", "GPU-0")] * 4

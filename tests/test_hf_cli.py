@@ -258,7 +258,7 @@ def test_export_carries_the_tokenizer_and_writes_the_runs_precision_sharded(tmp_
                     train_extra=f'export_hf = "{out}"\nmax_shard_size = "20KB"\n'
                                 f'save_dir = "{tmp_path / "ckpt"}"')
     quiet = dict(log=lambda *a, **k: None)
-    train(load_run_config(path, ['engine.stage.precision="bf16"']), **quiet)
+    train(load_run_config(path, ['engine.precision="bf16"']), **quiet)
     files = sorted(os.listdir(out))
     assert hub_io.INDEX in files and sum(f.endswith(".safetensors") for f in files) > 1
     for name in hub_io.extra_files(hub):

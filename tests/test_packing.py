@@ -110,8 +110,9 @@ def test_positions_of_a_packed_batch_restart_after_each_end_of_text_of_its_input
     from pipeflow.train.loop import _batch
     tokens = np.arange(1, 401) % 7 + 6
     tokens[::5] = EOT
-    engine = SimpleNamespace(topo=SimpleNamespace(replica=0), config=SimpleNamespace(data=1),
-                             is_first=True, is_last=True)
+    one_stage = SimpleNamespace(holds_first=lambda stage: True, holds_last=lambda stage: True)
+    engine = SimpleNamespace(stage=SimpleNamespace(index=0, topo=SimpleNamespace(replica=0)),
+                             plan=one_stage, config=SimpleNamespace(data=1))
     (x, y), side = _batch(Batches(tokens, 4, 12, seed=3), 0, engine, EOT)
     expected = []
     for row in x.tolist():
