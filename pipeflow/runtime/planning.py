@@ -16,15 +16,19 @@ from mpi4py import MPI
 from pipeflow.comm import waiting
 from pipeflow.config import SCHEDULES, Config, ConfigError, parse_policy
 from pipeflow.layers import LayerSpec
+from pipeflow.logs import get_logger
 from pipeflow import tree
 from pipeflow.runtime.partition import (clock, each_layer, grad_outputs, leaf_input,
                                         measure_layer_times, partition_layers)
 from pipeflow.runtime.recompute import SavedTensorMeter
 from pipeflow.schedules.auto import LayerCosts, choose_schedule
+from pipeflow.schedules.ir import ScheduleError
 from pipeflow.schedules.plan import Plan
 from pipeflow.schedules.split_backward import backward_input, backward_weight
 
 __all__ = ["Planned", "plan_pipeline", "measure_layer_costs"]
+
+_log = get_logger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,11 +85,14 @@ def _resolve_schedule(layers: Sequence[LayerSpec], config: Config, world: MPI.Co
             f"Engine(..., sample=inputs[:micro_batch_size]) (a micro-batch of the inputs), or "
             f"name a schedule (one of {[s for s in SCHEDULES if s != 'auto']})")
     times = costs.totals if config.partition == "time" else None
-    choice = choose_schedule(
-        costs, stages, config.microbatches, int(config.activation_budget_mb * 2**20),
-        boundaries=lambda k: partition_layers(layers, k, config.partition, times))
+    try:
+        choice = choose_schedule(
+            costs, stages, config.microbatches, int(config.activation_budget_mb * 2**20),
+            boundaries=lambda k: partition_layers(layers, k, config.partition, times))
+    except ScheduleError as exc:          # alike on every rank: the run's configuration
+        raise ConfigError(str(exc)) from None
     if world.rank == 0:
-        print(choice.describe(), flush=True)
+        _log.info("%s", choice.describe().removeprefix("pipeflow: "))
     return choice.schedule, choice.chunks, times, choice.describe()
 
 
