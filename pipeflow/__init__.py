@@ -7,6 +7,7 @@ that does not train (`pipeflow --help`, `schedule`, `plan`) import neither torch
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import sys
 from typing import Any
@@ -57,3 +58,7 @@ def _cover_user_code() -> None:
 
 
 _cover_user_code()
+
+# A library's one handler: pipeflow's records reach the application's handlers, or nowhere;
+# the command line (`pipeflow.logs.configure`) or the application adds the rest.
+logging.getLogger(__name__).addHandler(logging.NullHandler())

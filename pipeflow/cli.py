@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from typing import Sequence
 
-__all__ = ["main"]
+__all__ = ["main", "LEVELS"]
 
 
 def _error(text: str | BaseException) -> int:
@@ -340,10 +341,28 @@ def _add_prepare(sub) -> None:
     prep.set_defaults(func=_prepare)
 
 
+def _add_verbosity(parser: argparse.ArgumentParser) -> None:
+    """`--quiet` / `--verbose`, before the command or after it (`pipeflow train X --quiet`)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--quiet", dest="verbosity", action="store_const", const=-1,
+                       default=argparse.SUPPRESS,
+                       help="warnings and errors only: no info lines (a run's own progress "
+                       "lines and a command's output stay)")
+    group.add_argument("--verbose", dest="verbosity", action="store_const", const=1,
+                       default=argparse.SUPPRESS, help="debug lines too")
+
+
+# The `pipeflow` logger's level for each verbosity (pipeflow.logs: the rank in each line).
+LEVELS = {-1: logging.WARNING, 0: logging.INFO, 1: logging.DEBUG}
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pipeflow", description="Pipeline-parallel training across MPI ranks. "
-        "Launch training as `mpirun -n N pipeflow train CONFIG.toml`.")
+        "Launch training as `mpirun -n N pipeflow train CONFIG.toml`. Messages other than a "
+        "run's progress and a command's output go through `logging` to stderr, each line "
+        "naming its rank.")
+    _add_verbosity(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
     _add_pictures(sub)
@@ -359,12 +378,16 @@ def _parser() -> argparse.ArgumentParser:
                               "command (Chinchilla sizing, cost model, search)")
         planner_cli.add_arguments(plan)
         plan.set_defaults(func=planner_cli.run)
+    for command in sub.choices.values():
+        _add_verbosity(command)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return args.func(args)
+    from pipeflow.logs import configured
+    with configured(LEVELS[getattr(args, "verbosity", 0)]):
+        return args.func(args)
 
 
 if __name__ == "__main__":

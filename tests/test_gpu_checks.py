@@ -3,6 +3,7 @@ backend a grid gets, which GPU a rank binds, what MPI is handed (host or device 
 
 from __future__ import annotations
 
+import logging
 import os
 import types
 
@@ -44,10 +45,12 @@ def test_explicit_nccl_with_two_ranks_on_one_gpu_is_refused_before_nccl_is(gpus_
         topology.choose_backend("nccl", topo, torch.device("cuda", 0))
 
 
-def test_auto_with_shared_gpus_chooses_mpi_and_says_why(gpus_here, capsys):
+def test_auto_with_shared_gpus_chooses_mpi_and_says_why(gpus_here, caplog):
     topo = _topo([("node1", "GPU-a"), ("node1", "GPU-a")])
     assert topology.choose_backend("auto", topo, torch.device("cuda", 0)) == "mpi"
-    assert "backend 'auto' chose MPI, not NCCL: ranks [0, 1] share GPU" in capsys.readouterr().err
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "backend 'auto' chose MPI, not NCCL: ranks [0, 1] share GPU" \
+        in warned[0].getMessage() and warned[0].name == "pipeflow.comm.topology"
     topo = _topo([("node1", "GPU-a"), ("node1", "GPU-b")])
     assert topology.choose_backend("auto", topo, torch.device("cuda", 0)) == "nccl"
 

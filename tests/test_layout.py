@@ -115,3 +115,75 @@ def test_config_stops_at_the_facade():
                         and any(a.name == "Config" for a in node.names):
                     found.append(path.relative_to(ROOT).as_posix())
     assert not found, f"{found} import Config: give the part a settings record instead"
+
+
+def _imports_out_of(package: pathlib.Path, dotted: str) -> list[str]:
+    """Each `file:line: what` under `package` (the package `dotted`, e.g. pipeflow.schedules)
+    that imports pipeflow outside it: `import`/`from` at any depth (function bodies too), a
+    relative import climbing out, and `importlib.import_module` / `__import__` of a literal
+    (an f-string by its literal head)."""
+    import ast
+
+    top = dotted.split(".")[0]
+
+    def outside(target: str) -> bool:
+        return (target == top or target.startswith(top + ".")) and not (
+            target == dotted or target.startswith(dotted + "."))
+
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        here = list(path.relative_to(ROOT).with_suffix("").parts)
+        if here[-1] == "__init__":
+            here = here[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    keep = len(here) - node.level + (path.name == "__init__.py")
+                    base = ".".join(here[:max(keep, 0)] + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if base in (top, "") else base for a in node.names]
+            elif (isinstance(node, ast.Call) and node.args
+                  and getattr(node.func, "attr", getattr(node.func, "id", "")) in
+                  ("import_module", "__import__")):
+                arg = node.args[0]
+                if isinstance(arg, ast.JoinedStr) and arg.values:
+                    arg = arg.values[0]
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                    # An f-string's head "pipeflow.x." names the package it reaches into.
+                    targets = [arg.value.rstrip(".")]
+            found += [f"{rel}:{node.lineno}: {t}" for t in targets if outside(t)]
+    return found
+
+
+def test_schedules_import_nothing_of_pipeflow_outside_themselves():
+    # schedules/ is the bottom layer: pure schedule data that config, runtime, the planner
+    # and the CLI read; an import out of it would climb back up (docs/layout.md).
+    found = _imports_out_of(ROOT / "pipeflow" / "schedules", "pipeflow.schedules")
+    assert not found, ("pipeflow/schedules/ imports pipeflow outside itself: "
+                       + "; ".join(found) + ". Move what it needs into schedules/, or have "
+                       "the caller pass it in")
+
+
+def test_the_schedules_import_check_sees_each_kind_of_import(tmp_path, monkeypatch):
+    package = tmp_path / "pipeflow" / "schedules"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("from pipeflow.schedules.ir import Action\n"
+                                         "from . import ir\n")
+    (package / "ir.py").write_text("import re\nfrom pipeflow.schedules import spec\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    assert _imports_out_of(package, "pipeflow.schedules") == []
+    planted = {"a.py": "from pipeflow.config import ConfigError\n",
+               "b.py": "def f():\n    import pipeflow.runtime.balance\n",
+               "c.py": "from pipeflow import tree\n",
+               "d.py": "from .. import config\n",
+               "e.py": "from ..runtime.recompute import _fmt\n",
+               "f.py": "import importlib\nimportlib.import_module(f'pipeflow.runtime.{x}')\n"}
+    for name, text in planted.items():
+        (package / name).write_text(text)
+    found = _imports_out_of(package, "pipeflow.schedules")
+    assert [f.split(":")[0].rsplit("/", 1)[1] for f in found] == sorted(planted), found
+    assert "pipeflow/schedules/e.py:1: pipeflow.runtime.recompute" in found

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 from typing import Any
 
 import torch
@@ -13,11 +12,14 @@ from mpi4py import MPI
 from pipeflow.comm import waiting
 from pipeflow.grid import rank_of
 from pipeflow.config import ConfigError
+from pipeflow.logs import get_logger
 
 __all__ = ["Topology", "TopologyError", "rank_of", "bind_device",
            "choose_backend", "grid_communicators"]
 
 STRICT_ENV = "PIPEFLOW_STRICT_COMM"   # =1: the MPI backend runs under NCCL's rules (tests)
+
+_log = get_logger(__name__)
 
 
 
@@ -116,12 +118,13 @@ def choose_backend(name: str, topo: Topology, device: torch.device) -> str:
                 f"per GPU (or set CUDA_VISIBLE_DEVICES per rank), or use backend = 'mpi'")
         if name == "auto" and None not in gpus and shared:
             if topo.world.rank == 0:     # GPUs everywhere, yet not NCCL: say why
-                print(f"pipeflow: backend 'auto' chose MPI, not NCCL: {shared} (NCCL needs "
-                      f"one GPU per rank)", file=sys.stderr, flush=True)
+                _log.warning("backend 'auto' chose MPI, not NCCL: %s (NCCL needs one GPU per "
+                             "rank)", shared)
         if name == "auto":
             name = "nccl" if None not in gpus and not shared else "mpi"
     if name == "mpi" and os.environ.get(STRICT_ENV, "") not in ("", "0"):
         name = "strict"
+    _log.debug("%s: backend %r on %s", topo.describe(), name, device)
     return name
 
 

@@ -172,10 +172,11 @@ def _calibrated_cluster(args: argparse.Namespace,
         else:
             raise PlanError("--calibrate needs a model to measure: give --compute, "
                             "--params or --layers/--width (small: it runs on this CPU)")
+    from pipeflow.logs import get_logger
     from pipeflow.planner.calibrate import calibrate
     gpus = args.gpus or (size if size > 1 else (os.cpu_count() or 1))
     hw = calibrate(shape, comm=comm, ranks_per_node=gpus,
-                   log=(lambda msg: print(msg, file=sys.stderr)) if rank == 0 else None)
+                   log=get_logger(__name__).info if rank == 0 else None)
     if rank != 0:
         return None, shape
     if args.save_hardware:
@@ -273,4 +274,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Size a model for a compute budget (Chinchilla) and plan its pipeline × "
                     "data grid on a cluster.")
     add_arguments(parser)
+    from pipeflow.logs import configure
+    configure()                     # the calibration's lines, as `pipeflow plan` shows them
     return run(parser.parse_args(argv))

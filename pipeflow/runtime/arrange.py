@@ -18,15 +18,19 @@ from mpi4py import MPI
 from pipeflow.comm import waiting
 from pipeflow.config import SCHEDULES, ConfigError, parse_policy
 from pipeflow.layers import LayerSpec
+from pipeflow.logs import get_logger
 from pipeflow import tree
 from pipeflow.runtime.partition import (clock, each_layer, grad_outputs, leaf_input,
                                         measure_layer_times, partition_layers)
 from pipeflow.runtime.recompute import SavedTensorMeter
 from pipeflow.schedules.auto import LayerCosts, choose_schedule
+from pipeflow.schedules.ir import ScheduleError
 from pipeflow.schedules.plan import Plan
 from pipeflow.schedules.split_backward import backward_input, backward_weight
 
 __all__ = ["ArrangeSettings", "Arrangement", "arrange_pipeline", "measure_layer_costs"]
+
+_log = get_logger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,11 +103,14 @@ def _resolve_schedule(layers: Sequence[LayerSpec], settings: ArrangeSettings, wo
             f"Engine(..., sample=inputs[:micro_batch_size]) (a micro-batch of the inputs), or "
             f"name a schedule (one of {[s for s in SCHEDULES if s != 'auto']})")
     times = costs.totals if settings.partition == "time" else None
-    choice = choose_schedule(
-        costs, stages, settings.microbatches, int(settings.activation_budget_mb * 2**20),
-        boundaries=lambda k: partition_layers(layers, k, settings.partition, times))
+    try:
+        choice = choose_schedule(
+            costs, stages, settings.microbatches, int(settings.activation_budget_mb * 2**20),
+            boundaries=lambda k: partition_layers(layers, k, settings.partition, times))
+    except ScheduleError as exc:          # alike on every rank: the run's configuration
+        raise ConfigError(str(exc)) from None
     if world.rank == 0:
-        print(choice.describe(), flush=True)
+        _log.info("%s", choice.describe().removeprefix("pipeflow: "))
     return choice.schedule, choice.chunks, times, choice.describe()
 
 

@@ -36,6 +36,7 @@ import torch
 
 from pipeflow.comm import waiting
 from pipeflow._io import atomic_write_bytes, fsync_dir
+from pipeflow.logs import get_logger
 from pipeflow.runtime.rng import get_rng_state, set_rng_state
 from pipeflow.comm.topology import Topology
 
@@ -43,6 +44,8 @@ __all__ = ["CheckpointState", "save_checkpoint", "load_checkpoint", "CheckpointE
            "ModelMismatch",
            "resolve_checkpoint", "check_save_dir", "sealed_json", "read_sealed_json", "saved_plan",
            "step_name", "read_params"]
+
+_log = get_logger(__name__)
 
 FORMAT = 3        # 2: checksums, grid, sequence, per-rank random state; 3: sealed, model
 KEEP = 2          # whole checkpoints kept in a folder; older ones are removed
@@ -135,6 +138,9 @@ def save_checkpoint(state: CheckpointState, directory: str | os.PathLike) -> str
         problem = f"{topo.describe()} could not write {exc.filename or folder!r}: {exc}"
     parts = waiting.gather(topo.world, (written, problem), 0)
     final = _agreed(topo, lambda: _publish(state, directory, folder, name, parts))
+    _log.debug("%s: step %d saved to %s (%d files of this rank, %d bytes)", topo.describe(),
+               state.step, os.path.join(directory, final), len(written),
+               sum(n for _, n in written.values()))
     return os.path.join(directory, final)
 
 
@@ -416,6 +422,8 @@ def load_checkpoint(state: CheckpointState, directory: str | os.PathLike) -> int
     elif state.optimizer is not None:
         _load_optimizer(state, optim, groups)
     _restore_rng(state, folder, meta, checksums)
+    _log.debug("%s: step %s loaded from %s (layers %s)", where, meta["step"], folder,
+               list(state.layer_indices))
     return int(meta["step"])
 
 

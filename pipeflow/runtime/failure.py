@@ -8,6 +8,7 @@ on its own, so a rank never prints a second, misleading report.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import threading
@@ -16,6 +17,8 @@ import traceback
 from typing import Any, Callable, Iterator
 
 from mpi4py import MPI
+
+from pipeflow.logs import get_logger
 
 __all__ = ["abort_world", "report_and_abort", "install_excepthook", "uncaught", "Watchdog",
            "CollectiveError"]
@@ -26,13 +29,39 @@ class CollectiveError(RuntimeError):
     otherwise the job is aborted). The engine cannot be used again."""
 
 
-def say(text: str) -> None:
-    """A report that precedes an abort: to `sys.stderr`, and also to the process's own stderr
-    where something replaced it (a log file, pytest's capture), which an abort would lose."""
+_log = get_logger(__name__)
+
+
+def say(text: str, level: int = logging.CRITICAL) -> None:
+    """A report that precedes an abort: a record at `level` for the application's handlers,
+    and the text itself on `sys.stderr` and on the process's own stderr where something
+    replaced it (a log file, pytest's capture: an abort would lose those), each unless a
+    handler of the record already writes there. So it reaches stderr, the rank named, with
+    or without a logging configuration."""
+    _log.log(level, "%s", text.strip("\n"))
+    reached = {id(stream) for stream in _streams_reached(_log, level)}
     for stream in dict.fromkeys((sys.stderr, sys.__stderr__)):
-        if stream is not None:
+        if stream is not None and id(stream) not in reached:
             stream.write(text)
             stream.flush()
+
+
+def _streams_reached(logger: logging.Logger, level: int) -> list[Any]:
+    """The streams the handlers of a `level` record of `logger` write to (as `callHandlers`
+    finds them: up the parents while records propagate; `lastResort` where there are none)."""
+    if not logger.isEnabledFor(level):
+        return []
+    streams, found, node = [], False, logger
+    while node is not None:
+        for handler in node.handlers:
+            found = True
+            if level >= handler.level and isinstance(handler, logging.StreamHandler):
+                streams.append(handler.stream)
+        node = node.parent if node.propagate else None
+    last = logging.lastResort
+    if not found and last is not None and level >= last.level:
+        streams.append(sys.stderr)
+    return streams
 
 
 def _main_stack(limit: int = 10) -> str:

@@ -8,8 +8,6 @@ loss scale.
 from __future__ import annotations
 
 import math
-import sys
-
 from typing import Any, Protocol
 
 import torch
@@ -19,11 +17,14 @@ from pipeflow.comm.base import Communicator
 from pipeflow.comm.mpi import mpi_iallreduce_
 from pipeflow.comm.topology import Topology
 from pipeflow.config import ConfigError
+from pipeflow.logs import get_logger
 from pipeflow.runtime.data_parallel import GradReducer
 from pipeflow.runtime.precision import Precision
 from pipeflow.runtime.stage import StepSettings
 
 __all__ = ["close_step", "NonFiniteError", "StepStage"]
+
+_log = get_logger(__name__)
 
 
 class NonFiniteError(ConfigError):
@@ -124,9 +125,9 @@ def _skip(stage: StepStage, stats: Any, loss: float, norm: float) -> None:
     stats.nonfinite_in_row += 1
     limit = stage.step_settings.max_nonfinite_steps
     if stage.topo.rank == 0:
-        print(f"pipeflow: step {stats.step}: non-finite loss {loss} or gradient norm {norm}; "
-              f"step skipped on every rank ({stats.nonfinite_in_row} in a row, at most "
-              f"{limit})", file=sys.stderr, flush=True)
+        _log.warning("step %d: non-finite loss %s or gradient norm %s; step skipped on every "
+                     "rank (%d in a row, at most %d)", stats.step, loss, norm,
+                     stats.nonfinite_in_row, limit)
     if stats.nonfinite_in_row > limit:
         raise NonFiniteError(
             f"{stage.describe()}: {stats.nonfinite_in_row} steps in a row had a non-finite "

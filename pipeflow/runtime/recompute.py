@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pipeflow import tree
 from pipeflow.config import ConfigError, normalise_policy
+from pipeflow.schedules.auto import format_bytes
 
 __all__ = ["stage_forward", "SavedTensorMeter", "LayerBytes",
            "measure_layers", "estimate_stash_bytes", "choose_auto", "auto_policy"]
@@ -390,9 +391,9 @@ def choose_auto(saved_bytes_per_layer: Sequence[int], boundary_bytes: int, stash
     prefix = f"{where}: " if where else ""
     raise ConfigError(
         f"{prefix}recompute='auto' cannot fit a stash of {stash_depth} micro-batch(es) in the "
-        f"activation budget of {_fmt(budget_bytes)}: the least any policy needs is "
-        f"{_fmt(need[least])} ({least}; none needs {_fmt(need['none'])}). Raise the budget "
-        f"to at least {_fmt(need[least])}, use smaller micro-batches, or more pipeline stages")
+        f"activation budget of {format_bytes(budget_bytes)}: the least any policy needs is "
+        f"{format_bytes(need[least])} ({least}; none needs {format_bytes(need['none'])}). Raise the budget "
+        f"to at least {format_bytes(need[least])}, use smaller micro-batches, or more pipeline stages")
 
 
 def auto_policy(layers: Sequence[nn.Module], sample_input: Any, stash_depth: int,
@@ -403,10 +404,3 @@ def auto_policy(layers: Sequence[nn.Module], sample_input: Any, stash_depth: int
     return choose_auto(b.saved, b.boundary, stash_depth, budget_bytes,
                        selective_saved_bytes_per_layer=b.selective, tail_bytes=b.tail,
                        where=where)
-
-
-def _fmt(nbytes: float) -> str:
-    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if nbytes >= size:
-            return f"{nbytes / size:.1f} {unit}"
-    return f"{int(nbytes)} B"

@@ -6,7 +6,11 @@ World rank 0 measures each layer on a sample micro-batch
 rank then runs the same pure `choose_schedule` on those broadcast numbers, so all choose
 alike: for each candidate schedule the engine's stage boundaries, each virtual stage's sums,
 the simulated step (`simulate(stage_times=...)`) and each rank's activation peak against
-`Config.activation_budget_mb`."""
+`Config.activation_budget_mb`.
+
+Like all of `schedules/`, this module imports nothing of pipeflow outside the package: the
+caller passes in the measured costs and its partition solver (`boundaries`), and a run that
+no schedule can serve is a `ScheduleError` (the engine raises it as its `ConfigError`)."""
 
 from __future__ import annotations
 
@@ -14,16 +18,21 @@ import dataclasses
 import math
 from typing import Callable, Sequence
 
-from pipeflow import schedules as sched
-from pipeflow.config import ConfigError
-from pipeflow.runtime.balance import partition_uniform
-from pipeflow.runtime.recompute import _fmt
 from pipeflow.schedules import registry
+from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT, Programs, ScheduleError
 from pipeflow.schedules.plan import Plan
+from pipeflow.schedules.simulate import simulate
 
 __all__ = ["LayerCosts", "Candidate", "Choice", "candidates", "choose_schedule",
-           "peak_activation_bytes"]
+           "peak_activation_bytes", "format_bytes"]
 
+
+def format_bytes(nbytes: float) -> str:
+    """`1.5 MiB`, `300 B`: a byte count as the activation figures and budgets show it."""
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{int(nbytes)} B"
 
 
 @dataclasses.dataclass
@@ -71,9 +80,9 @@ class Choice:
             if c.skipped:
                 parts.append(f"{c.schedule} skipped ({c.skipped})")
                 continue
-            need = f", activations {_fmt(max(c.peak_bytes))}"
+            need = f", activations {format_bytes(max(c.peak_bytes))}"
             if not c.fits:
-                need += f" > budget {_fmt(self.budget_bytes)}"
+                need += f" > budget {format_bytes(self.budget_bytes)}"
             took = f"{c.step_time:.3g} s" if c.step_time >= 1 else f"{c.step_time * 1e3:.3g} ms"
             parts.append(f"{c.schedule} {took}{need}")
         return (f"pipeflow: schedule 'auto' chose {self.schedule!r}{self.note}; simulated step "
@@ -96,18 +105,18 @@ def candidates(stages: int, microbatches: int, n_layers: int) -> list[Candidate]
     return out
 
 
-def peak_activation_bytes(programs: sched.Programs, virtual_bytes: Sequence[int]) -> list[int]:
+def peak_activation_bytes(programs: Programs, virtual_bytes: Sequence[int]) -> list[int]:
     """Each rank's most activation bytes held at once: a forward of virtual stage v adds
     `virtual_bytes[v]` until its backward completes (its W, under split backward), in the
     order the simulator counts `peak_held`."""
-    split = any(a.op == sched.WEIGHT for prog in programs for a in prog)
-    done = sched.WEIGHT if split else sched.BACKWARD
+    split = any(a.op == WEIGHT for prog in programs for a in prog)
+    done = WEIGHT if split else BACKWARD
     peaks = []
     for rank, prog in enumerate(programs):
         held = peak = 0
         for act in prog:
             nbytes = virtual_bytes[programs.layout[rank][act.chunk]]
-            held += nbytes if act.op == sched.FORWARD else -nbytes if act.op == done else 0
+            held += nbytes if act.op == FORWARD else -nbytes if act.op == done else 0
             peak = max(peak, held)
         peaks.append(peak)
     return peaks
@@ -119,7 +128,7 @@ def _weigh(c: Candidate, costs: LayerCosts, stages: int, microbatches: int,
     `Plan` the engine would run."""
     try:
         c.boundaries = list(boundaries(stages * c.chunks))
-    except ConfigError:
+    except ValueError:           # the caller's solver refuses k (ConfigError is a ValueError)
         c.skipped = f"the partition does not give {stages * c.chunks} virtual stages"
         return
     plan = Plan.build(c.schedule, stages, microbatches, c.chunks, c.boundaries)
@@ -133,20 +142,20 @@ def _weigh(c: Candidate, costs: LayerCosts, stages: int, microbatches: int,
         times = list(zip(f, total(costs.backward_input), total(costs.weight)))
     else:
         times = [(x, b, 0.0) for x, b in zip(f, total(costs.backward))]
-    c.step_time = sched.simulate(plan.programs, stage_times=times).makespan
+    c.step_time = simulate(plan.programs, stage_times=times).makespan
     c.peak_bytes = peak_activation_bytes(plan.programs,
                                          [int(b) for b in total(costs.saved_bytes)])
 
 
 def choose_schedule(costs: LayerCosts, stages: int, microbatches: int, budget_bytes: int = 0,
-                    boundaries: Callable[[int], list[int]] | None = None,
+                    *, boundaries: Callable[[int], Sequence[int]],
                     margin: float = 0.01) -> Choice:
     """The fastest candidate whose every rank's activations fit `budget_bytes` (0: no
-    budget); among those within `margin` of the fastest, the simplest (`CANDIDATES`' order).
-    `boundaries(k)`: the engine's stage boundaries for k virtual stages (default uniform).
-    When none fits, the one needing least memory, said in the note."""
+    budget); among those within `margin` of the fastest, the simplest (the registry's order).
+    `boundaries(k)`: the engine's stage boundaries for k virtual stages (its partition
+    solver), raising `ValueError` where the partition cannot give k. When none fits, the one
+    needing least memory, said in the note; a `ScheduleError` when no candidate can run."""
     n = len(costs.forward)
-    boundaries = boundaries or (lambda k: partition_uniform(n, k))
     weighed = candidates(stages, microbatches, n)
     for c in weighed:
         if not c.skipped:
@@ -154,7 +163,7 @@ def choose_schedule(costs: LayerCosts, stages: int, microbatches: int, budget_by
             c.fits = budget_bytes <= 0 or max(c.peak_bytes) <= budget_bytes
     ran = [c for c in weighed if not c.skipped]
     if not ran:
-        raise ConfigError(
+        raise ScheduleError(
             f"schedule 'auto' found no schedule to run {n} layers on {stages} stages: "
             + "; ".join(f"{c.schedule}: {c.skipped}" for c in weighed)
             + "; give partition p + 1 (or 2p + 1) boundaries, or name a schedule")
@@ -162,7 +171,7 @@ def choose_schedule(costs: LayerCosts, stages: int, microbatches: int, budget_by
     if not pool:
         least = min(max(c.peak_bytes) for c in ran)
         pool = [c for c in ran if max(c.peak_bytes) == least]
-        note = f" (none fits the budget of {_fmt(budget_bytes)}: the least memory)"
+        note = f" (none fits the budget of {format_bytes(budget_bytes)}: the least memory)"
     fastest = min(c.step_time for c in pool)
     chosen = next(c for c in pool if c.step_time <= fastest * (1 + margin))
     if chosen.step_time > fastest:

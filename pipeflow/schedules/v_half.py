@@ -20,20 +20,12 @@ from __future__ import annotations
 
 import functools
 
-from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT, ScheduleError
+from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT, ScheduleError, v_layout
 from pipeflow.schedules.spec import ScheduleSpec
 
 __all__ = ["capped_v_order", "SPEC"]
 
 Op = tuple[str, int, int]       # (op, micro-batch, chunk)
-
-
-def _virtual(rank: int, chunk: int, p: int) -> int:
-    return rank if chunk == 0 else 2 * p - 1 - rank
-
-
-def _owner(virtual: int, p: int) -> tuple[int, int]:
-    return (virtual, 0) if virtual < p else (2 * p - 1 - virtual, 1)
 
 
 def capped_v_order(stages: int, microbatches: int, cap: int) -> list[list[Op]]:
@@ -66,13 +58,14 @@ def _run(stages: int, microbatches: int, cap: int, reserve: str, back: int,
     pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]   # (mb, chunk), B order
     held = [0] * p
     orders: list[list[Op]] = [[] for _ in range(p)]
+    layout = v_layout(p)                              # layout[rank][chunk] -> virtual stage
     last, step = 2 * p - 1, 0
 
     def ready(op: str, r: int, c: int) -> int | None:
         mb = nxt[(op, r, c)]
         if mb >= m:
             return None
-        v = _virtual(r, c, p)
+        v = layout[r][c]
         if op == FORWARD:
             need = [] if v == 0 else [(FORWARD, v - 1, mb)]
         else:
@@ -94,7 +87,7 @@ def _run(stages: int, microbatches: int, cap: int, reserve: str, back: int,
                 pending_w[r].pop(0)
                 held[r] -= 1
                 continue
-            done[(op, _virtual(r, c, p), mb)] = step
+            done[(op, layout[r][c], mb)] = step
             nxt[(op, r, c)] += 1
             if op == FORWARD:
                 held[r] += 1

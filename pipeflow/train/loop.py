@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import signal
 import threading
@@ -677,7 +678,7 @@ def train(run: RunConfig, comm: MPI.Comm | None = None, log: Callable = print,
                 say(f"pipeflow: rank {comm.rank} raised at step {loop.engine.stats.step}:\n"
                     + "".join(traceback.format_exception(exc)) + "pipeflow: closing; unless "
                     f"every rank closes within {FAILING_CLOSE_S:g} s (they failed alike), "
-                    f"the job ends then\n")
+                    f"the job ends then\n", logging.ERROR)
             raise
         finally:
             if loop.out is not None:
