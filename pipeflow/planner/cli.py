@@ -15,7 +15,7 @@ from pipeflow.planner.cost import PLANNED_SCHEDULES, PRECISIONS, RECOMPUTE
 from pipeflow.planner.hardware import PRESETS, Cluster, Hardware, HardwareError, get_hardware
 from pipeflow.planner.plan import make_plan, render_table, to_json, train_toml
 from pipeflow.planner.scaling import METHODS, ScalingError, allocate
-from pipeflow.planner.search import PlanError
+from pipeflow.planner.search import PlanError, SearchOptions
 from pipeflow.planner.shapes import (DEFAULT_SEQ_LEN, DEFAULT_VOCAB, Shape, ShapeError,
                                      shape_for_params)
 
@@ -120,11 +120,19 @@ def _add_search_arguments(search: Any) -> None:
     search.add_argument("--max-micro-batch", type=_int, default=16)
     shard = search.add_mutually_exclusive_group()
     shard.add_argument("--shard-optimizer", dest="shard_optimizer", action="store_const",
-                       const="on", default="auto",
+                       const=True, default=None,
                        help="shard masters and optimizer state over the data group on every "
                             "grid with data > 1 (default: only where a grid fits no other way)")
     shard.add_argument("--no-shard-optimizer", dest="shard_optimizer", action="store_const",
-                       const="off", help="never shard the optimizer")
+                       const=False, help="never shard the optimizer")
+
+
+def _search_options(args: argparse.Namespace, precision: str) -> SearchOptions:
+    """The grid search's options from the command line: the runners-up shown (`--top`) are
+    ranked exactly."""
+    return SearchOptions(precision=precision, schedules=tuple(args.schedules),
+                         recompute=tuple(args.recompute), max_micro_batch=args.max_micro_batch,
+                         shard_optimizer=args.shard_optimizer, rank=max(0, args.top) + 1)
 
 
 def _shape_from_args(args: argparse.Namespace) -> Shape | None:
@@ -209,9 +217,7 @@ def _plan(args: argparse.Namespace, rank: int) -> int:
                      shape=shape, tokens=args.tokens, method=args.method,
                      seq_len=args.seq_len, vocab_size=args.vocab,
                      global_batch=args.global_batch, global_batch_tokens=args.global_batch_tokens,
-                     precision=precision, schedules=args.schedules, recompute=args.recompute,
-                     max_micro_batch=args.max_micro_batch, mfu=args.mfu,
-                     shard_optimizer=args.shard_optimizer)
+                     mfu=args.mfu, options=_search_options(args, precision))
     config_path = args.write_config or "plan.toml"
     if args.write_config:
         # `pipeflow plan ...` and `python -m pipeflow.planner ...` alike: one "plan".

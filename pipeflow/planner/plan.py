@@ -8,11 +8,11 @@ import math
 from typing import Any, Callable, Sequence
 
 from pipeflow.config import Config
-from pipeflow.planner.cost import PLANNED_SCHEDULES, RECOMPUTE, Estimate, schedule_chunks
+from pipeflow.planner.cost import Estimate, schedule_chunks
 from pipeflow.planner.hardware import GB, Cluster
 from pipeflow.planner.scaling import (METHODS, SECONDS_PER_DAY, Allocation, allocate,
                                       allocate_for_params)
-from pipeflow.planner.search import PlanError, SearchResult, search
+from pipeflow.planner.search import PlanError, SearchOptions, SearchResult, search
 from pipeflow.planner.shapes import (DEFAULT_SEQ_LEN, DEFAULT_VOCAB, Shape, ShapeError,
                                      shape_for_params, smallest_shape)
 
@@ -102,15 +102,13 @@ def make_plan(cluster: Cluster, *, compute: float | None = None, days: float | N
               tokens: float | None = None, method: str = "hoffmann",
               seq_len: int = DEFAULT_SEQ_LEN, vocab_size: int = DEFAULT_VOCAB,
               global_batch: int | None = None, global_batch_tokens: float | None = None,
-              precision: str = "bf16", schedules: Sequence[str] = PLANNED_SCHEDULES,
-              recompute: Sequence[str] = RECOMPUTE, max_micro_batch: int = 16,
-              mfu: float | None = None, shard_optimizer: str = "auto") -> Plan:
+              mfu: float | None = None, options: SearchOptions = SearchOptions()) -> Plan:
     """Size the model for the budget (or take the user's), then search the grid.
 
     The budget is `compute` FLOPs, or `days` on the whole cluster at `mfu` (when `mfu` is
     None: at the utilisation the plan itself predicts, found by a few rounds of sizing and
     planning). With a fixed model (`shape` or `params`) and no budget, tokens are the
-    compute-optimal count for that size, or `tokens`.
+    compute-optimal count for that size, or `tokens`. `options` are the grid search's.
     """
     _check_budget(method, compute, days, tokens, shape is not None or params is not None, mfu)
     if shape is None and params is not None:
@@ -124,8 +122,7 @@ def make_plan(cluster: Cluster, *, compute: float | None = None, days: float | N
         else:
             want = global_batch_tokens or default_batch_tokens(s.params)
             batch = nice_batch(want / s.seq_len)
-        return batch, search(s, cluster, batch, precision, schedules, recompute,
-                             max_micro_batch, shard_optimizer=shard_optimizer)
+        return batch, search(s, cluster, batch, options)
 
     if days is None:
         alloc, optimal, shaped = size(compute)
@@ -139,7 +136,8 @@ def make_plan(cluster: Cluster, *, compute: float | None = None, days: float | N
          source) = _size_for_days(cluster, days, mfu, method, size, plan_for)
     if global_batch is None and result.best.grid.global_batch != batch:  # pragma: no cover
         raise AssertionError("search returned a grid for another batch")
-    return Plan(alloc, optimal, source, shaped, cluster, batch, result, precision, mfu_used,
+    return Plan(alloc, optimal, source, shaped, cluster, batch, result, options.precision,
+                mfu_used,
                 _notes(shaped, result, cluster, batch))
 
 
@@ -294,7 +292,8 @@ def to_json(plan: Plan, config_path: str = "plan.toml", top: int = 5) -> dict[st
         "stages": _stage_rows(best),
         "command": plan.command(config_path),
         "runners_up": [_grid_row(e, best) for e in plan.result.ranked[1:1 + top]],
-        "considered": plan.result.considered, "fitting": len(plan.result.ranked),
+        "considered": plan.result.considered, "fitting": plan.result.fitting,
+        "pruned": plan.result.pruned,
         "rejected": reasons,
         "rejected_examples": [{"grid": r.grid.describe(), "reason": r.reason}
                               for r in _examples(plan.result.rejected, 3)],
@@ -350,7 +349,9 @@ def render_table(plan: Plan, config_path: str = "plan.toml", top: int = 5) -> st
                      f"{s.memory_gb:>8.2f} {s.microbatch_s * 1e3:>9.3g}")
     ranked = plan.result.ranked
     if len(ranked) > 1:
-        lines += ["", f"runners-up ({len(ranked) - 1} other plans fit):",
+        lines += ["", f"runners-up ({plan.result.fitting - 1} other plans fit"
+                  + (f"; {plan.result.pruned} not timed, a bound shows them slower"
+                     if plan.result.pruned else "") + "):",
                   f"  {'grid':<28} {'step s':>9} {'vs best':>8} {'peak GB':>8}  recompute"]
         for e in ranked[1:1 + top]:
             lines.append(f"  {e.grid.describe():<28} {e.step_time_s:>9.4g} "
