@@ -15,8 +15,8 @@ from pipeflow.planner.hardware import GB, Cluster
 from pipeflow.planner.shapes import Shape
 from pipeflow.planner.table import StageTable, stage_table
 
-__all__ = ["PlanError", "Rejection", "SearchOptions", "SearchResult", "divisors", "enumerate_grids",
-           "choose_recompute", "search", "minimum_gpus"]
+__all__ = ["PlanError", "Rejection", "SearchOptions", "SearchResult", "divisors",
+           "enumerate_grids", "choose_recompute", "search", "minimum_gpus"]
 
 
 class PlanError(ValueError):

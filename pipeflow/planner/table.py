@@ -107,8 +107,10 @@ def stage_table(shape: Shape, cluster: Cluster, precision: PrecisionBytes,
     compute = [[stage_compute(shape, cluster, precision, b, lay, mode, times) for lay in layers]
                for mode in modes]
     first = compute[0]
-    return StageTable(tuple(boundaries), tuple(modes), tuple(x[0] for x in memory[0]),
-                      tuple(tuple(x[1] for x in row) for row in memory),
-                      tuple(tuple(x[2] for x in row) for row in memory),
-                      tuple(x[0] for x in first), tuple(tuple(x[1] for x in row) for row in compute),
+
+    def column(rows: list[list[tuple]], i: int) -> tuple[tuple, ...]:
+        return tuple(tuple(x[i] for x in row) for row in rows)
+
+    return StageTable(tuple(boundaries), tuple(modes), column(memory, 0)[0], column(memory, 1),
+                      column(memory, 2), tuple(x[0] for x in first), column(compute, 1),
                       tuple(x[2] for x in first))
