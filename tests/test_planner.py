@@ -18,7 +18,7 @@ from pipeflow.planner.cost import (PRECISIONS, Grid, activation_bytes_per_layer,
                                    idle_units, peak_held, peak_stash, ring_allreduce_time,
                                    stage_memory, time_balanced_boundaries)
 from pipeflow.planner.hardware import GB, PRESETS, Cluster, Hardware, HardwareError, LayerTimes
-from pipeflow.planner.plan import make_plan, nice_batch
+from pipeflow.planner.sizing import size_run, nice_batch
 from pipeflow.planner.scaling import (APPROACH1_G, BESIROGLU_FIT, HOFFMANN_FIT, TABLE3,
                                       allocate, allocate_for_params, compute_from_gpu_days)
 from pipeflow.planner.search import (PlanError, SearchOptions, choose_recompute, minimum_gpus,
@@ -388,10 +388,10 @@ def test_zero_gpus_is_a_clear_error():
 # -- plans and the command line ---------------------------------------------------------
 
 def test_days_budget_uses_the_given_utilisation():
-    plan = make_plan(Cluster(H100, 64), days=2, mfu=0.3)
+    plan = size_run(Cluster(H100, 64), days=2, mfu=0.3)
     assert plan.allocation.compute == pytest.approx(64 * 2 * 86400 * 989e12 * 0.3)
     # Without --mfu the plan's own predicted utilisation sets the budget.
-    own = make_plan(Cluster(H100, 64), days=2)
+    own = size_run(Cluster(H100, 64), days=2)
     used = own.mfu * own.best.grid.gpus / 64
     assert 0.05 < own.mfu_assumed < 1
     assert own.allocation.compute == pytest.approx(64 * 2 * 86400 * 989e12 * own.mfu_assumed)

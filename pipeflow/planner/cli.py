@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from pipeflow.planner.cost import PLANNED_SCHEDULES, PRECISIONS, RECOMPUTE
 from pipeflow.planner.hardware import PRESETS, Cluster, Hardware, HardwareError, get_hardware
-from pipeflow.planner.plan import make_plan, render_table, to_json, train_toml
+from pipeflow.planner.sizing import size_run, render_table, to_json, train_toml
 from pipeflow.planner.scaling import METHODS, ScalingError, allocate
 from pipeflow.planner.search import PlanError, SearchOptions
 from pipeflow.planner.shapes import (DEFAULT_SEQ_LEN, DEFAULT_VOCAB, Shape, ShapeError,
@@ -213,7 +213,7 @@ def _plan(args: argparse.Namespace, rank: int) -> int:
         import dataclasses
         cluster = dataclasses.replace(
             cluster, hardware=dataclasses.replace(cluster.hardware, efficiency=args.efficiency))
-    plan = make_plan(cluster, compute=args.compute, days=args.days, params=args.params,
+    sizing = size_run(cluster, compute=args.compute, days=args.days, params=args.params,
                      shape=shape, tokens=args.tokens, method=args.method,
                      seq_len=args.seq_len, vocab_size=args.vocab,
                      global_batch=args.global_batch, global_batch_tokens=args.global_batch_tokens,
@@ -222,13 +222,13 @@ def _plan(args: argparse.Namespace, rank: int) -> int:
     if args.write_config:
         # `pipeflow plan ...` and `python -m pipeflow.planner ...` alike: one "plan".
         given = sys.argv[2:] if sys.argv[1:2] == ["plan"] else sys.argv[1:]
-        text = train_toml(plan, shlex.join(["pipeflow", "plan", *given]))
+        text = train_toml(sizing, shlex.join(["pipeflow", "plan", *given]))
         from pipeflow._io import atomic_write_bytes
         atomic_write_bytes(args.write_config, text.encode())
     if args.json:
-        print(json.dumps(to_json(plan, config_path, args.top)))
+        print(json.dumps(to_json(sizing, config_path, args.top)))
     else:
-        print(render_table(plan, config_path, args.top))
+        print(render_table(sizing, config_path, args.top))
         if args.write_config:
             print(f"wrote {args.write_config}")
     return 0
