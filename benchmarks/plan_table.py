@@ -11,7 +11,7 @@ import sys
 
 from pipeflow.planner.cost import PRECISIONS
 from pipeflow.planner.hardware import GB, Cluster, get_hardware
-from pipeflow.planner.plan import make_plan
+from pipeflow.planner.sizing import size_run
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import write_section  # noqa: E402
@@ -36,7 +36,7 @@ def table(params: list[float], gpus: list[int], gpu: str, method: str) -> str:
             "|---|---:|---:|---:|---|---|---|---|---:|---:|---:|---:|"]
     for n in params:
         for g in gpus:
-            plan = make_plan(Cluster(hw, g, 8), params=n, method=method)
+            plan = size_run(Cluster(hw, g, 8), params=n, method=method)
             best, grid, sh = plan.best, plan.best.grid, plan.shape
             modes = best.recompute
             recompute = modes[0] if len(set(modes)) == 1 else ", ".join(modes)

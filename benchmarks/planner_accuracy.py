@@ -29,7 +29,7 @@ from pipeflow.models import GPTConfig, gpt_layers, gpt_loss
 from pipeflow.planner.calibrate import calibrate, measure_layer_times
 from pipeflow.planner.cost import PLANNED_SCHEDULES, Grid, estimate, schedule_chunks
 from pipeflow.planner.hardware import Cluster
-from pipeflow.planner.search import divisors, search
+from pipeflow.planner.search import SearchOptions, divisors, search
 from pipeflow.planner.shapes import Shape
 from pipeflow.comm.waiting import sleeping_barrier
 
@@ -187,8 +187,10 @@ def main() -> int:
                    log=log)
     dp = data_parallel_works(shape, args.batch)
     keep = (lambda g: True) if dp else (lambda g: g.data == 1)
-    first = search(shape, Cluster(hw, 2, 2), args.batch, "fp32", SCHEDULES, ("none",),
-                   args.max_micro_batch, grid_filter=keep)
+    # Every grid that fits is measured: the exhaustive search ranks them all.
+    options = SearchOptions("fp32", SCHEDULES, ("none",), args.max_micro_batch,
+                            grid_filter=keep, prune=False)
+    first = search(shape, Cluster(hw, 2, 2), args.batch, options)
     grids = [e.grid for e in first.ranked]
     bounds = {e.grid: e.boundaries for e in first.ranked}
     batch = _batch(shape, args.batch)
@@ -235,8 +237,7 @@ def main() -> int:
     if clean_times is not None:
         hw = dataclasses.replace(hw, layer_times=clean_times)
     cluster = Cluster(hw, gpus=2, gpus_per_node=2)
-    final = search(shape, cluster, args.batch, "fp32", SCHEDULES, ("none",),
-                   args.max_micro_batch, grid_filter=keep)
+    final = search(shape, cluster, args.batch, options)
     choice = final.best.grid
     rows = []
     for g in grids:

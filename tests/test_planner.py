@@ -18,10 +18,11 @@ from pipeflow.planner.cost import (PRECISIONS, Grid, activation_bytes_per_layer,
                                    idle_units, peak_held, peak_stash, ring_allreduce_time,
                                    stage_memory, time_balanced_boundaries)
 from pipeflow.planner.hardware import GB, PRESETS, Cluster, Hardware, HardwareError, LayerTimes
-from pipeflow.planner.plan import make_plan, nice_batch
+from pipeflow.planner.sizing import size_run, nice_batch
 from pipeflow.planner.scaling import (APPROACH1_G, BESIROGLU_FIT, HOFFMANN_FIT, TABLE3,
                                       allocate, allocate_for_params, compute_from_gpu_days)
-from pipeflow.planner.search import PlanError, choose_recompute, minimum_gpus, search
+from pipeflow.planner.search import (PlanError, SearchOptions, choose_recompute, minimum_gpus,
+                                     search)
 from pipeflow.planner.shapes import ASPECT_RANGE, Shape, ShapeError, shape_for_params
 from pipeflow.schedules import build_schedule, simulate
 from pipeflow.schedules import registry as schedule_registry
@@ -298,8 +299,9 @@ def test_planner_partition_is_the_engines_solver(p):
 def test_search_never_returns_a_plan_exceeding_memory(params, gpus, gpu):
     shape = shape_for_params(params)
     hw = PRESETS[gpu]
-    result = search(shape, Cluster(hw, gpus), 256)
+    result = search(shape, Cluster(hw, gpus), 256, SearchOptions(prune=False))
     assert result.ranked and result.considered == len(result.ranked) + len(result.rejected)
+    assert result.fitting == result.estimated == len(result.ranked)
     prec = PRECISIONS["bf16"]
     for est in result.ranked:
         assert est.peak_memory_bytes <= hw.usable_memory
@@ -314,6 +316,35 @@ def test_search_never_returns_a_plan_exceeding_memory(params, gpus, gpu):
     assert steps == sorted(steps)
     for rej in result.rejected:
         assert rej.peak_memory_gb * GB > hw.usable_memory
+
+
+def _key(e):
+    return (e.grid, e.recompute, e.step_time_s, e.boundaries)
+
+
+@pytest.mark.parametrize("params,gpus,gpu,shard", [
+    (5e8, 8, "a100-40gb", None), (1e9, 24, "h100", None), (2.8e9, 16, "a100-40gb", None),
+    (2.8e9, 12, "a100-40gb", True), (13e9, 16, "h200", None), (13e9, 16, "h100", False)])
+def test_pruned_search_ranks_the_same_plans_as_the_exhaustive_one(params, gpus, gpu, shard):
+    # The bound lets the search skip estimating most grids that fit: the fastest plans,
+    # their order and every count must be the exhaustive search's.
+    shape, cluster = shape_for_params(params), Cluster(PRESETS[gpu], gpus, 8)
+    full = search(shape, cluster, 256, SearchOptions(shard_optimizer=shard, prune=False))
+    for rank in (1, 3, 6):
+        fast = search(shape, cluster, 256, SearchOptions(shard_optimizer=shard, rank=rank))
+        assert [_key(e) for e in fast.ranked] == [_key(e) for e in full.ranked[:rank]]
+        assert (fast.considered, fast.fitting, fast.rejected) == (
+            full.considered, full.fitting, full.rejected)
+        assert fast.estimated < full.estimated    # it did prune
+    # The bound is a lower bound of every grid's step time.
+    from pipeflow.planner.table import stage_table
+    prec, usable = PRECISIONS["bf16"], cluster.hardware.usable_memory
+    for e in full.ranked:
+        table = stage_table(shape, cluster, prec, e.boundaries, e.grid.micro_batch_size,
+                            cost.RECOMPUTE)
+        picks, _ = table.fit(e.grid, prec, usable)
+        assert [table.modes[i] for i in picks] == e.recompute
+        assert table.step_time_bound(cluster, e.grid, picks) <= e.step_time_s
 
 
 @pytest.mark.parametrize("params", [5e8, 2.8e9])
@@ -357,10 +388,10 @@ def test_zero_gpus_is_a_clear_error():
 # -- plans and the command line ---------------------------------------------------------
 
 def test_days_budget_uses_the_given_utilisation():
-    plan = make_plan(Cluster(H100, 64), days=2, mfu=0.3)
+    plan = size_run(Cluster(H100, 64), days=2, mfu=0.3)
     assert plan.allocation.compute == pytest.approx(64 * 2 * 86400 * 989e12 * 0.3)
     # Without --mfu the plan's own predicted utilisation sets the budget.
-    own = make_plan(Cluster(H100, 64), days=2)
+    own = size_run(Cluster(H100, 64), days=2)
     used = own.mfu * own.best.grid.gpus / 64
     assert 0.05 < own.mfu_assumed < 1
     assert own.allocation.compute == pytest.approx(64 * 2 * 86400 * 989e12 * own.mfu_assumed)
@@ -492,17 +523,18 @@ def test_search_shards_only_where_that_makes_a_grid_fit():
     n = shape.params
     tight = dataclasses.replace(H100, memory_bytes=n * 12 / (1 - H100.memory_reserve_fraction))
     cluster = Cluster(tight, 4, 4)
-    found = search(shape, cluster, 16, schedules=["1f1b"], shard_optimizer="auto")
+    one = SearchOptions(schedules=("1f1b",), prune=False)
+    found = search(shape, cluster, 16, one)
     assert found.best.grid.shard_optimizer and found.best.grid.data > 1
     for e in found.ranked:           # each sharded plan fits no other way
         if e.grid.shard_optimizer:
             plain = dataclasses.replace(e.grid, shard_optimizer=False)
             assert choose_recompute(shape, cluster, plain, "bf16", e.boundaries)[0] is None
     with pytest.raises(PlanError):
-        search(shape, cluster, 16, schedules=["1f1b"], grid_filter=lambda g: g.pipeline == 1,
-               shard_optimizer="off")
+        search(shape, cluster, 16, dataclasses.replace(
+            one, grid_filter=lambda g: g.pipeline == 1, shard_optimizer=False))
     roomy = Cluster(H100, 4, 4)
-    kept = search(shape, roomy, 16, schedules=["1f1b"], shard_optimizer="auto")
+    kept = search(shape, roomy, 16, one)
     assert not any(e.grid.shard_optimizer for e in kept.ranked)
-    forced = search(shape, roomy, 16, schedules=["1f1b"], shard_optimizer="on")
+    forced = search(shape, roomy, 16, dataclasses.replace(one, shard_optimizer=True))
     assert all(e.grid.shard_optimizer == (e.grid.data > 1) for e in forced.ranked)

@@ -13,9 +13,9 @@ from typing import Any, Sequence
 
 from pipeflow.planner.cost import PLANNED_SCHEDULES, PRECISIONS, RECOMPUTE
 from pipeflow.planner.hardware import PRESETS, Cluster, Hardware, HardwareError, get_hardware
-from pipeflow.planner.plan import make_plan, render_table, to_json, train_toml
+from pipeflow.planner.sizing import size_run, render_table, to_json, train_toml
 from pipeflow.planner.scaling import METHODS, ScalingError, allocate
-from pipeflow.planner.search import PlanError
+from pipeflow.planner.search import PlanError, SearchOptions
 from pipeflow.planner.shapes import (DEFAULT_SEQ_LEN, DEFAULT_VOCAB, Shape, ShapeError,
                                      shape_for_params)
 
@@ -120,11 +120,19 @@ def _add_search_arguments(search: Any) -> None:
     search.add_argument("--max-micro-batch", type=_int, default=16)
     shard = search.add_mutually_exclusive_group()
     shard.add_argument("--shard-optimizer", dest="shard_optimizer", action="store_const",
-                       const="on", default="auto",
+                       const=True, default=None,
                        help="shard masters and optimizer state over the data group on every "
                             "grid with data > 1 (default: only where a grid fits no other way)")
     shard.add_argument("--no-shard-optimizer", dest="shard_optimizer", action="store_const",
-                       const="off", help="never shard the optimizer")
+                       const=False, help="never shard the optimizer")
+
+
+def _search_options(args: argparse.Namespace, precision: str) -> SearchOptions:
+    """The grid search's options from the command line: the runners-up shown (`--top`) are
+    ranked exactly."""
+    return SearchOptions(precision=precision, schedules=tuple(args.schedules),
+                         recompute=tuple(args.recompute), max_micro_batch=args.max_micro_batch,
+                         shard_optimizer=args.shard_optimizer, rank=max(0, args.top) + 1)
 
 
 def _shape_from_args(args: argparse.Namespace) -> Shape | None:
@@ -206,24 +214,22 @@ def _plan(args: argparse.Namespace, rank: int) -> int:
         import dataclasses
         cluster = dataclasses.replace(
             cluster, hardware=dataclasses.replace(cluster.hardware, efficiency=args.efficiency))
-    plan = make_plan(cluster, compute=args.compute, days=args.days, params=args.params,
+    sizing = size_run(cluster, compute=args.compute, days=args.days, params=args.params,
                      shape=shape, tokens=args.tokens, method=args.method,
                      seq_len=args.seq_len, vocab_size=args.vocab,
                      global_batch=args.global_batch, global_batch_tokens=args.global_batch_tokens,
-                     precision=precision, schedules=args.schedules, recompute=args.recompute,
-                     max_micro_batch=args.max_micro_batch, mfu=args.mfu,
-                     shard_optimizer=args.shard_optimizer)
+                     mfu=args.mfu, options=_search_options(args, precision))
     config_path = args.write_config or "plan.toml"
     if args.write_config:
         # `pipeflow plan ...` and `python -m pipeflow.planner ...` alike: one "plan".
         given = sys.argv[2:] if sys.argv[1:2] == ["plan"] else sys.argv[1:]
-        text = train_toml(plan, shlex.join(["pipeflow", "plan", *given]))
+        text = train_toml(sizing, shlex.join(["pipeflow", "plan", *given]))
         from pipeflow._io import atomic_write_bytes
         atomic_write_bytes(args.write_config, text.encode())
     if args.json:
-        print(json.dumps(to_json(plan, config_path, args.top)))
+        print(json.dumps(to_json(sizing, config_path, args.top)))
     else:
-        print(render_table(plan, config_path, args.top))
+        print(render_table(sizing, config_path, args.top))
         if args.write_config:
             print(f"wrote {args.write_config}")
     return 0

@@ -21,7 +21,8 @@ __all__ = [
     "Estimate", "activation_bytes_per_layer", "head_activation_bytes", "peak_stash",
     "peak_held", "idle_units", "schedule_chunks", "exposed_allreduce_time", "bubble_fraction",
     "ring_allreduce_time", "ring_half_time", "block_forward_flops", "head_forward_flops",
-    "layer_kinds", "time_balanced_boundaries", "stage_memory", "estimate",
+    "layer_kinds", "time_balanced_boundaries", "stage_memory", "stage_bytes", "stage_compute",
+    "layer_times", "optimizer_time", "estimate",
 ]
 
 RECOMPUTE = ("none", "selective", "full")     # cheapest first: the order the search tries
@@ -476,9 +477,19 @@ def stage_memory(shape: Shape, precision: PrecisionBytes, grid: Grid, stage: int
     backward: that transient, and the fp32 logits gradient on the head's stage, come on top
     once.
     """
+    params, per_mb, transient = stage_bytes(shape, precision, grid.micro_batch_size, layers,
+                                            recompute)
+    chunks = schedule_chunks(grid.schedule)
+    held = peak_held(grid.schedule, grid.pipeline, grid.microbatches, chunks)[stage]
+    return params * precision.state_bytes_on(grid), held * per_mb / chunks, transient
+
+
+def stage_bytes(shape: Shape, precision: PrecisionBytes, b: int, layers: tuple[int, int],
+                recompute: str) -> tuple[int, float, float]:
+    """(parameters, activation bytes one micro-batch of size `b` leaves, transient bytes) of
+    the stage owning layer-list slice `layers`: what `stage_memory` scales by the grid."""
     count = _stage_kinds(shape, layers)
-    b, s = grid.micro_batch_size, shape.seq_len
-    params = _stage_params(shape, count)
+    s = shape.seq_len
     per_block = activation_bytes_per_layer(s, b, shape.d_model, shape.n_heads, recompute,
                                            precision.activation_scale)
     per_mb = count["block"] * per_block
@@ -489,9 +500,40 @@ def stage_memory(shape: Shape, precision: PrecisionBytes, grid: Grid, stage: int
     if recompute != "none" and count["block"]:
         transient += activation_bytes_per_layer(s, b, shape.d_model, shape.n_heads, "none",
                                                 precision.activation_scale) - per_block
-    chunks = schedule_chunks(grid.schedule)
-    held = peak_held(grid.schedule, grid.pipeline, grid.microbatches, chunks)[stage]
-    return params * precision.state_bytes_on(grid), held * per_mb / chunks, transient
+    return _stage_params(shape, count), per_mb, transient
+
+
+def stage_compute(shape: Shape, cluster: Cluster, prec: PrecisionBytes, b: int,
+                  layers: tuple[int, int], mode: str,
+                  times: dict[tuple[str, str], float]) -> tuple[float, float, float]:
+    """(forward, backward with recomputation, plain backward) seconds per micro-batch of the
+    stage owning `layers`; `times` are `layer_times`' for micro-batch size `b`."""
+    count = _stage_kinds(shape, layers)
+    fwd = sum(n * times[k, "forward"] for k, n in count.items())
+    plain = sum(n * times[k, "backward"] for k, n in count.items())
+    return fwd, plain + count["block"] * _recompute_time(shape, cluster, prec, mode, b), plain
+
+
+def layer_times(shape: Shape, cluster: Cluster, prec: PrecisionBytes,
+                b: int) -> dict[tuple[str, str], float]:
+    """Seconds per micro-batch of size `b`, by (layer kind, "forward" or "backward")."""
+    return {(k, ph): _layer_time(shape, cluster, prec, k, ph, b)
+            for k in ("embed", "block", "head") for ph in ("forward", "backward")}
+
+
+def optimizer_time(cluster: Cluster, params: int, data: int, sharded: bool) -> float:
+    """Seconds of a stage's optimizer step over `params` parameters (1/data of them when
+    sharded over `data` replicas)."""
+    hw = cluster.hardware
+    if hw.layer_times is not None:
+        optimizer = params * hw.layer_times.optimizer_s_per_param
+    else:
+        # Adam reads and writes ~30 bytes per parameter (master, gradient, m, v in fp32;
+        # the working copy): memory-bound.
+        optimizer = params * 30 / hw.memory_bandwidth
+    if sharded:
+        optimizer /= data       # each replica steps 1/d of the masters
+    return optimizer
 
 
 def estimate(shape: Shape, cluster: Cluster, grid: Grid, recompute: str | Sequence[str],
@@ -518,8 +560,7 @@ def estimate(shape: Shape, cluster: Cluster, grid: Grid, recompute: str | Sequen
     if len(boundaries) != p + 1:
         raise ValueError(f"{len(boundaries)} boundaries for {p} stages")
     modes = [recompute] * p if isinstance(recompute, str) else list(recompute)
-    times = {(k, ph): _layer_time(shape, cluster, prec, k, ph, b)
-             for k in ("embed", "block", "head") for ph in ("forward", "backward")}
+    times = layer_times(shape, cluster, prec, b)
     stages = tuple(_stage_cost(shape, cluster, prec, grid, st, (boundaries[st],
                                                                  boundaries[st + 1]),
                                modes[st], times) for st in range(p))
@@ -535,29 +576,19 @@ def _stage_cost(shape: Shape, cluster: Cluster, prec: PrecisionBytes, grid: Grid
     p, d, b = grid.pipeline, grid.data, grid.micro_batch_size
     count = _stage_kinds(shape, layers)
     state, acts, transient = stage_memory(shape, prec, grid, st, layers, mode)
-    fwd = sum(n * times[k, "forward"] for k, n in count.items())
-    plain = sum(n * times[k, "backward"] for k, n in count.items())
-    bwd = plain + count["block"] * _recompute_time(shape, cluster, prec, mode, b)
+    fwd, bwd, plain = stage_compute(shape, cluster, prec, b, layers, mode, times)
     # Split backward: W is half the plain backward; B the rest, recomputation included.
     weight = plain / 2 if split_backward(grid.schedule) else 0.0
     params = _stage_params(shape, count)
     send_bytes = b * shape.seq_len * shape.d_model * prec.act_bytes
     p2p = _p2p_time(cluster, st, p, d, send_bytes) * schedule_chunks(grid.schedule)
-    hw = cluster.hardware
     # On calibrated (CPU, mpi4py) hardware MPI moves the buckets mostly when the engine waits
     # for them: nothing hides there.
-    window = 0.0 if hw.calibrated else weight or bwd
+    window = 0.0 if cluster.hardware.calibrated else weight or bwd
     sharded = grid.shard_optimizer and d > 1
     allreduce, exposed = _gradient_sync_time(shape, cluster, prec, st, p, d, params, window,
                                              sharded)
-    if hw.layer_times is not None:
-        optimizer = params * hw.layer_times.optimizer_s_per_param
-    else:
-        # Adam reads and writes ~30 bytes per parameter (master, gradient, m, v in fp32;
-        # the working copy): memory-bound.
-        optimizer = params * 30 / hw.memory_bandwidth
-    if sharded:
-        optimizer /= d          # each replica steps 1/d of the masters
+    optimizer = optimizer_time(cluster, params, d, sharded)
     held = peak_held(grid.schedule, p, grid.microbatches, schedule_chunks(grid.schedule))[st]
     return StageCost(st, layers, count["block"], params, mode, held, state, acts, transient,
                      fwd, bwd, p2p, allreduce, optimizer, weight, exposed)

@@ -277,10 +277,6 @@ class Cluster:
             raise HardwareError(f"--gpus-per-node must be a positive integer, found "
                                 f"{self.gpus_per_node!r}")
 
-    @property
-    def nodes(self) -> int:
-        return -(-self.gpus // self.gpus_per_node)
-
     def node(self, rank: int) -> int:
         return rank // self.gpus_per_node
 

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Callable, Iterator, Sequence
 
 from pipeflow.config import SCHEDULES
 from pipeflow.schedules import registry
 from pipeflow.planner.cost import (PLANNED_SCHEDULES, PRECISIONS, RECOMPUTE, Estimate, Grid,
-                                   estimate, layer_kinds, stage_memory, state_floor,
+                                   PrecisionBytes, estimate, layer_kinds, state_floor,
                                    time_balanced_boundaries)
 from pipeflow.planner.hardware import GB, Cluster
 from pipeflow.planner.shapes import Shape
+from pipeflow.planner.table import StageTable, stage_table
 
-__all__ = ["PlanError", "Rejection", "SearchResult", "divisors", "enumerate_grids",
-           "choose_recompute", "search", "minimum_gpus"]
+__all__ = ["PlanError", "Rejection", "SearchOptions", "SearchResult", "divisors",
+           "enumerate_grids", "choose_recompute", "search", "minimum_gpus"]
 
 
 class PlanError(ValueError):
@@ -32,15 +34,22 @@ class Rejection:
 
 @dataclasses.dataclass(frozen=True)
 class SearchResult:
-    """All plans that fit, fastest first, and the grids that did not."""
+    """The fastest plans that fit, fastest first, and the grids that did not."""
 
-    ranked: tuple[Estimate, ...]
+    ranked: tuple[Estimate, ...]    # `SearchOptions.rank` of them (all without pruning)
     rejected: tuple[Rejection, ...]
     considered: int
+    fitting: int                    # grids that fit memory, ranked or not
+    estimated: int                  # of those, how many were estimated (the rest pruned)
 
     @property
     def best(self) -> Estimate:
         return self.ranked[0]
+
+    @property
+    def pruned(self) -> int:
+        """Grids that fit but whose step-time bound could not place them among the ranked."""
+        return self.fitting - self.estimated
 
 
 def divisors(n: int) -> list[int]:
@@ -85,111 +94,156 @@ def choose_recompute(shape: Shape, cluster: Cluster, grid: Grid, precision: str,
     choice reaches, in bytes).
     """
     prec = PRECISIONS[precision]
-    usable = cluster.hardware.usable_memory
-    chosen: list[str] | None = []
-    least_peak = 0.0
-    for st in range(grid.pipeline):
-        layers = (boundaries[st], boundaries[st + 1])
-        least = None
-        pick = None
-        for mode in modes:
-            need = sum(stage_memory(shape, prec, grid, st, layers, mode))
-            least = need if least is None else min(least, need)
-            if need <= usable:
-                pick = mode
-                break
-        least_peak = max(least_peak, least)
-        if pick is None:
-            chosen = None
-        elif chosen is not None:
-            chosen.append(pick)
-    return chosen, least_peak
+    table = stage_table(shape, cluster, prec, boundaries, grid.micro_batch_size, modes)
+    picks, least = table.fit(grid, prec, cluster.hardware.usable_memory)
+    return (None if picks is None else [modes[i] for i in picks]), least
 
 
-def search(shape: Shape, cluster: Cluster, global_batch: int, precision: str = "bf16",
-           schedules: Sequence[str] = PLANNED_SCHEDULES, recompute: Sequence[str] = RECOMPUTE,
-           max_micro_batch: int = 16,
-           grid_filter: Callable[[Grid], bool] | None = None,
-           shard_optimizer: str = "auto") -> SearchResult:
-    """Evaluate every grid of `enumerate_grids` (those `grid_filter` keeps); rank those that
-    fit by step time.
+@dataclasses.dataclass(frozen=True)
+class SearchOptions:
+    """What the search may choose from, and how it ranks.
 
-    `shard_optimizer` ("auto", "on", "off") for grids with data > 1: "on" shards every one
-    (`Config.shard_optimizer`); "auto" shards a grid only where the unsharded one does not
-    fit any stage's memory with any recomputation allowed, so a plan that fits as it is
-    keeps the simpler all-reduce, and a plan that fits only sharded is not thrown away.
+    `shard_optimizer` for grids with data > 1: True shards every one
+    (`Config.shard_optimizer`), False none; None lets the search choose: it shards a grid
+    only where the unsharded one does not fit any stage's memory with any recomputation
+    allowed, so a plan that fits as it is keeps the simpler all-reduce, and a plan that fits
+    only sharded is not thrown away.
+
+    `rank`: how many of the fastest plans `SearchResult.ranked` holds (the best and its
+    runners-up). With `prune`, a grid that fits is estimated only when a lower bound on its
+    step time (`StageTable.step_time_bound`) could still place it among them; without, every
+    grid that fits is estimated and ranked (the exhaustive search the pruned one is held to).
+    """
+
+    precision: str = "bf16"
+    schedules: tuple[str, ...] = PLANNED_SCHEDULES
+    recompute: tuple[str, ...] = RECOMPUTE
+    max_micro_batch: int = 16
+    shard_optimizer: bool | None = None
+    grid_filter: Callable[[Grid], bool] | None = None
+    prune: bool = True
+    rank: int = 6
+
+    def __post_init__(self) -> None:
+        # Lists from a command line or a caller: kept as tuples (hashable, immutable).
+        object.__setattr__(self, "schedules", tuple(self.schedules))
+        object.__setattr__(self, "recompute", tuple(self.recompute))
+
+
+def search(shape: Shape, cluster: Cluster, global_batch: int,
+           options: SearchOptions = SearchOptions()) -> SearchResult:
+    """Evaluate every grid of `enumerate_grids` (those `options.grid_filter` keeps); rank
+    the fastest that fit by step time (`SearchOptions`).
 
     Raises PlanError, naming what would fit, when none does.
     """
-    _check_search(global_batch, precision, schedules, recompute, shard_optimizer)
-    prec = PRECISIONS[precision]
-    fitting: list[Estimate] = []
+    _check_search(global_batch, options)
+    prec = PRECISIONS[options.precision]
+    usable = cluster.hardware.usable_memory
+    tables: dict[tuple[int, int], StageTable] = {}
+    fitting: list[tuple[float, int, Grid, StageTable, list[int]]] = []
     rejected: list[Rejection] = []
     considered = 0
-    for grid in enumerate_grids(shape, cluster.gpus, global_batch, schedules, max_micro_batch):
-        if grid_filter is not None and not grid_filter(grid):
+    for grid in enumerate_grids(shape, cluster.gpus, global_batch, options.schedules,
+                                options.max_micro_batch):
+        if options.grid_filter is not None and not options.grid_filter(grid):
             continue
         considered += 1
-        bounds = time_balanced_boundaries(shape, cluster, prec, grid.pipeline,
-                                          grid.micro_batch_size)
-        grid, modes, least = _fit(shape, cluster, grid, precision, bounds, recompute,
-                                  shard_optimizer)
-        if modes is None:
-            rejected.append(Rejection(grid, _memory_reason(least, cluster, recompute), least / GB))
+        key = (grid.pipeline, grid.micro_batch_size)
+        if key not in tables:
+            bounds = time_balanced_boundaries(shape, cluster, prec, *key)
+            tables[key] = stage_table(shape, cluster, prec, bounds, grid.micro_batch_size,
+                                      options.recompute)
+        table = tables[key]
+        grid, picks, least = _fit(table, grid, prec, usable, options.shard_optimizer)
+        if picks is None:
+            rejected.append(Rejection(grid, _memory_reason(least, cluster, options.recompute),
+                                      least / GB))
             continue
-        fitting.append(estimate(shape, cluster, grid, modes, precision, bounds))
+        bound = table.step_time_bound(cluster, grid, picks) if options.prune else 0.0
+        fitting.append((bound, len(fitting), grid, table, picks))
     if not fitting and considered == 0:
         raise PlanError(f"no grid to consider: {global_batch} sequences on {cluster.gpus} GPU(s) "
-                        f"with micro-batches of at most {max_micro_batch}"
-                        + (" and the grid filter given" if grid_filter is not None else ""))
+                        f"with micro-batches of at most {options.max_micro_batch}"
+                        + (" and the grid filter given" if options.grid_filter is not None
+                           else ""))
     if not fitting:
-        raise PlanError(_nothing_fits(shape, cluster, global_batch, precision, schedules,
-                                      recompute, max_micro_batch, rejected))
+        raise PlanError(_nothing_fits(shape, cluster, global_batch, options, rejected))
+    ranked, estimated = _rank(shape, cluster, fitting, options)
+    return SearchResult(tuple(ranked), tuple(rejected), considered, len(fitting), estimated)
+
+
+def _rank_key(est: Estimate, index: int) -> tuple:
     # Fastest first. Among equals (to 9 digits): fewer GPUs; then fewer, larger micro-batches
     # (the model keeps efficiency constant in the micro-batch size, while real kernels only
-    # gain from larger ones); then less memory.
-    fitting.sort(key=lambda e: (float(f"{e.step_time_s:.9g}"), e.grid.gpus, e.grid.microbatches,
-                                e.peak_memory_bytes, SCHEDULES.index(e.grid.schedule)))
-    return SearchResult(tuple(fitting), tuple(rejected), considered)
+    # gain from larger ones); then less memory; then the schedule's and the grid's order.
+    return (float(f"{est.step_time_s:.9g}"), est.grid.gpus, est.grid.microbatches,
+            est.peak_memory_bytes, SCHEDULES.index(est.grid.schedule), index)
 
 
-def _check_search(global_batch: int, precision: str, schedules: Sequence[str],
-                  recompute: Sequence[str], shard_optimizer: str) -> None:
+def _rank(shape: Shape, cluster: Cluster,
+          fitting: list[tuple[float, int, Grid, StageTable, list[int]]],
+          options: SearchOptions) -> tuple[list[Estimate], int]:
+    """(the fastest plans, `options.rank` of them when pruning, else all; how many grids
+    were estimated). Pruning takes the grids by their step-time bound, lowest first, and
+    stops where the bound, to the ranking's 9 digits, exceeds the slowest of the ranked."""
+    def est(grid: Grid, table: StageTable, picks: list[int]) -> Estimate:
+        return estimate(shape, cluster, grid, [table.modes[i] for i in picks],
+                        options.precision, table.boundaries)
+
+    if not options.prune:
+        keyed = [(_rank_key(e, i), e) for _, i, g, t, p in fitting for e in [est(g, t, p)]]
+        return [e for _, e in sorted(keyed, key=lambda x: x[0])], len(fitting)
+    kept: list[tuple[tuple, Estimate]] = []
+    estimated = 0
+    for bound, index, grid, table, picks in sorted(fitting, key=lambda x: x[:2]):
+        if len(kept) >= options.rank and float(f"{bound:.9g}") > kept[-1][0][0]:
+            break
+        e = est(grid, table, picks)
+        estimated += 1
+        bisect.insort(kept, (_rank_key(e, index), e), key=lambda x: x[0])
+        del kept[options.rank:]
+    return [e for _, e in kept], estimated
+
+
+def _check_search(global_batch: int, options: SearchOptions) -> None:
     """`search`'s arguments, each refused with what is expected."""
     if not isinstance(global_batch, int) or global_batch < 1:
         raise PlanError(f"the global batch must be a positive number of sequences, found "
                         f"{global_batch!r}")
-    for s in schedules:
+    for s in options.schedules:
         if s not in PLANNED_SCHEDULES:
             known = "the cost model does not time it yet" if s in SCHEDULES else "unknown"
             raise PlanError(f"schedule {s!r}: {known}; expected some of "
                             f"{list(PLANNED_SCHEDULES)}")
-    for r in recompute:
+    for r in options.recompute:
         if r not in RECOMPUTE:
             raise PlanError(f"unknown recomputation {r!r}; expected some of {list(RECOMPUTE)}")
-    if precision not in PRECISIONS:
-        raise PlanError(f"unknown precision {precision!r}; expected one of {list(PRECISIONS)}")
-    if shard_optimizer not in ("auto", "on", "off"):
-        raise PlanError(f"shard_optimizer must be 'auto', 'on' or 'off', found "
-                        f"{shard_optimizer!r}")
+    if options.precision not in PRECISIONS:
+        raise PlanError(f"unknown precision {options.precision!r}; expected one of "
+                        f"{list(PRECISIONS)}")
+    if not (options.shard_optimizer is None or isinstance(options.shard_optimizer, bool)):
+        raise PlanError(f"shard_optimizer must be True, False or None (the search chooses), "
+                        f"found {options.shard_optimizer!r}")
+    if not isinstance(options.rank, int) or options.rank < 1:
+        raise PlanError(f"rank must be a positive number of plans, found {options.rank!r}")
 
 
-def _fit(shape: Shape, cluster: Cluster, grid: Grid, precision: str, bounds: Sequence[int],
-         recompute: Sequence[str], shard_optimizer: str
-         ) -> tuple[Grid, list[str] | None, float]:
-    """(the grid as planned, its recomputation per stage or None when nothing fits, the
-    least peak memory any choice reaches), sharding the optimizer as `search` says."""
-    if shard_optimizer == "on" and grid.data > 1:
+def _fit(table: StageTable, grid: Grid, prec: PrecisionBytes, usable: float,
+         shard_optimizer: bool | None) -> tuple[Grid, list[int] | None, float]:
+    """(the grid as planned, its recomputation per stage, as indices in `table.modes`, or
+    None when nothing fits, the least peak memory any choice reaches), sharding the
+    optimizer as `SearchOptions.shard_optimizer` says."""
+    if shard_optimizer and grid.data > 1:
         grid = dataclasses.replace(grid, shard_optimizer=True)
-    modes, least = choose_recompute(shape, cluster, grid, precision, bounds, recompute)
-    if modes is None and shard_optimizer == "auto" and grid.data > 1:
+    picks, least = table.fit(grid, prec, usable)
+    if picks is None and shard_optimizer is None and grid.data > 1:
         sharded = dataclasses.replace(grid, shard_optimizer=True)
-        modes, least_sharded = choose_recompute(shape, cluster, sharded, precision, bounds,
-                                                recompute)
-        if modes is not None:
-            return sharded, modes, least_sharded
+        picks, least_sharded = table.fit(sharded, prec, usable)
+        if picks is not None:
+            return sharded, picks, least_sharded
         least = least_sharded               # the least any choice reaches
-    return grid, modes, least
+    return grid, picks, least
 
 
 def _memory_reason(least: float, cluster: Cluster, recompute: Sequence[str]) -> str:
@@ -260,10 +314,10 @@ def _fits_at_depth(shape: Shape, cluster: Cluster, grids: Sequence[Grid], precis
     return False, least
 
 
-def _nothing_fits(shape: Shape, cluster: Cluster, global_batch: int, precision: str,
-                  schedules: Sequence[str], recompute: Sequence[str], max_micro_batch: int,
+def _nothing_fits(shape: Shape, cluster: Cluster, global_batch: int, options: SearchOptions,
                   rejected: list[Rejection]) -> str:
     hw = cluster.hardware
+    recompute = options.recompute
     least = min(r.peak_memory_gb for r in rejected) if rejected else float("nan")
     head = (f"no plan fits: the {shape.params / 1e9:.2f}B-parameter model ({shape.describe()}) "
             f"needs at least {least:.1f} GB on its fullest stage on {cluster.gpus} GPU(s), with "
@@ -271,8 +325,8 @@ def _nothing_fits(shape: Shape, cluster: Cluster, global_batch: int, precision: 
             f"{hw.usable_memory / GB:.1f} GB usable ({hw.memory_reserve_fraction:.0%} of "
             f"{hw.memory_bytes / GB:.0f} GB kept for the runtime).")
     reserve = 1 - hw.memory_reserve_fraction
-    more, deepest = minimum_gpus(shape, cluster, global_batch, precision, schedules, recompute,
-                                 max_micro_batch)
+    more, deepest = minimum_gpus(shape, cluster, global_batch, options.precision,
+                                 options.schedules, recompute, options.max_micro_batch)
     if more is not None and more > cluster.gpus:
         return (f"{head} It fits on {more} GPUs (a {more}-stage pipeline): use --gpus {more} "
                 f"or more, or a smaller model; on {cluster.gpus} GPU(s) it needs GPUs with at "

@@ -37,12 +37,14 @@ def order(stage: int, stages: int, microbatches: int,
     return out
 
 
-def steady(p: int, m: int) -> tuple[tuple[float, ...], ...] | None:
-    """1F1B's stash, p held on every stage (with the pending W's), p - 1 idle units, once
-    m >= p."""
-    if m < p:
-        return None
-    return tuple(float(p - s) for s in range(p)), (float(p),) * p, (p - 1.0,)
+def steady(p: int, m: int) -> tuple[tuple[float, ...], ...]:
+    """1F1B's stash min(p - s, m), min(p, m) held on every stage (with the pending W's), and
+    p - 1 idle units once m >= p, p - 1 + (p - m) below (the simulator's, for every m: the
+    planner weighs pipelines of a hundred stages with fewer micro-batches without simulating
+    them)."""
+    held = float(min(p, m))
+    return (tuple(float(min(p - s, m)) for s in range(p)), (held,) * p,
+            (p - 1.0 + max(0, p - m),))
 
 
 SPEC = ScheduleSpec("zb-h1", order, "1F1B with the backward split in B and W, W deferred: a third "

@@ -1,4 +1,4 @@
-"""From a budget and a cluster to a plan: model size, tokens, grid, and the files that run it."""
+"""From a budget and a cluster to a `Sizing`: model size, tokens, grid, the files that run it."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ import math
 from typing import Any, Callable, Sequence
 
 from pipeflow.config import Config
-from pipeflow.planner.cost import PLANNED_SCHEDULES, RECOMPUTE, Estimate, schedule_chunks
+from pipeflow.planner.cost import Estimate, schedule_chunks
 from pipeflow.planner.hardware import GB, Cluster
 from pipeflow.planner.scaling import (METHODS, SECONDS_PER_DAY, Allocation, allocate,
                                       allocate_for_params)
-from pipeflow.planner.search import PlanError, SearchResult, search
+from pipeflow.planner.search import PlanError, SearchOptions, SearchResult, search
 from pipeflow.planner.shapes import (DEFAULT_SEQ_LEN, DEFAULT_VOCAB, Shape, ShapeError,
                                      shape_for_params, smallest_shape)
 
-__all__ = ["Plan", "make_plan", "default_batch_tokens", "default_lr", "nice_batch",
+__all__ = ["Sizing", "size_run", "default_batch_tokens", "default_lr", "nice_batch",
            "render_table", "to_json", "train_toml", "DEFAULT_MFU"]
 
 # The model FLOPs utilisation assumed to turn GPU-days into FLOPs before a plan exists;
@@ -56,8 +56,9 @@ def nice_batch(sequences: float) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-    """A planned training run: what to train, for how long, and on which grid."""
+class Sizing:
+    """The planner's answer for a training run: what to train, for how long, and on which
+    grid (the fastest the search found). Not the schedule `Plan` an engine runs."""
 
     allocation: Allocation      # N and D as trained (the shaped model's N)
     optimal_params: float       # N_opt before shaping
@@ -97,20 +98,18 @@ class Plan:
         return f"mpirun -n {self.best.grid.gpus} pipeflow train {config_path}"
 
 
-def make_plan(cluster: Cluster, *, compute: float | None = None, days: float | None = None,
+def size_run(cluster: Cluster, *, compute: float | None = None, days: float | None = None,
               params: float | None = None, shape: Shape | None = None,
               tokens: float | None = None, method: str = "hoffmann",
               seq_len: int = DEFAULT_SEQ_LEN, vocab_size: int = DEFAULT_VOCAB,
               global_batch: int | None = None, global_batch_tokens: float | None = None,
-              precision: str = "bf16", schedules: Sequence[str] = PLANNED_SCHEDULES,
-              recompute: Sequence[str] = RECOMPUTE, max_micro_batch: int = 16,
-              mfu: float | None = None, shard_optimizer: str = "auto") -> Plan:
+              mfu: float | None = None, options: SearchOptions = SearchOptions()) -> Sizing:
     """Size the model for the budget (or take the user's), then search the grid.
 
     The budget is `compute` FLOPs, or `days` on the whole cluster at `mfu` (when `mfu` is
     None: at the utilisation the plan itself predicts, found by a few rounds of sizing and
     planning). With a fixed model (`shape` or `params`) and no budget, tokens are the
-    compute-optimal count for that size, or `tokens`.
+    compute-optimal count for that size, or `tokens`. `options` are the grid search's.
     """
     _check_budget(method, compute, days, tokens, shape is not None or params is not None, mfu)
     if shape is None and params is not None:
@@ -124,8 +123,7 @@ def make_plan(cluster: Cluster, *, compute: float | None = None, days: float | N
         else:
             want = global_batch_tokens or default_batch_tokens(s.params)
             batch = nice_batch(want / s.seq_len)
-        return batch, search(s, cluster, batch, precision, schedules, recompute,
-                             max_micro_batch, shard_optimizer=shard_optimizer)
+        return batch, search(s, cluster, batch, options)
 
     if days is None:
         alloc, optimal, shaped = size(compute)
@@ -139,7 +137,8 @@ def make_plan(cluster: Cluster, *, compute: float | None = None, days: float | N
          source) = _size_for_days(cluster, days, mfu, method, size, plan_for)
     if global_batch is None and result.best.grid.global_batch != batch:  # pragma: no cover
         raise AssertionError("search returned a grid for another batch")
-    return Plan(alloc, optimal, source, shaped, cluster, batch, result, precision, mfu_used,
+    return Sizing(alloc, optimal, source, shaped, cluster, batch, result, options.precision,
+                mfu_used,
                 _notes(shaped, result, cluster, batch))
 
 
@@ -268,37 +267,38 @@ def _grid_row(est: Estimate, best: Estimate) -> dict[str, Any]:
             "memory_gb": [round(x, 3) for x in est.memory_gb]}
 
 
-def to_json(plan: Plan, config_path: str = "plan.toml", top: int = 5) -> dict[str, Any]:
-    """The plan as one JSON-able object."""
-    best, g, a, hw = plan.best, plan.best.grid, plan.allocation, plan.cluster.hardware
+def to_json(sizing: Sizing, config_path: str = "plan.toml", top: int = 5) -> dict[str, Any]:
+    """The sizing as one JSON-able object."""
+    best, g, a, hw = sizing.best, sizing.best.grid, sizing.allocation, sizing.cluster.hardware
     reasons: dict[str, int] = {}
-    for r in plan.result.rejected:
+    for r in sizing.result.rejected:
         reasons["memory"] = reasons.get("memory", 0) + 1
     return {
         "method": a.method, "method_description": a.description, "loss_fit": a.loss_fit,
-        "compute": a.compute, "compute_source": plan.budget_source,
-        "params": plan.shape.params, "params_optimal": plan.optimal_params,
+        "compute": a.compute, "compute_source": sizing.budget_source,
+        "params": sizing.shape.params, "params_optimal": sizing.optimal_params,
         "tokens": a.tokens, "tokens_per_param": a.tokens_per_param, "loss": a.loss,
-        "model": plan.shape.to_dict(),
-        "gpu": hw.name, "calibrated": hw.calibrated, "gpus": plan.cluster.gpus,
-        "gpus_per_node": plan.cluster.gpus_per_node, "gpus_used": g.gpus,
+        "model": sizing.shape.to_dict(),
+        "gpu": hw.name, "calibrated": hw.calibrated, "gpus": sizing.cluster.gpus,
+        "gpus_per_node": sizing.cluster.gpus_per_node, "gpus_used": g.gpus,
         "pipeline": g.pipeline, "data": g.data, "microbatches": g.microbatches,
         "micro_batch_size": g.micro_batch_size, "schedule": g.schedule,
         "partition": best.boundaries, "recompute": best.recompute,
-        "precision": plan.precision, "global_batch": plan.global_batch,
-        "global_batch_tokens": plan.batch_tokens, "steps": plan.steps,
+        "precision": sizing.precision, "global_batch": sizing.global_batch,
+        "global_batch_tokens": sizing.batch_tokens, "steps": sizing.steps,
         "step_time_s": best.step_time_s, "bubble": best.bubble,
-        "mfu": None if hw.calibrated else plan.mfu, "train_days": plan.train_days,
+        "mfu": None if hw.calibrated else sizing.mfu, "train_days": sizing.train_days,
         "memory_gb": [round(x, 3) for x in best.memory_gb],
         "usable_memory_gb": hw.usable_memory / GB,
         "stages": _stage_rows(best),
-        "command": plan.command(config_path),
-        "runners_up": [_grid_row(e, best) for e in plan.result.ranked[1:1 + top]],
-        "considered": plan.result.considered, "fitting": len(plan.result.ranked),
+        "command": sizing.command(config_path),
+        "runners_up": [_grid_row(e, best) for e in sizing.result.ranked[1:1 + top]],
+        "considered": sizing.result.considered, "fitting": sizing.result.fitting,
+        "pruned": sizing.result.pruned,
         "rejected": reasons,
         "rejected_examples": [{"grid": r.grid.describe(), "reason": r.reason}
-                              for r in _examples(plan.result.rejected, 3)],
-        "notes": list(plan.notes),
+                              for r in _examples(sizing.result.rejected, 3)],
+        "notes": list(sizing.notes),
     }
 
 
@@ -314,33 +314,33 @@ def _si(x: float) -> str:
     return f"{x:.3g}"
 
 
-def render_table(plan: Plan, config_path: str = "plan.toml", top: int = 5) -> str:
-    """The plan as plain text: budget, model, cluster, the best grid stage by stage,
+def render_table(sizing: Sizing, config_path: str = "plan.toml", top: int = 5) -> str:
+    """The sizing as plain text: budget, model, cluster, the best grid stage by stage,
     runners-up, rejections and the command."""
-    best, g, a, hw, sh = (plan.best, plan.best.grid, plan.allocation, plan.cluster.hardware,
-                          plan.shape)
+    best, g, a, hw, sh = (sizing.best, sizing.best.grid, sizing.allocation, sizing.cluster.hardware,
+                          sizing.shape)
     lines = [f"pipeflow plan — method: {a.method}", f"  {a.description}", ""]
     kv = [
-        ("budget", f"{a.compute:.3g} FLOPs ({plan.budget_source})"),
-        ("model", f"{_si(sh.params)} parameters (optimum {_si(plan.optimal_params)}): "
+        ("budget", f"{a.compute:.3g} FLOPs ({sizing.budget_source})"),
+        ("model", f"{_si(sh.params)} parameters (optimum {_si(sizing.optimal_params)}): "
                   f"{sh.describe()}"),
         ("tokens", f"{_si(a.tokens)} ({a.tokens_per_param:.1f} per parameter); predicted "
                    f"loss {a.loss:.3f} ({a.loss_fit})"),
-        ("cluster", f"{plan.cluster.gpus} × {hw.name}, {plan.cluster.gpus_per_node} per node, "
+        ("cluster", f"{sizing.cluster.gpus} × {hw.name}, {sizing.cluster.gpus_per_node} per node, "
                     f"{hw.usable_memory / GB:.1f} GB usable each"
                     + (" (calibrated on this machine)" if hw.calibrated else
                        f", {hw.efficiency:.0%} of peak assumed")),
-        ("batch", f"{plan.global_batch} sequences × {sh.seq_len} = {_si(plan.batch_tokens)} "
-                  f"tokens per step, {plan.steps:,} steps, precision {plan.precision}"),
+        ("batch", f"{sizing.global_batch} sequences × {sh.seq_len} = {_si(sizing.batch_tokens)} "
+                  f"tokens per step, {sizing.steps:,} steps, precision {sizing.precision}"),
     ]
     lines += [f"{k:<9}{v}" for k, v in kv]
     lines += ["", f"best plan: pipeline {g.pipeline} × data {g.data} = {g.gpus} GPUs, "
                   f"{g.microbatches} micro-batch{'es' if g.microbatches > 1 else ''} of "
                   f"{g.micro_batch_size}, {g.schedule}"
                   + (", sharded optimizer" if g.shard_optimizer else "")]
-    util = "" if hw.calibrated else f", MFU {plan.mfu:.0%}"
+    util = "" if hw.calibrated else f", MFU {sizing.mfu:.0%}"
     lines.append(f"  step {best.step_time_s:.4g} s (bubble {best.bubble:.1%}, all-reduce + "
-                 f"optimizer {best.tail_s:.3g} s){util}, {plan.train_days:.3g} days")
+                 f"optimizer {best.tail_s:.3g} s){util}, {sizing.train_days:.3g} days")
     lines.append(f"  {'stage':>5} {'layers':>9} {'params':>8} {'recompute':>9} {'stash':>5} "
                  f"{'state GB':>8} {'acts GB':>8} {'total GB':>8} {'ms/micro':>9}")
     for s in best.stages:
@@ -348,21 +348,23 @@ def render_table(plan: Plan, config_path: str = "plan.toml", top: int = 5) -> st
                      f"{_si(s.params):>8} {s.recompute:>9} {s.stash:>5} "
                      f"{s.state_bytes / GB:>8.2f} {s.activation_bytes / GB:>8.2f} "
                      f"{s.memory_gb:>8.2f} {s.microbatch_s * 1e3:>9.3g}")
-    ranked = plan.result.ranked
+    ranked = sizing.result.ranked
     if len(ranked) > 1:
-        lines += ["", f"runners-up ({len(ranked) - 1} other plans fit):",
+        lines += ["", f"runners-up ({sizing.result.fitting - 1} other plans fit"
+                  + (f"; {sizing.result.pruned} not timed, a bound shows them slower"
+                     if sizing.result.pruned else "") + "):",
                   f"  {'grid':<28} {'step s':>9} {'vs best':>8} {'peak GB':>8}  recompute"]
         for e in ranked[1:1 + top]:
             lines.append(f"  {e.grid.describe():<28} {e.step_time_s:>9.4g} "
                          f"{e.step_time_s / best.step_time_s - 1:>+8.1%} "
                          f"{e.peak_memory_bytes / GB:>8.2f}  {_compact(e.recompute)}")
-    rej = plan.result.rejected
-    lines += ["", f"rejected: {len(rej)} of {plan.result.considered} grids do not fit memory"]
+    rej = sizing.result.rejected
+    lines += ["", f"rejected: {len(rej)} of {sizing.result.considered} grids do not fit memory"]
     for r in _examples(rej, 3):
         lines.append(f"  {r.grid.describe():<28} {r.reason}")
-    for note in plan.notes:
+    for note in sizing.notes:
         lines.append(f"note: {note}")
-    lines += ["", f"command: {plan.command(config_path)}"]
+    lines += ["", f"command: {sizing.command(config_path)}"]
     return "\n".join(lines)
 
 
@@ -370,31 +372,31 @@ def _compact(modes: Sequence[str]) -> str:
     return modes[0] if len(set(modes)) == 1 else ",".join(modes)
 
 
-def train_toml(plan: Plan, command_line: str = "pipeflow plan") -> str:
+def train_toml(sizing: Sizing, command_line: str = "pipeflow plan") -> str:
     """The TOML `pipeflow train` runs: the planned `Config` written by `Config.to_toml` with
     the `[model]` and `[train]` tables, under comments saying where the values come from."""
-    best, g, sh, hw = plan.best, plan.best.grid, plan.shape, plan.cluster.hardware
+    best, g, sh, hw = sizing.best, sizing.best.grid, sizing.shape, sizing.cluster.hardware
     modes = best.recompute
     # ZBV cuts the model into 2p virtual stages (a V): the engine balances them by time
     # measured on a micro-batch, where the plan costed the p-stage cut.
     v = schedule_chunks(g.schedule) > 1
     config = Config(pipeline=g.pipeline, data=g.data, microbatches=g.microbatches,
                     schedule=g.schedule, partition="time" if v else best.boundaries,
-                    precision=plan.precision,
+                    precision=sizing.precision,
                     recompute=modes[0] if len(set(modes)) == 1 else list(modes),
                     backend="mpi" if hw.calibrated else "auto", clip=1.0, seed=0,
                     shard_optimizer=g.shard_optimizer)
-    train = {"steps": plan.steps, "batch_size": plan.global_batch,
+    train = {"steps": sizing.steps, "batch_size": sizing.global_batch,
              "lr": float(f"{default_lr(sh.params):.2g}")}
-    a = plan.allocation
+    a = sizing.allocation
     header = [
         f"# Written by `{command_line}`.",
         f"# {a.method}: {_si(sh.params)} parameters, {_si(a.tokens)} tokens, {a.compute:.3g} "
         f"FLOPs; predicted loss {a.loss:.3f}.",
         f"# Predicted on {g.gpus} × {hw.name}: {best.step_time_s:.4g} s per step, "
-        f"{plan.train_days:.3g} days; memory per stage (GB): "
+        f"{sizing.train_days:.3g} days; memory per stage (GB): "
         f"{', '.join(f'{x:.1f}' for x in best.memory_gb)}.",
-        f"# Run: {plan.command('<this file>')}",
+        f"# Run: {sizing.command('<this file>')}",
         f"# engine: {g.microbatches} micro-batches of {g.micro_batch_size} sequence(s); "
         + (f"partition: 'time', the {2 * g.pipeline} virtual stages of {g.schedule} balanced "
            f"by time measured on a micro-batch" if v else
@@ -402,7 +404,7 @@ def train_toml(plan: Plan, command_line: str = "pipeflow plan") -> str:
            f"head), balanced by predicted time")
         + ("; backend auto: NCCL on GPUs (the bandwidths planned for), MPI elsewhere."
            if config.backend == "auto" else "."),
-        f"# train: batch_size is the global batch in sequences ({_si(plan.batch_tokens)} "
+        f"# train: batch_size is the global batch in sequences ({_si(sizing.batch_tokens)} "
         f"tokens); lr GPT-3's for the nearest size (Brown et al. 2020, Table 2.1).",
         f"# data: fill in the token files of a corpus of at least {_si(a.tokens)} tokens, "
         f"e.g. `pipeflow prepare docs.jsonl --tokenizer tiktoken:gpt2 --out data`; "
