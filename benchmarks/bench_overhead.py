@@ -158,8 +158,8 @@ def per_step_counts(cfg: GPTConfig, m: int, backend: str) -> dict[str, float]:
     real_send = comm.send_message
 
     def send(header, tensors, dest, tag):
-        sent["control"] += int(header is not None or comm.always_header)
-        sent["data"] += 1
+        sent["control"] += int(header is not None)
+        sent["data"] += int(bool(tensors))
         return real_send(header, tensors, dest, tag)
     comm.send_message = send
     waits = [(waiting, n) for n in ("wait", "waitall", "wait_object", "mprobe", "recv_object",
