@@ -18,6 +18,7 @@ import argparse
 import collections
 import contextlib
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,7 +38,7 @@ from pipeflow.schedules import SENDS  # noqa: E402
 from pipeflow.train.data import Batches, load_corpus  # noqa: E402
 
 from _common import (DEFAULT_OUTPUT, header, load_average, busy_note, run_main,  # noqa: E402
-                     time_block, write_section)
+                     sync, time_block, write_section)
 from bench_gpu import _keep_fp32  # noqa: E402
 from bench_peer import init_gloo, make_peer, make_single  # noqa: E402
 
@@ -158,8 +159,8 @@ def per_step_counts(cfg: GPTConfig, m: int, backend: str) -> dict[str, float]:
     real_send = comm.send_message
 
     def send(header, tensors, dest, tag):
-        sent["control"] += int(header is not None or comm.always_header)
-        sent["data"] += 1
+        sent["control"] += int(header is not None)
+        sent["data"] += int(bool(tensors))
         return real_send(header, tensors, dest, tag)
     comm.send_message = send
     waits = [(waiting, n) for n in ("wait", "waitall", "wait_object", "mprobe", "recv_object",
@@ -271,15 +272,63 @@ def scaling(cfg: GPTConfig, args) -> list[str]:
     return rows
 
 
+def _clean_env() -> dict[str, str]:
+    """This job's environment without the launcher's variables, so a child starts afresh
+    (a job of its own under its own mpirun)."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("PMI", "OMPI", "HYDRA", "HYDI", "MPIR", "PMIX"))}
+
+
 def _best_of(cmd: list[str], n: int = 3) -> float:
     best = float("inf")
     for _ in range(n):
         start = time.perf_counter()
-        subprocess.run(cmd, check=True, capture_output=True,
-                       env={k: v for k, v in os.environ.items() if not k.startswith(("PMI",
-                                                                                     "OMPI"))})
+        subprocess.run(cmd, check=True, capture_output=True, env=_clean_env())
         best = min(best, time.perf_counter() - start)
     return best
+
+
+# A rank of `make train`'s job that says when torch is imported, then runs `pipeflow train`.
+_TRAIN_RANK = """import sys, time
+import torch
+from mpi4py import MPI
+sys.stderr.write(f"torch imported {MPI.COMM_WORLD.rank} {time.time()}\\n")
+sys.stderr.flush()
+from pipeflow.cli import main
+sys.argv = ["pipeflow", "train", *sys.argv[1:]]
+main()
+"""
+
+_FIRST_OPTIMIZER = ("import time, torch; t = time.perf_counter(); "
+                    "torch.optim.AdamW([torch.zeros(1, requires_grad=True)]); "
+                    "print(time.perf_counter() - t)")
+
+
+def first_step_of_make_train(np: int = 2) -> float:
+    """Seconds from torch's import (the last rank's) to the first step's line of `make
+    train`'s job (`mpirun -n 2 pipeflow train examples/gpt_small.toml`, one step)."""
+    launcher = shutil.which("mpirun") or "mpirun"
+    config = os.path.join(os.path.dirname(PACKAGE), "examples", "gpt_small.toml")
+    job = subprocess.Popen([launcher, "-n", str(np), sys.executable, "-c", _TRAIN_RANK, config,
+                            "--steps", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, env={**_clean_env(), "OMP_NUM_THREADS": "1"})
+    imported: dict[str, float] = {}
+    first = None
+    for line in job.stdout:
+        if line.startswith("torch imported"):
+            _, _, rank, at = line.split()
+            imported[rank] = float(at)
+        elif line.lstrip().startswith("step ") and first is None:
+            first = time.time()
+    if job.wait() != 0 or first is None or len(imported) != np:
+        raise RuntimeError(f"`make train`'s job failed (exit {job.returncode})")
+    return first - max(imported.values())
+
+
+def _first_optimizer() -> float:
+    out = subprocess.run([sys.executable, "-c", _FIRST_OPTIMIZER], check=True,
+                         capture_output=True, text=True, env=_clean_env())
+    return float(out.stdout.split()[-1])
 
 
 def startup(cfg: GPTConfig) -> list[str]:
@@ -302,7 +351,12 @@ def startup(cfg: GPTConfig) -> list[str]:
                  f"{_best_of([py, '-c', 'import torch']):.2f} |",
                  f"| `pipeflow --help` (best of 3) | {_best_of([cli, '--help']):.2f} |",
                  f"| `pipeflow schedule --help` (best of 3) | "
-                 f"{_best_of([cli, 'schedule', '--help']):.2f} |"]
+                 f"{_best_of([cli, 'schedule', '--help']):.2f} |",
+                 f"| torch's first optimizer in a fresh process (`torch.optim` imports "
+                 f"`torch._dynamo` then: any torch script pays it) | {_first_optimizer():.2f} |",
+                 f"| `make train` (2 ranks, examples/gpt_small.toml): its first step's line "
+                 f"after torch's import (the last rank's) | {first_step_of_make_train():.2f} |"]
+    sync(COMM)                     # the other ranks nap while rank 0 starts processes
     rows += [f"| engine build, {COMM.size} ranks (slowest rank) | {built:.2f} |",
              f"| first step, m = 8 (slowest rank) | {first:.2f} |"]
     return rows

@@ -101,3 +101,39 @@ def test_nccl_families_keep_each_role_apart_and_gloo_shares_them(monkeypatch):
     assert pf_comm._split_family(pair, "nccl", "forward") is nccl[1]        # reused
     gloo = {id(pf_comm._split_family(pair, "gloo", role)) for role in roles}
     assert len(gloo) == 1
+
+
+def test_a_links_header_is_agreed_per_batch_shape_and_never_where_it_varied():
+    from pipeflow.runtime.runner import LinkShapes
+    from pipeflow.tree import header_of
+
+    small, _ = header_of(torch.zeros(2, 3))
+    wide, _ = header_of(torch.zeros(2, 4))
+    link, other = (1, 0), (1, 1)
+    ends = LinkShapes()
+    ends.begin("seq 3")                  # the first step of a batch shape: announced
+    assert ends.known(link) is None
+    ends.seen(link, small)
+    ends.seen(link, small)
+    ends.seen(other, small)
+    ends.seen(other, wide)               # two shapes in one step on this link
+    ends.end()
+    ends.begin("seq 3")
+    assert ends.known(link) == small     # agreed: no header in later steps
+    assert ends.known(other) is None     # varied: announced in every step
+    ends.end()
+    ends.begin("seq 4")                  # a new batch shape: announced again
+    assert ends.known(link) is None
+    ends.seen(link, wide)
+    ends.end()
+    ends.begin("seq 3")
+    assert ends.known(link) == small     # the earlier shape is still agreed
+    ends.begin(None)                     # no agreed batch shape: always announced
+    assert ends.known(link) is None
+    ends.end()
+    for n in range(LinkShapes.LIMIT):    # the oldest batch shapes are forgotten alike
+        ends.begin(f"shape {n}")
+        ends.seen(link, small)
+        ends.end()
+    ends.begin("seq 3")
+    assert ends.known(link) is None

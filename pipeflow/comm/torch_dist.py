@@ -189,21 +189,27 @@ class TorchDistCommunicator(HeadersFirst, Communicator):
         self._check("isend", tensors)
         ts = [t.detach().contiguous() for t in tensors]
         self.bytes_sent += sum(t.numel() * t.element_size() for t in ts)
-        # One batch for the message's tensors: NCCL runs them as one grouped operation.
-        ops = [self._dist.P2POp(self._dist.isend, t, self.global_ranks[dest], group, tag)
-               for t in ts]
         return self._issued(f"send of message {tag} to rank {self.global_ranks[dest]}",
-                            _DistWork(self._dist.batch_isend_irecv(ops), ts))
+                            _DistWork(self._p2p(self._dist.isend, ts, dest, group, tag), ts))
 
     def irecv(self, metas: Sequence[TensorMeta], source: int, tag: int,
               device: torch.device) -> Request:
         group = self.links[(source, self.rank)]
         ts = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in metas]
         self._check("irecv", ts)
-        ops = [self._dist.P2POp(self._dist.irecv, t, self.global_ranks[source], group, tag)
-               for t in ts]
         return self._issued(f"receive of message {tag} from rank {self.global_ranks[source]}",
-                            _DistWork(self._dist.batch_isend_irecv(ops), ts))
+                            _DistWork(self._p2p(self._dist.irecv, ts, source, group, tag), ts))
+
+    def _p2p(self, op: Any, ts: list[torch.Tensor], peer: int, group: Any, tag: int) -> list:
+        """A message's tensors to or from `peer`: one tensor by itself (half the host time of
+        a batch of one under gloo), several as one batch, which NCCL runs as one grouped
+        operation. A batch holds one group's operations only (`batch_isend_irecv`), so a
+        send and a receive of two links (a group per direction) are never batched."""
+        rank = self.global_ranks[peer]
+        if len(ts) == 1:
+            return [op(ts[0], rank, group=group, tag=tag)]
+        return self._dist.batch_isend_irecv(
+            [self._dist.P2POp(op, t, rank, group, tag) for t in ts])
 
     def _issued(self, what: str, work: "_DistWork") -> "_DistWork":
         """Track a device operation for `in_flight` (completed ones are dropped as new ones

@@ -47,6 +47,10 @@ class StepBatches:
     micro: list[MicroBatch]
     items: int | None = None           # valid items (tokens) in the global batch, if counted
     has_targets: bool = False          # a rank holding the last stage was given targets
+    # The call and the batch's shapes as every rank agreed them (the same text on every
+    # rank): what the messages' shapes between stages follow from, so that a receiver that
+    # cannot probe knows them again without a message while this stays the same.
+    shapes: str | None = None
 
 
 def _signature(batch: Any) -> Any:
@@ -143,7 +147,8 @@ def split_step(call: str, step: int, inputs: Any, targets: Any, side: Mapping[st
                 inputs if holds_first else None,
                 targets if holds_last else None, side, first=step == 0)}
     verdict = agree(control, mine, deadline_s)
-    return StepBatches(micro, verdict["items"], has_targets=verdict["has_targets"])
+    return StepBatches(micro, verdict["items"], has_targets=verdict["has_targets"],
+                       shapes=verdict["shapes"])
 
 
 def _values(inputs: Any, targets: Any, side: Mapping[str, Any], first: bool
@@ -189,7 +194,16 @@ def _verdict(views: list[dict]) -> dict:
     and whether targets were given (the ranks holding the last stage say)."""
     counted = [v["items"] for v in views if v["items"] is not None]
     return {"problem": _disagreement(views), "items": sum(counted) if counted else None,
-            "has_targets": any(v["targets"] is not None for v in views)}
+            "has_targets": any(v["targets"] is not None for v in views),
+            "shapes": _shapes(views)}
+
+
+def _shapes(views: list[dict]) -> str:
+    """The call and the batch's signatures (structure, shapes, dtypes) as one text: the
+    first rank's that gave each (where they differ, the agreement fails anyway)."""
+    first = {key: next((v[key] for v in views if v[key] is not None), None)
+             for key in ("inputs", "targets")}
+    return repr((views[0]["call"], first["inputs"], first["targets"], views[0]["side"]))
 
 
 def _rows(batch: Any) -> int | None:

@@ -4,7 +4,11 @@ The runner is an interpreter: `run` walks the program and dispatches each instru
 handler (`OP -> method`), all per-step state lives in one `StepState`, and one routing helper
 says where a message goes (peer, the receiving chunk, tag). Messages carry any structure of
 tensors; the structure and shapes (`tree.Header`) travel only when they change, and every
-message is checked against them on arrival.
+message is checked against them on arrival: over MPI the receiver probes and learns a new
+header from the message; where it cannot probe (torch.distributed, strict), each link's
+header is agreed once per batch shape (`LinkShapes`), so the steady state sends no control
+message, and receives whose sizes are known are posted one compute instruction ahead, so a
+transfer overlaps the compute before it.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from torch import nn
 from pipeflow import schedules as sched
 from pipeflow import tree
 from pipeflow.aux_loss import collect_aux_losses
-from pipeflow.comm.base import Communicator
+from pipeflow.comm.base import Communicator, ProtocolError
 from pipeflow.comm.strict import no_device_sync
 from pipeflow.comm.topology import Topology
 from pipeflow.runtime.batch import StepBatches
@@ -32,7 +36,7 @@ from pipeflow.schedules.plan import Plan
 from pipeflow.schedules.split_backward import backward_input, backward_weight
 from pipeflow.tree import Header
 
-__all__ = ["Runner", "StepState"]
+__all__ = ["Runner", "StepState", "LinkShapes"]
 
 Key = tuple[int, int]          # (micro-batch, chunk)
 
@@ -149,6 +153,10 @@ class Runner:
         self.free_sent_outputs = stage.step_settings.free_sent_outputs
         self._announced: dict[tuple[int, int], Header] = {}   # (peer, chunk) -> last sent
         self._heard: dict[tuple[int, int], Header] = {}       # (peer, chunk) -> last received
+        # Receivers that cannot probe: headers agreed per batch shape, receives posted ahead.
+        self._agreed = LinkShapes() if stage.pipe_comm.always_header else None
+        self._ahead: dict[sched.Action, tuple[Header | None, Any]] = {}
+        self._windows: dict[int, tuple[list, list[list[sched.Action]]]] = {}
         # What each instruction needs from the plan, looked up once (O(1) an instruction):
         # its route, whether its chunk is the pipeline's first or last virtual stage, and
         # which parameters' buckets arm after it (each parameter at the last gradient action
@@ -194,9 +202,16 @@ class Runner:
         self.pending_sends = st.sends      # for hang reports
         if self.trace:
             self.clock.start()
-        for act in program:
+        agreed, windows = self._agreed, None
+        self._ahead = {}
+        if agreed is not None:
+            agreed.begin(st.batches.shapes)
+            windows = self._windows_of(program)
+        for i, act in enumerate(program):
             self.on_instruction(act)     # described only if a report needs it
             t0 = self.clock.mark() if self.trace else None
+            if agreed is not None and windows[i]:
+                self._post_ahead(windows[i], st)
             self._handlers[act.op](self, act, st)
             # Let finished sends go and reductions in flight progress, without blocking.
             st.sends[:] = [s for s in st.sends if not _finished(s)]
@@ -208,7 +223,51 @@ class Runner:
         for s in st.sends:
             s.wait()
             _finished(s)
+        if agreed is not None:
+            agreed.end()
         return st
+
+    def _windows_of(self, program: list[sched.Action]) -> list[list[sched.Action]]:
+        """For each instruction of `program`: the receives to post before it runs (before a
+        compute instruction, the receives between it and the next one), computed once a
+        program."""
+        known = self._windows.get(id(program))
+        if known is not None and known[0] is program:
+            return known[1]
+        windows: list[list[sched.Action]] = [[] for _ in program]
+        rank = self.stage.pipe_comm.rank
+        for i, act in enumerate(program):
+            if act.op not in sched.COMPUTE:
+                continue
+            for later in program[i + 1:]:
+                if later.op in sched.COMPUTE:
+                    break
+                if later.op in sched.RECVS and self.route(later).peer != rank:
+                    windows[i].append(later)
+        self._windows[id(program)] = (program, windows)
+        return windows
+
+    def _post_ahead(self, receives: list[sched.Action], st: StepState) -> None:
+        """Post these receives now where their sizes are known (an agreed header, or the
+        gradients of a sent activation), in program order: the first that cannot be posted
+        ends the window, so every link's receives are still posted in the order sent."""
+        comm, device = self.stage.pipe_comm, self.stage.device
+        for act in receives:
+            r = self.route(act)
+            if act.op == sched.RECV_ACT:
+                header = self._agreed.known((r.peer, r.chunk))
+                if header is None:
+                    return
+                metas = header.metas
+            else:
+                sent = st.sent.get((act.mb, act.chunk))
+                if sent is None:
+                    return
+                header, metas = None, sent.grad_metas()
+            if metas or header is not None:
+                request = comm.irecv([(m.shape, m.dtype) for m in metas], r.peer, r.tag,
+                                     device) if metas else None
+                self._ahead[act] = (header, request)
 
     def route(self, act: sched.Action) -> sched.Route:
         """Peer, receiving chunk and tag of the message `act` sends or receives (the plan's
@@ -239,9 +298,17 @@ class Runner:
         comm = self.stage.pipe_comm
         if r.peer == comm.rank:
             header, ts = st.local.pop(r.tag)
+        elif act in self._ahead:
+            header, request = self._ahead.pop(act)
+            ts = request.wait() if request is not None else []
+        elif self._agreed is not None:
+            link = (r.peer, r.chunk)
+            header, ts = comm.recv_message(r.peer, r.tag, self._agreed.known(link),
+                                           self.stage.device)
+            self._agreed.seen(link, header)
         else:
-            known = None if comm.always_header else self._heard.get((r.peer, r.chunk))
-            header, ts = comm.recv_message(r.peer, r.tag, known, self.stage.device)
+            header, ts = comm.recv_message(r.peer, r.tag, self._heard.get((r.peer, r.chunk)),
+                                           self.stage.device)
             self._heard[(r.peer, r.chunk)] = header
         needs_grad = [t for t, meta in zip(ts, header.metas) if meta.requires_grad]
         if st.train:
@@ -297,10 +364,20 @@ class Runner:
         if r.peer == comm.rank:                 # to this rank's other chunk: no message
             st.local[r.tag] = (header, [t.detach().clone() for t in ts])
             return
-        # A message without tensors is its header alone: always sent, or nothing would reach
-        # the receiver, whose probe waits for the next message on the link.
-        announce = comm.always_header or not ts or self._announced.get(link) != header
-        self._announced[link] = header
+        if self._agreed is not None:
+            known = self._agreed.known(link)
+            if known is None:
+                self._agreed.seen(link, header)
+            elif known != header:
+                raise _shape_changed(self.stage.describe(), act, r.peer, header, known)
+            elif not ts:                  # agreed and empty: nothing to send at all
+                return
+            announce = known is None
+        else:
+            # A message without tensors is its header alone: always sent, or nothing would
+            # reach the receiver, whose probe waits for the next message on the link.
+            announce = not ts or self._announced.get(link) != header
+            self._announced[link] = header
         request = comm.send_message(header if announce else None, ts, r.peer, r.tag)
         # An auxiliary loss may have used the output (its graph holds it): never freed then.
         aux_used = st.train and st.stash[(act.mb, act.chunk)][2] is not None
@@ -318,6 +395,8 @@ class Runner:
             expected = Header(None, (None,) * len(metas), metas)
             if r.peer == self.stage.pipe_comm.rank:
                 _, grads = st.local.pop(r.tag)
+            elif act in self._ahead:
+                grads = self._ahead.pop(act)[1].wait()
             else:
                 _, grads = self.stage.pipe_comm.recv_message(r.peer, r.tag, expected,
                                                              self.stage.device)
@@ -380,6 +459,69 @@ class Runner:
                 if target is not None else None)
         stage.recompute = auto_policy(layers, x, stage.plan.peak_stash[stage.index],
                                       budget, where=stage.describe(), tail=tail)
+
+
+class LinkShapes:
+    """Each link's header agreed without a message, for receivers that cannot probe.
+
+    A step's messages have the shapes its batch's shapes give them (`StepBatches.shapes`,
+    the same text on every rank). The first step of a batch shape announces every message's
+    header; both ends of a link see the same headers, so both know at its end whether they
+    were all one (agreed: later steps of that batch shape send tensors alone, or nothing for
+    a message without tensors) or not (that batch shape announces every message, always). A
+    sender whose header differs from the agreed one raises `ProtocolError`: the receiver,
+    which knows no better, has posted the agreed sizes. The last `LIMIT` batch shapes of a
+    link are remembered (the same on both ends: they agree at the same steps).
+    """
+
+    LIMIT = 64
+    _MIXED = object()             # headers differed within the step: announce, always
+
+    def __init__(self) -> None:
+        self._agreed: dict[tuple[int, int], dict[str, Any]] = {}
+        self._step: dict[tuple[int, int], Any] = {}    # this step's header on each new link
+        self._shapes: str | None = None
+
+    def begin(self, shapes: str | None) -> None:
+        """A step whose batch has `shapes` (None: never agree, announce every message)."""
+        self._shapes, self._step = shapes, {}
+
+    def known(self, link: tuple[int, int]) -> Header | None:
+        """The agreed header of `link` for this step's batch shape, or None: announced."""
+        found = self._agreed.get(link, {}).get(self._shapes)
+        return None if found is None or found is self._MIXED else found
+
+    def seen(self, link: tuple[int, int], header: Header) -> None:
+        """A header announced on `link` in this step."""
+        first = self._step.setdefault(link, header)
+        if first is not self._MIXED and first != header:
+            self._step[link] = self._MIXED
+
+    def end(self) -> None:
+        """The step is done: links of a new batch shape agree on what they saw."""
+        if self._shapes is None:
+            return
+        for link, header in self._step.items():
+            shapes = self._agreed.setdefault(link, {})
+            if self._shapes not in shapes:
+                shapes[self._shapes] = header
+                if len(shapes) > self.LIMIT:
+                    del shapes[next(iter(shapes))]
+        self._step = {}
+
+
+def _shape_changed(where: str, act: sched.Action, peer: int, header: Header,
+                   agreed: Header) -> ProtocolError:
+    what = (f"tensors {tree.describe(header.metas)}, agreed {tree.describe(agreed.metas)}"
+            if header.metas != agreed.metas else
+            f"a structure {header.spec} with constants {header.slots}, agreed {agreed.spec} "
+            f"with {agreed.slots}")
+    return ProtocolError(
+        f"{where}: {act!r} sends to pipeline stage {peer} {what} for the same batch shapes. "
+        f"Where a receiver cannot probe a message (torch.distributed, NCCL's rules), a link's "
+        f"shapes are agreed once per batch shape, so a stage's outputs must follow from the "
+        f"batch's shapes: pad data-dependent shapes to a fixed size, or train with "
+        f"backend='mpi', whose receivers learn a changed shape from the message")
 
 
 def _arming(plan: Plan, rank: int, chunk_layers: list[list[nn.Module]]
