@@ -10,6 +10,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # tests/toy.py
 
 _skipped: list[str] = []
+_started: list[str] = []          # the test files begun, in order
+_name_files: list[bool] = []      # [True] on rank 0 of an mpirun job
 
 # A hung engine call reports itself (rank, instruction, the peer it waits on and what has
 # arrived from that peer) and ends the job well before pytest-timeout's plain stack dump.
@@ -29,6 +31,7 @@ def _with_mpi(config) -> bool:
     return bool(config.getoption("--with-mpi", default=False))
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     if _with_mpi(config):
         from mpi4py import MPI
@@ -36,6 +39,21 @@ def pytest_configure(config):
             raise pytest.UsageError(
                 "--with-mpi needs at least 2 ranks: run `mpirun -n 2 python -m pytest "
                 "--with-mpi -m mpi` (a 1-rank run would test no pipeline)")
+        _name_files.append(MPI.COMM_WORLD.rank == 0)
+        if MPI.COMM_WORLD.rank != 0:
+            # Every rank runs the same tests in step: rank 0's JUnit XML (run_all.sh's
+            # PIPEFLOW_TEST_TIMES) is the job's; the others would overwrite the same file.
+            config.option.xmlpath = None
+
+
+def pytest_runtest_logstart(nodeid, location):
+    # Under mpirun several files share a job (run_all.sh): name each as it starts, so a job
+    # ended by an abort or a hang says in the log which file it was in.
+    path = nodeid.split("::", 1)[0]
+    if _started[-1:] != [path]:
+        _started.append(path)
+        if any(_name_files):
+            print(f"\n-- {path}", file=sys.stderr, flush=True)
 
 
 def pytest_runtest_logreport(report):

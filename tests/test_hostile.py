@@ -19,6 +19,7 @@ import torch
 
 import pipeflow as pf
 from pipeflow.runtime.checkpoint import CheckpointError, check_save_dir
+from pipeflow.schedules import names
 
 from toy import adamw, batches, loss_fn, toy_layers
 
@@ -46,8 +47,7 @@ def toml(text: str) -> Callable[[Path], Any]:
 
 CONFIG = [
     Hostile("schedule-int", config(schedule=3),
-            ("Config.schedule must be a string, one of ['1f1b', 'gpipe', 'interleaved', 'zb-h1', "
-             "'zbv', 'v-half', 'v-min', 'auto']",
+            (f"Config.schedule must be a string, one of {[*names(), 'auto']}",
              "found 3 (int)", 'set schedule = "1f1b"'), pf.ConfigError),
     Hostile("loss-scale-str", config(loss_scale="big"),
             ("Config.loss_scale must be a finite number >= 1", "found 'big' (str)",

@@ -1,6 +1,8 @@
 """Property tests of the schedules through the simulator: no MPI, no torch (a few Config and
 command-line checks aside)."""
 
+import functools
+
 import pytest
 
 from pipeflow import schedules as schedule
@@ -16,10 +18,23 @@ from pipeflow.schedules import (Action, BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, 
 GRID = [(p, m) for p in range(1, 9) for m in range(1, 33)]
 
 
+@functools.lru_cache(maxsize=None)
+def _built(name: str, p: int, m: int) -> Programs:
+    """`build_schedule(name, p, m)` once per module: the grid tests share each build (a
+    V-Min build at p = 8, m = 32 takes a tenth of a second). Read only: never mutate it."""
+    return build_schedule(name, p, m)
+
+
+@functools.lru_cache(maxsize=None)
+def _simulated(name: str, p: int, m: int):
+    """`simulate(_built(name, p, m))` with F = B = W = 1, once per module."""
+    return simulate(_built(name, p, m))
+
+
 @pytest.mark.parametrize("name", ["1f1b", "gpipe"])
 def test_every_microbatch_runs_forward_then_backward_once_per_stage(name):
     for p, m in GRID:
-        for s, prog in enumerate(build_schedule(name, p, m)):
+        for s, prog in enumerate(_built(name, p, m)):
             fwd = [a.mb for a in prog if a.op == FORWARD]
             bwd = [a.mb for a in prog if a.op == BACKWARD]
             assert sorted(fwd) == list(range(m)) == sorted(bwd), (name, p, m, s)
@@ -30,22 +45,22 @@ def test_every_microbatch_runs_forward_then_backward_once_per_stage(name):
 @pytest.mark.parametrize("name", ["1f1b", "gpipe"])
 def test_no_deadlock_and_bubble_matches_formula(name):
     for p, m in GRID:
-        result = simulate(build_schedule(name, p, m))   # raises on deadlock or lost sends
+        result = _simulated(name, p, m)   # raises on deadlock or lost sends
         assert result.bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12), (p, m)
         # A whole backward takes B + W = 2 units by default, 1 when set.
         assert result.makespan == 3 * (m + p - 1)
-        assert simulate(build_schedule(name, p, m), backward_time=1.0).makespan == 2 * (m + p - 1)
+        assert simulate(_built(name, p, m), backward_time=1.0).makespan == 2 * (m + p - 1)
 
 
 def test_stash_1f1b_is_min_p_minus_s_and_m():
     for p, m in GRID:
-        assert simulate(build_schedule("1f1b", p, m)).peak_stash == \
+        assert _simulated("1f1b", p, m).peak_stash == \
             [min(p - s, m) for s in range(p)], (p, m)
 
 
 def test_stash_gpipe_is_m():
     for p, m in GRID:
-        assert simulate(build_schedule("gpipe", p, m)).peak_stash == [m] * p, (p, m)
+        assert _simulated("gpipe", p, m).peak_stash == [m] * p, (p, m)
 
 
 def test_bubble_with_unequal_forward_and_backward_times():
@@ -130,14 +145,15 @@ def test_interleaved_needs_whole_groups_and_only_it_takes_chunks():
 
 # --- split backward: B (input gradient) and W (weight gradient) --------------------------
 
-ZERO_BUBBLE = ["zb-h1", "zbv", "v-half", "v-min"]
+# Read from the registry: a new schedule joins these tests by its registry line alone.
+ZERO_BUBBLE = [n for n in schedule.names() if schedule.get(n).split_backward]
 
 
 def _one_f_one_b_bubble(p, m):
     return (p - 1) / (m + p - 1)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", *ZERO_BUBBLE])
+@pytest.mark.parametrize("name", schedule.names())
 def test_every_action_prints_and_parses_back(name):
     for p, m in [(1, 1), (2, 4), (3, 6), (4, 8)]:
         if p < schedule.get(name).min_stages:
@@ -154,7 +170,7 @@ def test_every_action_prints_and_parses_back(name):
 @pytest.mark.parametrize("name", ZERO_BUBBLE)
 def test_each_f_b_and_w_runs_once_per_microbatch_and_stage_in_order(name):
     for p, m in GRID:
-        programs = build_schedule(name, p, m)
+        programs = _built(name, p, m)
         virtuals = []
         for r, prog in enumerate(programs):
             for chunk, virtual in enumerate(programs.layout[r]):
@@ -169,13 +185,13 @@ def test_each_f_b_and_w_runs_once_per_microbatch_and_stage_in_order(name):
         assert sorted(virtuals) == list(range(len(virtuals)))    # every virtual stage once
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", *ZERO_BUBBLE])
+@pytest.mark.parametrize("name", schedule.names())
 def test_no_deadlock_and_every_link_receives_in_send_order(name):
     for p, m in GRID:
         if schedule.get(name).problem(p, m):
             continue
-        programs = build_schedule(name, p, m)
-        simulate(programs)      # raises on a deadlock, a lost send or a link out of order
+        programs = _built(name, p, m)
+        _simulated(name, p, m)  # raises on a deadlock, a lost send or a link out of order
         sent, received = link_orders(programs, programs.layout)
         assert sent == received, (name, p, m)
 
@@ -199,12 +215,12 @@ def test_link_order_check_fails_when_receives_are_swapped():
 
 def test_zb_h1_keeps_1f1b_memory_and_takes_p_minus_1_units_of_bubble():
     for p, m in GRID:
-        result = simulate(build_schedule("zb-h1", p, m))      # F = B = W = 1
+        result = _simulated("zb-h1", p, m)      # F = B = W = 1
         assert result.peak_stash == [min(p - s, m) for s in range(p)], (p, m)
         # With the micro-batches waiting for W, no stage holds more than 1F1B's stage 0.
         assert result.peak_held == [min(p, m)] * p, (p, m)
         assert result.makespan == 3 * m + p - 1 + max(0, p - m), (p, m)
-        one_f_one_b = simulate(build_schedule("1f1b", p, m))  # its backward: B + W = 2
+        one_f_one_b = _simulated("1f1b", p, m)  # its backward: B + W = 2
         if p > 1:
             assert result.bubble < one_f_one_b.bubble, (p, m)
         if m >= p:
@@ -243,7 +259,7 @@ def test_zbv_layout_is_a_v_with_both_ends_on_rank_0():
 
 def test_zbv_bubble_halves_zb_h1s_at_1f1b_memory():
     for p, m in GRID:
-        result = simulate(build_schedule("zbv", p, m))
+        result = _simulated("zbv", p, m)
         assert max(result.peak_held) <= 2 * p, (p, m)      # chunks: p stages' worth
         if m >= 2 * p - 1:
             # p - 1 chunk units of bubble: (p - 1)/2 of a stage's F, B or W.
@@ -251,7 +267,7 @@ def test_zbv_bubble_halves_zb_h1s_at_1f1b_memory():
             assert result.bubble == pytest.approx((p - 1) / (6 * m + p - 1)), (p, m)
             assert result.peak_held == [2 * p] * p, (p, m)
             if p > 1:
-                assert result.bubble < simulate(build_schedule("zb-h1", p, m)).bubble
+                assert result.bubble < _simulated("zb-h1", p, m).bubble
 
 
 def test_simulator_counts_pending_w_and_rejects_w_out_of_place():
