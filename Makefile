@@ -12,7 +12,7 @@ NP ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.pipeflow-installed
 
-.PHONY: train test check install pictures clean-venv
+.PHONY: train test check timings install pictures clean-venv
 
 train: $(STAMP)
 	OMP_NUM_THREADS=1 PATH="$(CURDIR)/$(BIN):$$PATH" mpirun -n $(NP) pipeflow train $(CONFIG)
@@ -24,6 +24,10 @@ test: $(STAMP)
 # error, before each commit. `make test` is the whole suite.
 check: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash tests/check.sh
+
+# The whole suite with each job's JUnit XML kept, then tests/README.md's table of times.
+timings: $(STAMP)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python tests/timings.py --run
 
 install: $(STAMP)
 

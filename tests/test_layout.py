@@ -33,6 +33,21 @@ def test_tests_readme_maps_every_test_file():
     assert not missing, f"tests/README.md misses {missing}: add each to its table"
 
 
+def test_tests_readme_times_every_test_file():
+    # The table of times is tests/timings.py's (never by hand): every file in it, with a
+    # figure, so a slow new file is seen when it lands. Rerun the script on your file's XML.
+    text = (ROOT / "tests" / "README.md").read_text()
+    start, end = "<!-- timings: start -->", "<!-- timings: end -->"
+    assert start in text and end in text, "tests/README.md lost its table of times"
+    timed = {line.split("`")[1] for line in text.split(start)[1].split(end)[0].splitlines()
+             if line.startswith("| `test_") and any(c.strip() for c in line.split("|")[2:-1])}
+    missing = [p.name for p in sorted((ROOT / "tests").glob("test_*.py")) if p.name not in timed]
+    assert not missing, (f"tests/README.md's table of times misses {missing}: run "
+                         f"`PIPEFLOW_TEST_TIMES=DIR bash tests/run_all.sh` (or only your "
+                         f"file's job with --junitxml=DIR/serial.xml) and "
+                         f"`python tests/timings.py DIR`")
+
+
 def _module_imports() -> dict[str, set[str]]:
     """Each pipeflow module -> the pipeflow modules it imports at module level (imports
     inside functions are deferred on purpose and do not count)."""

@@ -1,0 +1,127 @@
+"""Rewrite the table of times in tests/README.md from the suite's own JUnit XML.
+
+    PIPEFLOW_TEST_TIMES=/tmp/times bash tests/run_all.sh   # each job writes DIR/JOB.xml
+    python tests/timings.py /tmp/times                      # rewrites the table
+    python tests/timings.py --run                           # both (`make timings`)
+
+Jobs are named by `run_all.sh`: `serial`, `n2-FILE`, `n4-FILE`, `strict-n2-FILE`, ...
+A file's time in a column is the sum of its tests' times (set-up, call and tear-down) in
+that kind of job; collection and start-up are the job's, not a file's. A cell that the
+given XML does not cover keeps the table's previous figure, so one job rerun (one file's
+XML) updates its own cells only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = ROOT / "tests" / "README.md"
+START, END = "<!-- timings: start -->", "<!-- timings: end -->"
+COLUMNS = ("serial", "-n 2", "-n 4", "strict")
+Times = dict[str, dict[str, float]]          # file -> column -> seconds
+
+
+def column_of(job: str) -> str:
+    """The table's column for a job's XML name (`serial`, `n2-...`, `strict-n4-...`)."""
+    if job == "serial":
+        return "serial"
+    if job.startswith("strict-"):
+        return "strict"
+    match = re.match(r"n(\d+)-", job)
+    if not match:
+        raise SystemExit(f"timings: cannot tell the job of {job}.xml: expected serial.xml, "
+                         f"nN-FILE.xml or strict-nN-FILE.xml (tests/run_all.sh's names)")
+    return f"-n {match.group(1)}"
+
+
+def file_of(classname: str) -> str:
+    """`tests.test_engine_mpi.TestX` -> `test_engine_mpi.py`."""
+    for part in classname.split("."):
+        if part.startswith("test_"):
+            return f"{part}.py"
+    return classname
+
+
+def read_times(folder: pathlib.Path) -> Times:
+    """Seconds per test file and column, summed over the XML files in `folder`."""
+    times: Times = collections.defaultdict(lambda: collections.defaultdict(float))
+    xmls = sorted(folder.glob("*.xml"))
+    if not xmls:
+        raise SystemExit(f"timings: no JUnit XML in {folder}: run "
+                         f"`PIPEFLOW_TEST_TIMES={folder} bash tests/run_all.sh` first")
+    for xml in xmls:
+        column = column_of(xml.stem)
+        for case in ET.parse(xml).getroot().iter("testcase"):
+            times[file_of(case.get("classname", ""))][column] += float(case.get("time", 0))
+    return times
+
+
+def old_table(text: str) -> Times:
+    """The figures the README's table holds now, to keep where no XML says otherwise."""
+    old: Times = {}
+    if START not in text:
+        return old
+    for line in text.split(START, 1)[1].split(END, 1)[0].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == len(COLUMNS) + 1 and cells[0].startswith("`test_"):
+            old[cells[0].strip("`")] = {c: float(v) for c, v in zip(COLUMNS, cells[1:])
+                                        if re.fullmatch(r"[\d.]+", v)}
+    return old
+
+
+def table(times: Times, old: Times, files: list[str]) -> str:
+    """The markdown table: every test file, its seconds per column, the totals."""
+    rows = ["| file | " + " | ".join(COLUMNS) + " |", "|---|" + "---:|" * len(COLUMNS)]
+    totals = dict.fromkeys(COLUMNS, 0.0)
+    for name in files:
+        cells = []
+        for column in COLUMNS:
+            seconds = times.get(name, {}).get(column, old.get(name, {}).get(column))
+            cells.append("" if seconds is None else f"{seconds:.1f}")
+            totals[column] += seconds or 0.0
+        rows.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    rows.append("| all | " + " | ".join(f"{totals[c]:.0f}" for c in COLUMNS) + " |")
+    return "\n".join(rows)
+
+
+def rewrite(folder: pathlib.Path, readme: pathlib.Path = README) -> str:
+    """Replace the table between the README's markers; returns the new table."""
+    text = readme.read_text()
+    if START not in text or END not in text:
+        raise SystemExit(f"timings: {readme} has no {START} ... {END} block to rewrite")
+    files = sorted(p.name for p in (ROOT / "tests").glob("test_*.py"))
+    new = table(read_times(folder), old_table(text), files)
+    head, rest = text.split(START, 1)
+    readme.write_text(f"{head}{START}\n{new}\n{END}{rest.split(END, 1)[1]}")
+    return new
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("folder", nargs="?", help="JUnit XML written by run_all.sh")
+    parser.add_argument("--run", action="store_true",
+                        help="run tests/run_all.sh first, its XML into a fresh folder")
+    args = parser.parse_args(argv)
+    if args.run == bool(args.folder):
+        parser.error("give a folder of JUnit XML, or --run (not both)")
+    if args.run:
+        folder = pathlib.Path(tempfile.mkdtemp(prefix="pipeflow-times."))
+        env = {**os.environ, "PIPEFLOW_TEST_TIMES": str(folder)}
+        subprocess.run(["bash", str(ROOT / "tests" / "run_all.sh")], env=env, check=True)
+    else:
+        folder = pathlib.Path(args.folder)
+    print(rewrite(folder))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
