@@ -34,6 +34,19 @@ print(repr(root.handlers), repr(ours.handlers), file=sys.__stderr__)
 """
 
 
+
+@pytest.fixture(autouse=True)
+def _pipeflow_logger_as_imported():
+    # Each test starts from the `pipeflow` logger as the library leaves it (level NOTSET,
+    # the NullHandler only), whatever a test of another file run before in this worker did.
+    ours = logging.getLogger("pipeflow")
+    before = ours.level, list(ours.handlers)
+    ours.setLevel(logging.NOTSET)
+    ours.handlers = [h for h in ours.handlers if isinstance(h, logging.NullHandler)]
+    yield
+    ours.setLevel(before[0])
+    ours.handlers = before[1]
+
 def test_the_library_adds_no_handler_and_says_nothing_unasked():
     # A fresh interpreter: pytest's own handlers sit on the root logger in this one.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}

@@ -280,6 +280,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Size a model for a compute budget (Chinchilla) and plan its pipeline × "
                     "data grid on a cluster.")
     add_arguments(parser)
-    from pipeflow.logs import configure
-    configure()                     # the calibration's lines, as `pipeflow plan` shows them
-    return run(parser.parse_args(argv))
+    from pipeflow.logs import configured
+    with configured():              # the calibration's lines, as `pipeflow plan` shows them
+        return run(parser.parse_args(argv))
