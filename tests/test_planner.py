@@ -18,12 +18,13 @@ from pipeflow.planner.cost import (PRECISIONS, Grid, activation_bytes_per_layer,
                                    idle_units, peak_held, peak_stash, ring_allreduce_time,
                                    stage_memory, time_balanced_boundaries)
 from pipeflow.planner.hardware import GB, PRESETS, Cluster, Hardware, HardwareError, LayerTimes
-from pipeflow.planner.sizing import size_run, nice_batch
+from pipeflow.planner.sizing import nice_batch, size_run
 from pipeflow.planner.scaling import (APPROACH1_G, BESIROGLU_FIT, HOFFMANN_FIT, TABLE3,
                                       allocate, allocate_for_params, compute_from_gpu_days)
 from pipeflow.planner.search import (PlanError, SearchOptions, choose_recompute, minimum_gpus,
                                      search)
 from pipeflow.planner.shapes import ASPECT_RANGE, Shape, ShapeError, shape_for_params
+from pipeflow.planner.table import stage_table
 from pipeflow.schedules import build_schedule, simulate
 from pipeflow.schedules import registry as schedule_registry
 
@@ -337,7 +338,6 @@ def test_pruned_search_ranks_the_same_plans_as_the_exhaustive_one(params, gpus, 
             full.considered, full.fitting, full.rejected)
         assert fast.estimated < full.estimated    # it did prune
     # The bound is a lower bound of every grid's step time.
-    from pipeflow.planner.table import stage_table
     prec, usable = PRECISIONS["bf16"], cluster.hardware.usable_memory
     for e in full.ranked:
         table = stage_table(shape, cluster, prec, e.boundaries, e.grid.micro_batch_size,
@@ -388,8 +388,8 @@ def test_zero_gpus_is_a_clear_error():
 # -- plans and the command line ---------------------------------------------------------
 
 def test_days_budget_uses_the_given_utilisation():
-    plan = size_run(Cluster(H100, 64), days=2, mfu=0.3)
-    assert plan.allocation.compute == pytest.approx(64 * 2 * 86400 * 989e12 * 0.3)
+    sizing = size_run(Cluster(H100, 64), days=2, mfu=0.3)
+    assert sizing.allocation.compute == pytest.approx(64 * 2 * 86400 * 989e12 * 0.3)
     # Without --mfu the plan's own predicted utilisation sets the budget.
     own = size_run(Cluster(H100, 64), days=2)
     used = own.mfu * own.best.grid.gpus / 64

@@ -99,11 +99,11 @@ class Sizing:
 
 
 def size_run(cluster: Cluster, *, compute: float | None = None, days: float | None = None,
-              params: float | None = None, shape: Shape | None = None,
-              tokens: float | None = None, method: str = "hoffmann",
-              seq_len: int = DEFAULT_SEQ_LEN, vocab_size: int = DEFAULT_VOCAB,
-              global_batch: int | None = None, global_batch_tokens: float | None = None,
-              mfu: float | None = None, options: SearchOptions = SearchOptions()) -> Sizing:
+             params: float | None = None, shape: Shape | None = None,
+             tokens: float | None = None, method: str = "hoffmann",
+             seq_len: int = DEFAULT_SEQ_LEN, vocab_size: int = DEFAULT_VOCAB,
+             global_batch: int | None = None, global_batch_tokens: float | None = None,
+             mfu: float | None = None, options: SearchOptions = SearchOptions()) -> Sizing:
     """Size the model for the budget (or take the user's), then search the grid.
 
     The budget is `compute` FLOPs, or `days` on the whole cluster at `mfu` (when `mfu` is
@@ -138,8 +138,7 @@ def size_run(cluster: Cluster, *, compute: float | None = None, days: float | No
     if global_batch is None and result.best.grid.global_batch != batch:  # pragma: no cover
         raise AssertionError("search returned a grid for another batch")
     return Sizing(alloc, optimal, source, shaped, cluster, batch, result, options.precision,
-                mfu_used,
-                _notes(shaped, result, cluster, batch))
+                  mfu_used, _notes(shaped, result, cluster, batch))
 
 
 def _check_budget(method: str, compute: float | None, days: float | None,
@@ -317,8 +316,8 @@ def _si(x: float) -> str:
 def render_table(sizing: Sizing, config_path: str = "plan.toml", top: int = 5) -> str:
     """The sizing as plain text: budget, model, cluster, the best grid stage by stage,
     runners-up, rejections and the command."""
-    best, g, a, hw, sh = (sizing.best, sizing.best.grid, sizing.allocation, sizing.cluster.hardware,
-                          sizing.shape)
+    best, g, a, hw, sh = (sizing.best, sizing.best.grid, sizing.allocation,
+                          sizing.cluster.hardware, sizing.shape)
     lines = [f"pipeflow plan — method: {a.method}", f"  {a.description}", ""]
     kv = [
         ("budget", f"{a.compute:.3g} FLOPs ({sizing.budget_source})"),
