@@ -367,7 +367,7 @@ def test_memory_error_names_the_gpu_count_that_fits():
     with pytest.raises(PlanError) as err:
         search(shape, Cluster(H100, 2), 256)
     msg = str(err.value)
-    needed, _ = minimum_gpus(shape, Cluster(H100, 2), 256, "bf16")
+    needed, _ = minimum_gpus(shape, Cluster(H100, 2), 256)
     assert f"use --gpus {needed} or more" in msg and "usable" in msg
     search(shape, Cluster(H100, needed), 256)           # fits on that many
     with pytest.raises(PlanError):
