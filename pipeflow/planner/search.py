@@ -252,9 +252,8 @@ def _memory_reason(least: float, cluster: Cluster, recompute: Sequence[str]) -> 
             f"{usable / GB:.1f} GB usable per GPU")
 
 
-def minimum_gpus(shape: Shape, cluster: Cluster, global_batch: int, precision: str,
-                 schedules: Sequence[str] = PLANNED_SCHEDULES, recompute: Sequence[str] = RECOMPUTE,
-                 max_micro_batch: int = 16) -> tuple[int | None, float]:
+def minimum_gpus(shape: Shape, cluster: Cluster, global_batch: int,
+                 options: SearchOptions = SearchOptions()) -> tuple[int | None, float]:
     """(The fewest GPUs on which some plan fits this GPU's memory, or None when no pipeline
     depth does; the least memory in bytes the fullest stage needs at the deepest pipeline).
 
@@ -263,14 +262,15 @@ def minimum_gpus(shape: Shape, cluster: Cluster, global_batch: int, precision: s
     holds fewer layers; 1F1B's stage s stashes p - s micro-batches of about n/p layers each),
     so the depth is found by bisection, about log2(n) depths evaluated, not all n + 2: a
     model of hundreds of layers is answered in seconds. The depth returned was evaluated and
-    fits.
+    fits. Of `options`, the precision, schedules, recomputation and micro-batch limit count.
     """
+    precision, recompute, schedules = options.precision, options.recompute, options.schedules
     n_items = len(layer_kinds(shape))
     big = dataclasses.replace(cluster, gpus=n_items)
     # GPipe stashes m ≥ min(p - s, m) micro-batches: 1F1B never needs more memory.
     lean = ["1f1b"] if "1f1b" in schedules else list(schedules)
     by_depth: dict[int, list[Grid]] = {}
-    for grid in enumerate_grids(shape, n_items, global_batch, lean, max_micro_batch):
+    for grid in enumerate_grids(shape, n_items, global_batch, lean, options.max_micro_batch):
         if grid.data == 1:
             by_depth.setdefault(grid.pipeline, []).append(grid)
     depths = sorted(by_depth)
@@ -325,8 +325,7 @@ def _nothing_fits(shape: Shape, cluster: Cluster, global_batch: int, options: Se
             f"{hw.usable_memory / GB:.1f} GB usable ({hw.memory_reserve_fraction:.0%} of "
             f"{hw.memory_bytes / GB:.0f} GB kept for the runtime).")
     reserve = 1 - hw.memory_reserve_fraction
-    more, deepest = minimum_gpus(shape, cluster, global_batch, options.precision,
-                                 options.schedules, recompute, options.max_micro_batch)
+    more, deepest = minimum_gpus(shape, cluster, global_batch, options)
     if more is not None and more > cluster.gpus:
         return (f"{head} It fits on {more} GPUs (a {more}-stage pipeline): use --gpus {more} "
                 f"or more, or a smaller model; on {cluster.gpus} GPU(s) it needs GPUs with at "
