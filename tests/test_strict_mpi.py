@@ -245,12 +245,12 @@ def test_headers_travel_only_in_the_first_step_of_each_batch_shape():
     layers = toy_layers(blocks=3)
     engine = pf.Engine(layers, loss_fn, adamw,
                        pf.Config(pipeline=2, microbatches=m, backend="strict"), comm=comm)
-    headers, send = [], engine.pipe_comm.send_message
+    headers, send = [], engine.stage.pipe_comm.send_message
 
     def counted(header, tensors, dest, tag):
         headers[-1] += header is not None
         return send(header, tensors, dest, tag)
-    engine.pipe_comm.send_message = counted
+    engine.stage.pipe_comm.send_message = counted
     g = torch.Generator().manual_seed(3)
     steps = [tuple(torch.randint(0, 13, (2 * m, seq), generator=g) for _ in range(2))
              for seq in (5, 5, 3, 5, 3, 3)]
@@ -258,12 +258,13 @@ def test_headers_travel_only_in_the_first_step_of_each_batch_shape():
     for x, y in steps:
         headers.append(0)
         losses.append(engine.train_step(x, y))
-    sent = [m, 0, m, 0, 0, 0] if engine.is_first else [0] * 6   # gradients: never a header
+    first = engine.plan.holds_first(engine.stage.index)
+    sent = [m, 0, m, 0, 0, 0] if first else [0] * 6   # gradients: never a header
     assert headers == sent
     reference, ref_losses = train_reference(layers, steps)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
-    assert_same_parameters(engine.module.state_dict(),
-                           {k: v for k, v in reference.state_dict().items()
-                            if k in engine.module.state_dict()})
+    local = engine.stage.module.state_dict()
+    assert_same_parameters(local, {k: v for k, v in reference.state_dict().items()
+                                   if k in local})
     engine.close()
     comm.Free()
