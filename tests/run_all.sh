@@ -1,25 +1,56 @@
 #!/usr/bin/env bash
 # Every test: serial first (spread over PIPEFLOW_TEST_WORKERS processes, 2 by default, by
 # pytest-xdist, one file a worker at a time), then the multi-rank tests under mpirun with 2 and
-# 4 ranks. Each mpirun has an outer time limit, and every test a pytest-timeout
-# (pyproject.toml) that ends its rank, and so the whole job, so a hang fails fast instead of
-# stalling CI. With PIPEFLOW_TEST_TIMES=DIR set, each job writes its JUnit XML there, and
-# `python tests/timings.py DIR` rewrites tests/README.md's table of times from them.
+# 4 ranks, strict mode, and the first GPU run's script dry on the CPU. Each mpirun has an outer
+# time limit, and every test a pytest-timeout (pyproject.toml) that ends its rank, and so the
+# whole job, so a hang fails fast instead of stalling CI. Every job runs even after another
+# failed; the end lists each job's wall time and names the ones that failed.
+#
+#   PIPEFLOW_TEST_PARTS="serial n2 n4 strict gpu"   the parts to run (default: all of them)
+#   PIPEFLOW_TEST_TIMES=DIR                         each job's JUnit XML into DIR, for
+#                                                   `python tests/timings.py DIR`
+# Arguments go to every pytest (e.g. `-k NAME`); a job they leave empty is not a failure,
+# and the GPU dry run (no pytest) runs only without them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source tests/mpi_env.sh
 times_dir=${PIPEFLOW_TEST_TIMES:-}
 if [[ -n "$times_dir" ]]; then mkdir -p "$times_dir"; fi
+parts=" ${PIPEFLOW_TEST_PARTS:-serial n2 n4 strict gpu} "
+for part in $parts; do
+  if [[ " serial n2 n4 strict gpu " != *" $part "* ]]; then
+    echo "run_all.sh: unknown part '$part' in PIPEFLOW_TEST_PARTS: expected some of" \
+         "serial n2 n4 strict gpu" >&2
+    exit 2
+  fi
+done
+failed=()
+timed=()     # "SECONDS  JOB", one a job, for the summary
 
 junit() {   # junit NAME: pytest's option writing this job's XML, when times are kept
   if [[ -n "$times_dir" ]]; then echo "--junitxml=$times_dir/$1.xml"; fi
 }
 
-echo "== serial tests"
-workers=${PIPEFLOW_TEST_WORKERS:-2}
-spread=()
-if [[ "$workers" -gt 1 ]]; then spread=(-n "$workers" --dist loadfile); fi
-python -m pytest -q -p no:cacheprovider -m "not mpi" "${spread[@]}" $(junit serial) "$@"
+finish_job() {   # finish_job NAME RC START [ARGS...]: record the job's time and its failure
+  local name="$1" rc="$2" start="$3"
+  shift 3
+  # Exit 5 (no test collected) is a failure unless the caller's own -k or -m chose none here.
+  if [[ $rc -eq 5 && $# -gt 0 ]]; then rc=0; fi
+  timed+=("$(printf '%5d s  %s' $(( $(date +%s) - start )) "$name")")
+  if [[ $rc -ne 0 ]]; then failed+=("$name (exit $rc)"); fi
+}
+
+if [[ "$parts" == *" serial "* ]]; then
+  echo "== serial tests"
+  workers=${PIPEFLOW_TEST_WORKERS:-2}
+  spread=()
+  if [[ "$workers" -gt 1 ]]; then spread=(-n "$workers" --dist loadfile); fi
+  start=$(date +%s) rc=0
+  # shellcheck disable=SC2046   # junit's option is one word or none
+  python -m pytest -q -p no:cacheprovider -m "not mpi" "${spread[@]}" $(junit serial) "$@" \
+    || rc=$?
+  finish_job "serial (pytest -n $workers)" "$rc" "$start" "$@"
+fi
 
 # The multi-rank tests. `--capture=sys` leaves the ranks' own stderr alone: a watchdog's or an
 # abort's report ends the job and must reach the log, which pytest's default fd capture would
@@ -41,24 +72,21 @@ for f in "${MPI_FILES[@]}"; do
   if [[ " ${ALONE[*]} " == *" $base "* ]]; then JOBS+=("$f"); else small+=("$f"); fi
 done
 if [[ ${#small[@]} -gt 0 ]]; then JOBS+=("${small[*]}"); fi
-failed=()
 
 run_job() {   # run_job N "FILES" [pytest args]: one mpirun job; a failure is recorded
-  local n="$1" files="$2" rc=0 name
+  local n="$1" files="$2" rc=0 name start
   shift 2
   name="${PIPEFLOW_STRICT_COMM:+strict-}n$n-$(basename "${files%% *}" .py)"
-  # shellcheck disable=SC2086   # FILES is a list of paths without spaces
+  start=$(date +%s)
+  # shellcheck disable=SC2046,SC2086   # FILES is a list of paths without spaces
   timeout -k 15 900 "$MPIRUN" $OVERSUB -n "$n" \
     python -m pytest -q -p no:cacheprovider --capture=sys --with-mpi -m "mpi and not gpu" \
     $(junit "$name") $files "$@" || rc=$?
-  # Exit 5 (no test collected) is a failure unless the caller's own -k or -m chose none here.
-  if [[ $rc -eq 5 && $# -gt 0 ]]; then rc=0; fi
-  if [[ $rc -ne 0 ]]; then
-    failed+=("${PIPEFLOW_STRICT_COMM:+strict }mpirun -n $n $files (exit $rc)")
-  fi
+  finish_job "${PIPEFLOW_STRICT_COMM:+strict }mpirun -n $n $files" "$rc" "$start" "$@"
 }
 
 for n in 2 4; do
+  if [[ "$parts" != *" n$n "* ]]; then continue; fi
   echo "== mpirun -n $n: ${#MPI_FILES[@]} files in ${#JOBS[@]} jobs"
   for job in "${JOBS[@]}"; do
     echo "-- $job"
@@ -69,18 +97,27 @@ done
 # agreed collectives, no device synchronize in a step, one thread): the equivalence, trainer
 # and checkpoint tests again, so CPU CI fails where a GPU run with NCCL would. Two jobs: the
 # trainer's runs apart, the library's files together.
-STRICT_FILES="tests/test_engine_mpi.py tests/test_data_parallel_mpi.py \
+if [[ "$parts" == *" strict "* ]]; then
+  STRICT_FILES="tests/test_engine_mpi.py tests/test_data_parallel_mpi.py \
 tests/test_checkpoint_mpi.py tests/test_shard_mpi.py tests/test_collective_order_mpi.py"
-export PIPEFLOW_STRICT_COMM=1
-echo "== strict mode (PIPEFLOW_STRICT_COMM=1), mpirun -n 2"
-run_job 2 "$STRICT_FILES" "$@"
-run_job 2 tests/test_trainer_mpi.py "$@"
-echo "== strict mode (PIPEFLOW_STRICT_COMM=1), mpirun -n 4: the trainer (2x2: ties, fp16, clip)"
-run_job 4 tests/test_trainer_mpi.py "$@"
-unset PIPEFLOW_STRICT_COMM
+  export PIPEFLOW_STRICT_COMM=1
+  echo "== strict mode (PIPEFLOW_STRICT_COMM=1), mpirun -n 2"
+  run_job 2 "$STRICT_FILES" "$@"
+  run_job 2 tests/test_trainer_mpi.py "$@"
+  echo "== strict mode (PIPEFLOW_STRICT_COMM=1), mpirun -n 4: the trainer (2x2: ties, fp16, clip)"
+  run_job 4 tests/test_trainer_mpi.py "$@"
+  unset PIPEFLOW_STRICT_COMM
+fi
+if [[ "$parts" == *" gpu "* && $# -eq 0 ]]; then
+  echo "== the first GPU run's script, dry run on the CPU"
+  start=$(date +%s) rc=0
+  bash tests/gpu/first_run.sh --device cpu --out "${TMPDIR:-/tmp}/pipeflow-first-run.$$" \
+    || rc=$?
+  finish_job "tests/gpu/first_run.sh --device cpu" "$rc" "$start"
+fi
+echo "== wall time per job"
+printf '%s\n' "${timed[@]}"
 if [[ ${#failed[@]} -gt 0 ]]; then
   printf 'FAILED: %s\n' "${failed[@]}" >&2
   exit 1
 fi
-echo "== the first GPU run's script, dry run on the CPU"
-bash tests/gpu/first_run.sh --device cpu --out "${TMPDIR:-/tmp}/pipeflow-first-run.$$"
