@@ -48,12 +48,21 @@ def pytest_configure(config):
 
 def pytest_runtest_logstart(nodeid, location):
     # Under mpirun several files share a job (run_all.sh): name each as it starts, so a job
-    # ended by an abort or a hang says in the log which file it was in.
+    # ended by an abort or a hang says in the log which file it was in, and keep the test
+    # begun last in PIPEFLOW_TEST_CURRENT, which run_all.sh names when a job ends early.
+    if not any(_name_files):
+        return
     path = nodeid.split("::", 1)[0]
     if _started[-1:] != [path]:
         _started.append(path)
-        if any(_name_files):
-            print(f"\n-- {path}", file=sys.stderr, flush=True)
+        print(f"\n-- {path}", file=sys.stderr, flush=True)
+    _note_current(nodeid)
+
+
+def _note_current(text: str) -> None:
+    if os.environ.get("PIPEFLOW_TEST_CURRENT"):
+        with open(os.environ["PIPEFLOW_TEST_CURRENT"], "w") as note:
+            note.write(text)
 
 
 def pytest_runtest_logreport(report):
@@ -62,6 +71,8 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if any(_name_files):
+        _note_current(":finished")   # the job ran to its end: pytest names its failures
     # Under mpirun a skipped test is a test that did not run where it should have.
     if _with_mpi(session.config) and _skipped and exitstatus == 0:
         print(f"\nerror: {len(_skipped)} MPI test(s) skipped under mpirun: {_skipped[:5]}",

@@ -54,35 +54,75 @@ fi
 
 # The multi-rank tests. `--capture=sys` leaves the ranks' own stderr alone: a watchdog's or an
 # abort's report ends the job and must reach the log, which pytest's default fd capture would
-# swallow with the process. The files that take longest run one mpirun job each; the small
-# ones share one job per rank count (each job pays about 4 s of start-up: Python, torch, MPI
-# and collection). A failure in a shared job is named by its test id; an abort or a hang
-# (ended by the watchdog or the test's timeout) ends that job only, the others still run and
-# are reported, and conftest.py prints each file's name as it starts, so the log says which
-# file the job was in. No job runs every file: the whole 4-rank suite in one job took 14 min
-# on 2 cores (one job per file about 3).
+# swallow with the process. The files share a few mpirun jobs per rank count, each job about
+# a minute on 2 cores (every job pays about 4 s of start-up: Python, torch, MPI and
+# collection): the engine's file alone, then families that share their imports and fixtures
+# (data parallelism, Hugging Face, recomputation/compile/trainer), then every other file in
+# one job, a new file included. A failure in a shared job is named by its test id; an abort or
+# a hang (ended by the watchdog or the test's timeout) ends that job only, the others still
+# run, the report names the test that job had begun last (conftest.py writes it to
+# PIPEFLOW_TEST_CURRENT), and the files it never reached run in a job of their own. No job
+# runs every file: the whole 4-rank suite in one job took 14 min on 2 cores (Nov 2026,
+# before `wait = "auto"`).
 mapfile -t MPI_FILES < <(grep -l "mark.mpi" tests/test_*.py)
-ALONE=(test_engine_mpi test_data_parallel_mpi test_hf_mpi test_recompute_mpi test_trainer_mpi
-       test_compile_mpi test_shard_mpi test_generate_mpi test_collective_order_mpi
-       test_hf_cli_mpi)
+FAMILIES=("test_engine_mpi"
+        "test_data_parallel_mpi test_shard_mpi test_collective_order_mpi"
+        "test_hf_mpi test_hf_cli_mpi test_generate_mpi"
+        "test_recompute_mpi test_compile_mpi test_trainer_mpi")
 JOBS=()      # one entry a job: its files, space-separated
+grouped=" ${FAMILIES[*]} "
+for group in "${FAMILIES[@]}"; do
+  files=()
+  for base in $group; do
+    if [[ ! -f tests/$base.py ]]; then
+      echo "run_all.sh: FAMILIES names tests/$base.py, which is not there: update FAMILIES" >&2
+      exit 2
+    fi
+    files+=("tests/$base.py")
+  done
+  JOBS+=("${files[*]}")
+done
 small=()
 for f in "${MPI_FILES[@]}"; do
-  base=$(basename "$f" .py)
-  if [[ " ${ALONE[*]} " == *" $base "* ]]; then JOBS+=("$f"); else small+=("$f"); fi
+  if [[ "$grouped" != *" $(basename "$f" .py) "* ]]; then small+=("$f"); fi
 done
 if [[ ${#small[@]} -gt 0 ]]; then JOBS+=("${small[*]}"); fi
+current=$(mktemp "${TMPDIR:-/tmp}/pipeflow-current.XXXXXX")
+trap 'rm -f "$current"' EXIT
+
+not_reached() {   # not_reached "FILES" LAST: the files after LAST's file in FILES
+  local f rest=() reached=1
+  for f in $1; do
+    if [[ $reached -eq 0 ]]; then rest+=("$f"); fi
+    if [[ "$f" == "${2%%::*}" ]]; then reached=0; fi
+  done
+  echo "${rest[*]}"
+}
 
 run_job() {   # run_job N "FILES" [pytest args]: one mpirun job; a failure is recorded
-  local n="$1" files="$2" rc=0 name start
+  local n="$1" files="$2" rc=0 name start label last rest
   shift 2
   name="${PIPEFLOW_STRICT_COMM:+strict-}n$n-$(basename "${files%% *}" .py)"
+  label="${PIPEFLOW_STRICT_COMM:+strict }mpirun -n $n $files"
   start=$(date +%s)
+  : > "$current"
   # shellcheck disable=SC2046,SC2086   # FILES is a list of paths without spaces
-  timeout -k 15 900 "$MPIRUN" $OVERSUB -n "$n" \
+  PIPEFLOW_TEST_CURRENT="$current" timeout -k 15 900 "$MPIRUN" $OVERSUB -n "$n" \
     python -m pytest -q -p no:cacheprovider --capture=sys --with-mpi -m "mpi and not gpu" \
     $(junit "$name") $files "$@" || rc=$?
-  finish_job "${PIPEFLOW_STRICT_COMM:+strict }mpirun -n $n $files" "$rc" "$start" "$@"
+  # A job that ran to its end names its failures itself (pytest's summary); one that ended
+  # early (an abort, the watchdog, a test's timeout, the outer timeout) is named here by the
+  # test it had begun last, and the files it never reached run in a job of their own.
+  last=$(cat "$current") rest=""
+  if [[ $rc -ne 0 && "$last" != ":finished" ]]; then
+    label+=" [ended in ${last:-its start-up, before any test}]"
+    if [[ -n "$last" ]]; then rest=$(not_reached "$files" "$last"); fi
+  fi
+  finish_job "$label" "$rc" "$start" "$@"
+  if [[ -n "$rest" ]]; then
+    echo "-- the files that job never reached: $rest"
+    run_job "$n" "$rest" "$@"
+  fi
 }
 
 for n in 2 4; do
@@ -95,15 +135,15 @@ for n in 2 4; do
 done
 # Strict mode: the MPI backend under NCCL's rules (synchronous sends, order-matched links,
 # agreed collectives, no device synchronize in a step, one thread): the equivalence, trainer
-# and checkpoint tests again, so CPU CI fails where a GPU run with NCCL would. Two jobs: the
-# trainer's runs apart, the library's files together.
+# and checkpoint tests again, so CPU CI fails where a GPU run with NCCL would: one job on 2
+# ranks, and the trainer on 4.
 if [[ "$parts" == *" strict "* ]]; then
   STRICT_FILES="tests/test_engine_mpi.py tests/test_data_parallel_mpi.py \
-tests/test_checkpoint_mpi.py tests/test_shard_mpi.py tests/test_collective_order_mpi.py"
+tests/test_checkpoint_mpi.py tests/test_shard_mpi.py tests/test_collective_order_mpi.py \
+tests/test_trainer_mpi.py"
   export PIPEFLOW_STRICT_COMM=1
   echo "== strict mode (PIPEFLOW_STRICT_COMM=1), mpirun -n 2"
   run_job 2 "$STRICT_FILES" "$@"
-  run_job 2 tests/test_trainer_mpi.py "$@"
   echo "== strict mode (PIPEFLOW_STRICT_COMM=1), mpirun -n 4: the trainer (2x2: ties, fp16, clip)"
   run_job 4 tests/test_trainer_mpi.py "$@"
   unset PIPEFLOW_STRICT_COMM
