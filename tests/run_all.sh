@@ -31,6 +31,12 @@ junit() {   # junit NAME: pytest's option writing this job's XML, when times are
   if [[ -n "$times_dir" ]]; then echo "--junitxml=$times_dir/$1.xml"; fi
 }
 
+note_load() {   # note_load NAME: the load average as job NAME ends, beside its XML
+  if [[ -n "$times_dir" ]]; then
+    echo "$1 $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || true)" >> "$times_dir/load.txt"
+  fi
+}
+
 finish_job() {   # finish_job NAME RC START [ARGS...]: record the job's time and its failure
   local name="$1" rc="$2" start="$3"
   shift 3
@@ -50,6 +56,7 @@ if [[ "$parts" == *" serial "* ]]; then
   python -m pytest -q -p no:cacheprovider -m "not mpi" "${spread[@]}" $(junit serial) "$@" \
     || rc=$?
   finish_job "serial (pytest -n $workers)" "$rc" "$start" "$@"
+  note_load serial
 fi
 
 # The multi-rank tests. `--capture=sys` leaves the ranks' own stderr alone: a watchdog's or an
@@ -119,6 +126,7 @@ run_job() {   # run_job N "FILES" [pytest args]: one mpirun job; a failure is re
     if [[ -n "$last" ]]; then rest=$(not_reached "$files" "$last"); fi
   fi
   finish_job "$label" "$rc" "$start" "$@"
+  note_load "$name"
   if [[ -n "$rest" ]]; then
     echo "-- the files that job never reached: $rest"
     run_job "$n" "$rest" "$@"
