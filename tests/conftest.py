@@ -4,6 +4,7 @@ import faulthandler
 import os
 import signal
 import sys
+import threading
 
 import pytest
 
@@ -25,6 +26,23 @@ if os.environ.get("PIPEFLOW_TEST_STACKS") and hasattr(signal, "SIGUSR1"):
     _stacks = open(os.path.join(os.environ["PIPEFLOW_TEST_STACKS"],
                                 f"stacks.{os.getpid()}.txt"), "w")
     faulthandler.register(signal.SIGUSR1, file=_stacks, all_threads=True)
+
+
+# With PIPEFLOW_TEST_TOUCHED=DIR set, each test process notes the modules imported and those
+# whose functions ran (a call-event profiler: slower, for checking what a tier covers) and
+# writes them to DIR/touched.PID.txt at its end (tests/check.sh --modules reads them).
+_touched: set[tuple[str, str]] = set()
+
+
+def _note_call(frame, event, arg):
+    if event == "call":
+        code = frame.f_code
+        _touched.add(("imported" if code.co_name == "<module>" else "ran", code.co_filename))
+
+
+if os.environ.get("PIPEFLOW_TEST_TOUCHED"):
+    sys.setprofile(_note_call)
+    threading.setprofile(_note_call)
 
 
 def _with_mpi(config) -> bool:
@@ -71,6 +89,14 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("PIPEFLOW_TEST_TOUCHED"):
+        sys.setprofile(None)
+        threading.setprofile(None)
+        root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
+        with open(os.path.join(os.environ["PIPEFLOW_TEST_TOUCHED"],
+                               f"touched.{os.getpid()}.txt"), "w") as out:
+            out.writelines(f"{how} {os.path.relpath(f, root)}\n" for how, f in sorted(_touched)
+                           if f.startswith(os.path.join(root, "pipeflow", "")))
     if any(_name_files):
         _note_current(":finished")   # the job ran to its end: pytest names its failures
     # Under mpirun a skipped test is a test that did not run where it should have.
