@@ -50,11 +50,15 @@ if [[ "$parts" == *" serial "* ]]; then
   echo "== serial tests"
   workers=${PIPEFLOW_TEST_WORKERS:-2}
   spread=()
-  if [[ "$workers" -gt 1 ]]; then spread=(-n "$workers" --dist loadfile); fi
+  # The files longest first (tests/README.md's times), each whole on one worker.
+  mapfile -t order < <(python tests/timings.py --longest-first)
+  if [[ "$workers" -gt 1 ]]; then
+    spread=(-n "$workers" --dist loadfile --no-loadscope-reorder)
+  fi
   start=$(date +%s) rc=0
   # shellcheck disable=SC2046   # junit's option is one word or none
-  python -m pytest -q -p no:cacheprovider -m "not mpi" "${spread[@]}" $(junit serial) "$@" \
-    || rc=$?
+  python -m pytest -q -p no:cacheprovider -m "not mpi" "${spread[@]}" $(junit serial) \
+    "${order[@]}" "$@" || rc=$?
   finish_job "serial (pytest -n $workers)" "$rc" "$start" "$@"
   note_load serial
 fi

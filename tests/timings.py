@@ -146,12 +146,27 @@ def rewrite(folder: pathlib.Path, readme: pathlib.Path = README) -> str:
     return new
 
 
+def longest_first(readme: pathlib.Path = README) -> list[str]:
+    """Every test file, those the table has no serial figure for first, then the longest
+    serial ones: run_all.sh hands its serial files to pytest-xdist in this order, so that
+    the two workers do not end on one long file (longest processing time first)."""
+    old = old_table(readme.read_text())
+    files = sorted((ROOT / "tests").rglob("test_*.py"))
+    names = [p.relative_to(ROOT).as_posix() for p in files]
+    return sorted(names, key=lambda n: -old.get(pathlib.Path(n).name, {}).get("serial", 1e9))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("folder", nargs="?", help="JUnit XML written by run_all.sh")
     parser.add_argument("--run", action="store_true",
                         help="run tests/run_all.sh first, its XML into a fresh folder")
+    parser.add_argument("--longest-first", action="store_true",
+                        help="print the test files, longest serial ones first, and stop")
     args = parser.parse_args(argv)
+    if args.longest_first:
+        print("\n".join(longest_first()))
+        return 0
     if args.run == bool(args.folder):
         parser.error("give a folder of JUnit XML, or --run (not both)")
     if args.run:
