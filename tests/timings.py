@@ -106,20 +106,16 @@ def job_table(folder: pathlib.Path) -> str:
     rows = ["| job | tests | seconds | began (UTC) | load average at its end (1, 5, 15 min) |",
             "|---|---:|---:|---|---|"]
     total = 0.0
-    for xml in sorted(folder.glob("*.xml"), key=lambda x: (_job_order(x.stem), x.stem)):
-        suite = next(ET.parse(xml).getroot().iter("testsuite"))
+    suites = [(xml.stem, next(ET.parse(xml).getroot().iter("testsuite")))
+              for xml in folder.glob("*.xml")]
+    for stem, suite in sorted(suites, key=lambda s: s[1].get("timestamp", "")):   # run order
         seconds = float(suite.get("time", 0))
         total += seconds
         began = suite.get("timestamp", "")[:19].replace("T", " ")
-        rows.append(f"| `{xml.stem}` | {suite.get('tests')} | {seconds:.0f} | {began} | "
-                    f"{loads.get(xml.stem, '')} |")
+        rows.append(f"| `{stem}` | {suite.get('tests')} | {seconds:.0f} | {began} | "
+                    f"{loads.get(stem, '')} |")
     rows.append(f"| all | | {total:.0f} | | |")
     return "\n".join(rows)
-
-
-def _job_order(job: str) -> int:
-    """run_all.sh's order: serial, -n 2, -n 4, strict."""
-    return ("serial", "-n 2", "-n 4", "strict").index(column_of(job))
 
 
 def _replace(text: str, start: str, end: str, new: str, readme: pathlib.Path) -> str:
