@@ -4,6 +4,7 @@ import faulthandler
 import os
 import signal
 import sys
+import threading
 
 import pytest
 
@@ -27,6 +28,23 @@ if os.environ.get("PIPEFLOW_TEST_STACKS") and hasattr(signal, "SIGUSR1"):
     faulthandler.register(signal.SIGUSR1, file=_stacks, all_threads=True)
 
 
+# With PIPEFLOW_TEST_TOUCHED=DIR set, each test process notes the modules imported and those
+# whose functions ran (a call-event profiler: slower, for checking what a tier covers) and
+# writes them to DIR/touched.PID.txt at its end (tests/check.sh --modules reads them).
+_touched: set[tuple[str, str]] = set()
+
+
+def _note_call(frame, event, arg):
+    if event == "call":
+        code = frame.f_code
+        _touched.add(("imported" if code.co_name == "<module>" else "ran", code.co_filename))
+
+
+if os.environ.get("PIPEFLOW_TEST_TOUCHED"):
+    sys.setprofile(_note_call)
+    threading.setprofile(_note_call)
+
+
 def _with_mpi(config) -> bool:
     return bool(config.getoption("--with-mpi", default=False))
 
@@ -48,12 +66,21 @@ def pytest_configure(config):
 
 def pytest_runtest_logstart(nodeid, location):
     # Under mpirun several files share a job (run_all.sh): name each as it starts, so a job
-    # ended by an abort or a hang says in the log which file it was in.
+    # ended by an abort or a hang says in the log which file it was in, and keep the test
+    # begun last in PIPEFLOW_TEST_CURRENT, which run_all.sh names when a job ends early.
+    if not any(_name_files):
+        return
     path = nodeid.split("::", 1)[0]
     if _started[-1:] != [path]:
         _started.append(path)
-        if any(_name_files):
-            print(f"\n-- {path}", file=sys.stderr, flush=True)
+        print(f"\n-- {path}", file=sys.stderr, flush=True)
+    _note_current(nodeid)
+
+
+def _note_current(text: str) -> None:
+    if os.environ.get("PIPEFLOW_TEST_CURRENT"):
+        with open(os.environ["PIPEFLOW_TEST_CURRENT"], "w") as note:
+            note.write(text)
 
 
 def pytest_runtest_logreport(report):
@@ -62,6 +89,16 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("PIPEFLOW_TEST_TOUCHED"):
+        sys.setprofile(None)
+        threading.setprofile(None)
+        root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
+        with open(os.path.join(os.environ["PIPEFLOW_TEST_TOUCHED"],
+                               f"touched.{os.getpid()}.txt"), "w") as out:
+            out.writelines(f"{how} {os.path.relpath(f, root)}\n" for how, f in sorted(_touched)
+                           if f.startswith(os.path.join(root, "pipeflow", "")))
+    if any(_name_files):
+        _note_current(":finished")   # the job ran to its end: pytest names its failures
     # Under mpirun a skipped test is a test that did not run where it should have.
     if _with_mpi(session.config) and _skipped and exitstatus == 0:
         print(f"\nerror: {len(_skipped)} MPI test(s) skipped under mpirun: {_skipped[:5]}",

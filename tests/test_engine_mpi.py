@@ -6,6 +6,7 @@ as two independent pipelines side by side (the world split in halves).
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -33,6 +34,15 @@ MICROBATCHES = {2: [1, 2, 3, 8], 4: [2, 4, 6, 12]}  # below, equal to and above 
 _sub_world = sub_world
 
 
+@functools.lru_cache(maxsize=None)
+def _reference(blocks: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """`train_reference(toy_layers(blocks), batches(STEPS, BATCH))` once per module: its
+    final state and losses, the same for every schedule, partition and micro-batch count of
+    `test_pipeline_trains_like_one_process` (which only reads them)."""
+    model, losses = train_reference(toy_layers(blocks=blocks), batches(STEPS, BATCH))
+    return model.state_dict(), losses
+
+
 def _chunks(schedule: str) -> int:
     """Model chunks a rank the schedule runs by default (interleaved: 2; a V: 2)."""
     return get_schedule(schedule).resolve_chunks(None)
@@ -54,7 +64,8 @@ def _cases():
 def test_pipeline_trains_like_one_process(stages, microbatches, schedule, partition):
     comm = _sub_world(stages)
     interleaved = _chunks(schedule) > 1                     # two model chunks a rank
-    layers = toy_layers(blocks=7 if interleaved else 5)
+    blocks = 7 if interleaved else 5
+    layers = toy_layers(blocks=blocks)
     explicit = (EXPLICIT_INTERLEAVED if interleaved else EXPLICIT)[stages]
     config = pf.Config(pipeline=stages, microbatches=microbatches, schedule=schedule,
                        virtual_stages=2 if interleaved else 1,
@@ -63,13 +74,12 @@ def test_pipeline_trains_like_one_process(stages, microbatches, schedule, partit
     engine = pf.Engine(layers, loss_fn, adamw, config, comm=comm,
                        sample=data[0][0][:BATCH // microbatches])
     losses = [engine.train_step(x, y) for x, y in data]
-    reference, ref_losses = train_reference(layers, data)
+    ref_state, ref_losses = _reference(blocks)
 
     # The same loss, bit for bit, on every rank; and the one-process loss.
     assert comm.allgather(losses) == [losses] * comm.size
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     # This stage's parameters, then the gathered whole model.
-    ref_state = reference.state_dict()
     local = engine.stage.module.state_dict()
     assert_same_parameters(local, {k: ref_state[k] for k in local})
     full = engine.gather_state_dict()

@@ -146,6 +146,7 @@ def test_stash_and_bubble():
     assert bubble_fraction(4, 12) == 3 / 15 and bubble_fraction(1, 5) == 0
 
 
+@pytest.mark.slow          # every grid to 8 stages simulated in full: `make test` only
 @pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2),
                                              ("interleaved", 3), ("zb-h1", 1), ("zbv", 2)])
 def test_planner_stash_held_and_idle_time_are_the_simulators(schedule, chunks):

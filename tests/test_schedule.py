@@ -147,6 +147,15 @@ def test_interleaved_needs_whole_groups_and_only_it_takes_chunks():
 
 # Read from the registry: a new schedule joins these tests by its registry line alone.
 ZERO_BUBBLE = [n for n in schedule.names() if schedule.get(n).split_backward]
+# Building V-Half and V-Min over all of GRID takes about 8 s each on a quiet core: their grid
+# sweeps are `slow`, run by `make test`, left out of `make check` (tests/check.sh).
+SLOW_TO_BUILD = {"v-half", "v-min"}
+
+
+def _sweep(names: list[str]) -> list:
+    """The schedule names of a sweep over GRID, those slow to build marked `slow`."""
+    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_TO_BUILD else n
+            for n in names]
 
 
 def _one_f_one_b_bubble(p, m):
@@ -167,7 +176,7 @@ def test_every_action_prints_and_parses_back(name):
             Action.from_str(bad)
 
 
-@pytest.mark.parametrize("name", ZERO_BUBBLE)
+@pytest.mark.parametrize("name", _sweep(ZERO_BUBBLE))
 def test_each_f_b_and_w_runs_once_per_microbatch_and_stage_in_order(name):
     for p, m in GRID:
         programs = _built(name, p, m)
@@ -185,7 +194,7 @@ def test_each_f_b_and_w_runs_once_per_microbatch_and_stage_in_order(name):
         assert sorted(virtuals) == list(range(len(virtuals)))    # every virtual stage once
 
 
-@pytest.mark.parametrize("name", schedule.names())
+@pytest.mark.parametrize("name", _sweep(schedule.names()))
 def test_no_deadlock_and_every_link_receives_in_send_order(name):
     for p, m in GRID:
         if schedule.get(name).problem(p, m):

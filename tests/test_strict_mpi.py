@@ -263,8 +263,8 @@ def test_headers_travel_only_in_the_first_step_of_each_batch_shape():
     assert headers == sent
     reference, ref_losses = train_reference(layers, steps)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
-    assert_same_parameters(engine.stage.module.state_dict(),
-                           {k: v for k, v in reference.state_dict().items()
-                            if k in engine.stage.module.state_dict()})
+    local = engine.stage.module.state_dict()
+    assert_same_parameters(local, {k: v for k, v in reference.state_dict().items()
+                                   if k in local})
     engine.close()
     comm.Free()
