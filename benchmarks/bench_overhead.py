@@ -383,10 +383,19 @@ def _reading(p: int, m: int) -> str:
             f"is foreach, the loop's torch's default one on CPUs, a loop over the "
             f"parameters). {p} "
             f"stages on a free core each would take (m + p - 1)/(p·m) of the loop, "
-            f"{(m + p - 1) / (p * m):.3f} at m = {m}; on cores shared with other work a "
+            f"{(m + p - 1) / (p * m):.3f} at m = {m}{_oversubscribed(p)}; on cores shared "
+            f"with other work a "
             f"pipeline pays more than its share: each of the 2m messages a link carries in a "
             f"step waits for the other rank to be scheduled, and a rank spinning in its wait "
             f"holds a share of the cores the working rank needs.")
+
+
+def _oversubscribed(p: int) -> str:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if not cores or p <= cores:
+        return ""
+    return (f" (here {p} ranks share {cores} cores: no pipeline beats 1/{cores} of the loop, "
+            f"and a rank that waits hands its core to another rank, the one waited for or not)")
 
 
 def main() -> None:
