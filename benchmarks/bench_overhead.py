@@ -32,7 +32,7 @@ from mpi4py import MPI  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import pipeflow as pf  # noqa: E402
-from pipeflow.comm import waiting  # noqa: E402
+from pipeflow.comm import torch_dist, waiting  # noqa: E402
 from pipeflow.models import GPTConfig, gpt_layers, gpt_loss  # noqa: E402
 from pipeflow.schedules import SENDS  # noqa: E402
 from pipeflow.train.data import Batches, load_corpus  # noqa: E402
@@ -178,6 +178,8 @@ def per_step_counts(cfg: GPTConfig, m: int, backend: str) -> dict[str, float]:
     comm.send_message = send
     waits = [(waiting, n) for n in ("wait", "waitall", "wait_object", "mprobe", "recv_object",
                                     "allgather", "bcast", "barrier", "gather")]
+    # torch.distributed's requests block in torch (gloo, NCCL), not in the MPI wait policy.
+    waits.append((torch_dist._DistWork, "wait"))
     engine.runner.trace = True
     with counting(waits + [(torch.Tensor, "item"), (torch.Tensor, "tolist"),
                            (torch.cuda, "synchronize")]) as calls:
@@ -423,7 +425,9 @@ def main() -> None:
         "Per steady-state pipeflow 1F1B step (the slowest rank's figure): instructions and "
         "their mean host time from the runner's timeline; messages counted at the "
         "communicator (a control message is a header: shapes announced); blocking waits are "
-        "the wait policy's calls (each receive, each agreement).", "",
+        "the wait policy's calls (each receive, each agreement) and, under gloo, the waits on "
+        "torch.distributed's requests (a receive posted ahead, a send unfinished at the "
+        "step's end).", "",
         *sections[1], "",
         "A step's cost against m (best of 2 steps): linear, the per-micro-batch cost flat.", "",
         *sections[2], "",
