@@ -32,7 +32,7 @@ from mpi4py import MPI  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import pipeflow as pf  # noqa: E402
-from pipeflow.comm import waiting  # noqa: E402
+from pipeflow.comm import torch_dist, waiting  # noqa: E402
 from pipeflow.models import GPTConfig, gpt_layers, gpt_loss  # noqa: E402
 from pipeflow.schedules import SENDS  # noqa: E402
 from pipeflow.train.data import Batches, load_corpus  # noqa: E402
@@ -81,31 +81,44 @@ def _engine(cfg: GPTConfig, m: int, schedule: str, backend: str = "mpi",
 
 def side_by_side(cfg: GPTConfig, args) -> list[str]:
     rows = ["| m | pipeflow 1F1B (ms) | peer Schedule1F1B (ms) | one-process loop (ms) | "
-            "pipeflow / peer | pipeflow / loop | pipeflow interleaved (ms) | peer interleaved "
-            "(ms) | interleaved / peer's |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "pipeflow / peer | pipeflow / loop | pipeflow, pipeline 1 (ms) | pipeline 1 / "
+            "loop | pipeflow interleaved (ms) | peer interleaved (ms) | interleaved / peer's |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     layers = gpt_layers(cfg)
     for m in args.microbatches:
         a = _args_for(args, m)
         data = Batches(load_corpus(), m, cfg.seq_len, seed=0)
         ours = {s: _engine(cfg, m, s) for s in ("1f1b", "interleaved")}
+        # The engine alone on rank 0 (pipeline 1, the others asleep): its own cost on the
+        # loop's work, without a second rank to wait for or share the cores with.
+        alone = _engine(cfg, m, "1f1b", comm=MPI.COMM_SELF) if COMM.rank == 0 else None
         peer = {s: make_peer(name, layers, cfg, a, 0)
                 for s, name in (("1f1b", "peer 1F1B"), ("interleaved", "peer interleaved"))}
         systems: dict[str, Callable] = {
             "ours 1f1b": ours["1f1b"].train_step, "peer 1f1b": peer["1f1b"].step,
             "loop": make_single(layers, a, 0, micro=m),
+            "alone": lambda x, y: alone.train_step(x, y) if alone is not None else None,
             "ours interleaved": ours["interleaved"].train_step,
             "peer interleaved": peer["interleaved"].step}
         times = _rounds(systems, data, args)
         med = {k: statistics.median(v) for k, v in times.items()}
         rows.append(f"| {m} | {med['ours 1f1b'] * 1e3:.1f} | {med['peer 1f1b'] * 1e3:.1f} | "
-                    f"{med['loop'] * 1e3:.1f} | {med['ours 1f1b'] / med['peer 1f1b']:.3f} | "
-                    f"{med['ours 1f1b'] / med['loop']:.3f} | "
+                    f"{med['loop'] * 1e3:.1f} | {_ratio(times, 'ours 1f1b', 'peer 1f1b')} | "
+                    f"{_ratio(times, 'ours 1f1b', 'loop')} | {med['alone'] * 1e3:.1f} | "
+                    f"{_ratio(times, 'alone', 'loop')} | "
                     f"{med['ours interleaved'] * 1e3:.1f} | "
                     f"{med['peer interleaved'] * 1e3:.1f} | "
-                    f"{med['ours interleaved'] / med['peer interleaved']:.3f} |")
-        for engine in ours.values():
+                    f"{_ratio(times, 'ours interleaved', 'peer interleaved')} |")
+        for engine in [*ours.values(), *([alone] if alone is not None else [])]:
             engine.close()
     return rows
+
+
+def _ratio(times: dict[str, list[float]], a: str, b: str) -> str:
+    """`a` over `b`: the median of the rounds' ratios (the two ran back to back in each
+    round, so a change of load between rounds cancels), and the best round's in brackets."""
+    ratios = [x / y for x, y in zip(times[a], times[b])]
+    return f"{statistics.median(ratios):.3f} ({min(ratios):.3f})"
 
 
 def _rounds(systems: dict[str, Callable], data: Batches, args) -> dict[str, list[float]]:
@@ -165,6 +178,8 @@ def per_step_counts(cfg: GPTConfig, m: int, backend: str) -> dict[str, float]:
     comm.send_message = send
     waits = [(waiting, n) for n in ("wait", "waitall", "wait_object", "mprobe", "recv_object",
                                     "allgather", "bcast", "barrier", "gather")]
+    # torch.distributed's requests block in torch (gloo, NCCL), not in the MPI wait policy.
+    waits.append((torch_dist._DistWork, "wait"))
     engine.runner.trace = True
     with counting(waits + [(torch.Tensor, "item"), (torch.Tensor, "tolist"),
                            (torch.cuda, "synchronize")]) as calls:
@@ -362,6 +377,29 @@ def startup(cfg: GPTConfig) -> list[str]:
     return rows
 
 
+def _reading(p: int, m: int) -> str:
+    """How to read the side-by-side table."""
+    return (f"Ratios are the median of the rounds' ratios, the best round's in brackets. "
+            f"*Pipeline 1* is the engine alone on rank 0 (the others asleep) on the loop's "
+            f"micro-batches: its own cost on the same work, with no rank to wait for (its AdamW "
+            f"is foreach, the loop's torch's default one on CPUs, a loop over the "
+            f"parameters). {p} "
+            f"stages on a free core each would take (m + p - 1)/(p·m) of the loop, "
+            f"{(m + p - 1) / (p * m):.3f} at m = {m}{_oversubscribed(p)}; on cores shared "
+            f"with other work a "
+            f"pipeline pays more than its share: each of the 2m messages a link carries in a "
+            f"step waits for the other rank to be scheduled, and a rank spinning in its wait "
+            f"holds a share of the cores the working rank needs.")
+
+
+def _oversubscribed(p: int) -> str:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if not cores or p <= cores:
+        return ""
+    return (f" (here {p} ranks share {cores} cores: no pipeline beats 1/{cores} of the loop, "
+            f"and a rank that waits hands its core to another rank, the one waited for or not)")
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
@@ -383,10 +421,13 @@ def main() -> None:
         f"same micro-batches on rank 0 while the other ranks wait. "
         + busy_note(load, load_average(), COMM.size), "",
         *sections[0], "",
+        _reading(COMM.size, max(args.microbatches)), "",
         "Per steady-state pipeflow 1F1B step (the slowest rank's figure): instructions and "
         "their mean host time from the runner's timeline; messages counted at the "
         "communicator (a control message is a header: shapes announced); blocking waits are "
-        "the wait policy's calls (each receive, each agreement).", "",
+        "the wait policy's calls (each receive, each agreement) and, under gloo, the waits on "
+        "torch.distributed's requests (a receive posted ahead, a send unfinished at the "
+        "step's end).", "",
         *sections[1], "",
         "A step's cost against m (best of 2 steps): linear, the per-micro-batch cost flat.", "",
         *sections[2], "",

@@ -12,6 +12,7 @@ import torch
 from mpi4py import MPI
 
 import pipeflow as pf
+from pipeflow import schedules as sched
 from pipeflow.comm.base import CommDeviceError
 from pipeflow.comm.strict import StrictCommError, StrictCommunicator
 
@@ -266,5 +267,61 @@ def test_headers_travel_only_in_the_first_step_of_each_batch_shape():
     local = engine.stage.module.state_dict()
     assert_same_parameters(local, {k: v for k, v in reference.state_dict().items()
                                    if k in local})
+    engine.close()
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_receives_are_posted_before_the_compute_before_them(schedule):
+    # Once a link's shapes are agreed, each receive from another rank is posted before the
+    # compute instruction that precedes it, so the transfer overlaps that compute; only a
+    # receive with no compute before it in the step waits where it stands.
+    comm = pair()
+    interleaved = schedule == "interleaved"
+    m = 4
+    layers = toy_layers(blocks=6 if interleaved else 3)
+    engine = pf.Engine(layers, loss_fn, adamw,
+                       pf.Config(pipeline=2, microbatches=m, schedule=schedule,
+                                 virtual_stages=2 if interleaved else 1, backend="strict"),
+                       comm=comm)
+    runner, pipe = engine.runner, engine.stage.pipe_comm
+    program = engine.plan.programs[engine.stage.index]
+    events: list = []
+    irecv, blocking = pipe.irecv, pipe.recv_message
+
+    def posted(metas, source, tag, device):
+        events.append(("post", source, tag))
+        return irecv(metas, source, tag, device)
+
+    def waited(source, tag, known, device):
+        events.append(("blocking", source, tag))
+        return blocking(source, tag, known, device)
+    pipe.irecv, pipe.recv_message = posted, waited
+    handlers = runner._handlers
+    runner._handlers = {op: (lambda f: lambda r, act, st: (events.append(("run", act)),
+                                                           f(r, act, st)))(f)
+                        for op, f in handlers.items()}
+    steps = batches(3, 4 * m)
+    losses = [engine.train_step(x, y) for x, y in steps[:1]]
+    events.clear()                                   # the second step: shapes agreed
+    losses += [engine.train_step(x, y) for x, y in steps[1:2]]
+    ahead, where_it_stands = 0, 0
+    for i, act in enumerate(program):
+        if act.op not in sched.RECVS or runner.route(act).peer == pipe.rank:
+            continue
+        r = runner.route(act)
+        before = [a for a in program[:i] if a.op in sched.COMPUTE]
+        if not before:
+            assert ("blocking", r.peer, r.tag) in events
+            where_it_stands += 1
+            continue
+        assert events.index(("post", r.peer, r.tag)) < events.index(("run", before[-1])), act
+        ahead += 1
+    assert ahead > 0 and where_it_stands == (0 if engine.stage.index == 0 else 1)
+    assert sum(e[0] == "blocking" for e in events) == where_it_stands
+    reference, ref_losses = train_reference(layers, steps[:2])
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
     engine.close()
     comm.Free()
