@@ -399,8 +399,9 @@ def test_the_watchdog_allows_a_long_save_and_load_and_still_watches_them(tmp_pat
                                                                          disk):
     # A checkpoint of many GB a rank is one long stretch of I/O (and of waiting on the ranks
     # that write): `watchdog_s`, sized for a step, must not abort it mid-save. Each of the 4
-    # files here takes 0.4 s against a watchdog of 1 s; the allowance is the bytes at the assumed disk
-    # rate, so with the rate set far above the real one the watchdog fires as before.
+    # files here takes 0.4 s against a watchdog of 1 s; the allowance is the bytes at the
+    # assumed disk rate, so with the rate set far above the real one the watchdog fires as
+    # before.
     from pipeflow import engine as pf_engine
     from pipeflow.runtime import checkpoint, failure
     expired = []

@@ -55,7 +55,8 @@ def test_overflow_on_one_stage_of_one_replica_skips_the_step_everywhere():
     ARMED["on"] = False
     # Skipped everywhere: no parameter moved on any rank, the scale halved on every rank.
     assert all(torch.equal(b, m) for b, m in zip(before, engine.stage.precision.masters))
-    assert WORLD.allgather((engine.loss_scale, engine.stats.skipped_steps)) == [(512.0, 1)] * WORLD.size
+    assert WORLD.allgather((engine.loss_scale, engine.stats.skipped_steps)) == \
+        [(512.0, 1)] * WORLD.size
     # Training continues, and after `loss_scale_interval` good steps the scale grows back.
     engine.train_step(*steps[2])
     assert not all(torch.equal(b, m) for b, m in zip(before, engine.stage.precision.masters))

@@ -15,8 +15,8 @@ than the cores they may run on, else spin. The longest nap bounds what a wait ad
 message is there; 4 ranks on 2 cores, 1F1B, 8 layers, m = 32, alternated rounds: a step of
 width 16 took 226 ms with naps up to 1 ms, 200 with 200 us, 167 with 100 us, 218 with a
 constant 20 us (a waiting rank that wakes that often takes the core from the working ones);
-width 128, sequence 64, m = 8: 176, 143, 150 and 168 ms. The choice is process-wide (communicators are
-shared by engines); `PIPEFLOW_WAIT` sets the default for a whole job.
+width 128, sequence 64, m = 8: 176, 143, 150 and 168 ms. The choice is process-wide
+(communicators are shared by engines); `PIPEFLOW_WAIT` sets the default for a whole job.
 
 The policy changes how a rank waits, never which operation it issues: collectives are always
 the nonblocking ones (MPI matches a blocking collective with a blocking one only), so ranks

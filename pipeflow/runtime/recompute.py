@@ -392,8 +392,9 @@ def choose_auto(saved_bytes_per_layer: Sequence[int], boundary_bytes: int, stash
     raise ConfigError(
         f"{prefix}recompute='auto' cannot fit a stash of {stash_depth} micro-batch(es) in the "
         f"activation budget of {format_bytes(budget_bytes)}: the least any policy needs is "
-        f"{format_bytes(need[least])} ({least}; none needs {format_bytes(need['none'])}). Raise the budget "
-        f"to at least {format_bytes(need[least])}, use smaller micro-batches, or more pipeline stages")
+        f"{format_bytes(need[least])} ({least}; none needs {format_bytes(need['none'])}). "
+        f"Raise the budget to at least {format_bytes(need[least])}, use smaller micro-batches, "
+        f"or more pipeline stages")
 
 
 def auto_policy(layers: Sequence[nn.Module], sample_input: Any, stash_depth: int,

@@ -104,7 +104,8 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():
     engine.train_step(*steps[1])
     ARMED["on"] = False
     assert all(torch.equal(b, m) for b, m in zip(before, engine.stage.precision.masters))
-    assert WORLD.allgather((engine.loss_scale, engine.stats.skipped_steps)) == [(512.0, 1)] * WORLD.size
+    assert WORLD.allgather((engine.loss_scale, engine.stats.skipped_steps)) == \
+        [(512.0, 1)] * WORLD.size
     engine.train_step(*steps[2])
     assert not all(torch.equal(b, m) for b, m in zip(before, engine.stage.precision.masters))
     engine.close()
