@@ -96,9 +96,16 @@ def _seeded(seed: int) -> Iterator[None]:
     # device's. manual_seed also seeds CUDA, and before CUDA is initialised it queues that
     # seed for later: forking only initialised devices let the last layer's seed replace
     # the user's CUDA seed (every data replica's dropout then started alike).
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    # Without CUDA, the CPU generator alone: manual_seed would queue a CUDA seed anyway, and
+    # queueing records the caller's stack (traceback.format_stack: a stat of every frame's
+    # file), 77 us a layer against 1 us.
+    cuda = torch.cuda.is_available()
+    devices = list(range(torch.cuda.device_count())) if cuda else []
     with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
+        if cuda:
+            torch.manual_seed(seed)
+        else:
+            torch.default_generator.manual_seed(seed)
         yield
 
 

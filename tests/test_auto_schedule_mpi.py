@@ -11,6 +11,7 @@ from pipeflow.schedules import build_schedule, simulate
 
 from toy import (adamw, assert_same_parameters, batches, loss_fn, sub_world, toy_layers,
                  train_reference)
+from toy import allgather
 
 WORLD = MPI.COMM_WORLD
 BATCH = 24
@@ -38,7 +39,7 @@ def test_auto_trains_like_one_process_and_reports_its_choice(stages, microbatche
     engine = pf.Engine(layers, loss_fn, adamw, config, comm=comm, sample=sample)
     choice = engine.schedule_choice
     # One choice, the same on every rank, from numbers rank 0 measured; rank 0 logs it.
-    assert comm.allgather((engine.schedule, choice, list(engine.plan.boundaries))) == \
+    assert allgather(comm, (engine.schedule, choice, list(engine.plan.boundaries))) == \
         [(engine.schedule, choice, list(engine.plan.boundaries))] * comm.size
     assert choice.startswith(f"pipeflow: schedule 'auto' chose {engine.schedule!r}")
     said = [(r.getMessage(), r.rank) for r in caplog.records
@@ -53,7 +54,7 @@ def test_auto_trains_like_one_process_and_reports_its_choice(stages, microbatche
             in choice
     losses = [engine.train_step(x, y) for x, y in data]
     reference, ref_losses = train_reference(layers, data)
-    assert comm.allgather(losses) == [losses] * comm.size
+    assert allgather(comm, losses) == [losses] * comm.size
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     full = engine.gather_state_dict()
     if comm.rank == 0:

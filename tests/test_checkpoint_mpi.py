@@ -16,6 +16,7 @@ import pipeflow as pf
 from pipeflow.runtime.rng import seed_everything
 
 from toy import adamw, batches, dropout_layers, loss_fn, pair
+from toy import allgather, barrier, bcast
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,7 +42,7 @@ def _masters(engine: pf.Engine) -> dict[str, torch.Tensor]:
 def test_a_dropout_run_resumes_bit_identically_on_every_rank(grid, schedule, precision,
                                                               tmp_path_factory):
     comm = pair()
-    folder = comm.bcast(str(tmp_path_factory.mktemp("ckpt")) if comm.rank == 0 else None)
+    folder = bcast(comm, str(tmp_path_factory.mktemp("ckpt")) if comm.rank == 0 else None)
     data = batches(3, 8)
     seed_everything(0, comm.rank)        # each rank (each replica) draws its own masks
     engine = _engine(comm, *grid, schedule, precision)
@@ -60,7 +61,7 @@ def test_a_dropout_run_resumes_bit_identically_on_every_rank(grid, schedule, pre
         resumed.load(folder)
     resumed.train_step(*data[2])
     same = all(torch.equal(expected[n], p) for n, p in _masters(resumed).items())
-    assert comm.allgather(same) == [True] * comm.size
+    assert allgather(comm, same) == [True] * comm.size
     engine.close()
     resumed.close()
     comm.Free()
@@ -69,7 +70,7 @@ def test_a_dropout_run_resumes_bit_identically_on_every_rank(grid, schedule, pre
 @pytest.mark.mpi(min_size=2)
 def test_another_grid_loads_the_weights_and_warns_about_the_random_state(tmp_path_factory):
     comm = pair()
-    folder = comm.bcast(str(tmp_path_factory.mktemp("ckpt")) if comm.rank == 0 else None)
+    folder = bcast(comm, str(tmp_path_factory.mktemp("ckpt")) if comm.rank == 0 else None)
     engine = _engine(comm, 2, 1)
     engine.train_step(*batches(1, 8)[0])
     engine.save(folder)
@@ -101,8 +102,8 @@ def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank_and_keeps_the_last
 
     import pipeflow.runtime.checkpoint as ckpt
     comm = pair()
-    folder = comm.bcast(__import__("tempfile").mkdtemp(prefix="pipeflow-full-")
-                        if comm.rank == 0 else None)
+    made = __import__("tempfile").mkdtemp(prefix="pipeflow-full-") if comm.rank == 0 else None
+    folder = bcast(comm, made)
     engine = _engine(comm, *grid)
     data = batches(3, 8)
     engine.train_step(*data[0])
@@ -124,7 +125,7 @@ def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank_and_keeps_the_last
             engine.save(folder)
     finally:
         ckpt.atomic_write_bytes = real
-    comm.Barrier()
+    barrier(comm)
     assert sorted(os.listdir(folder)) == ["latest", "step-00000001"]
     other = _engine(comm, *grid)
     other.load(folder)

@@ -22,6 +22,7 @@ import pipeflow as pf
 
 from toy import (SEQ, VOCAB, WIDTH, Block, Embed, Head, assert_same_parameters, loss_fn,
                  sgd_momentum, train_reference)
+from toy import allgather
 
 WORLD = MPI.COMM_WORLD
 BATCH, M = 16, 2
@@ -86,7 +87,7 @@ def test_replicas_with_different_unrouted_experts_train_like_one_process(pipelin
     engine = pf.Engine(layers, loss_fn, sgd_momentum, config)
     reducer = engine.stage.shards if shard else engine.stage.reducer
     sizes = [b.flat.numel() for b in reducer.buckets]
-    assert any(WORLD.allgather(len(sizes) > len(set(sizes)))), \
+    assert any(allgather(WORLD, len(sizes) > len(set(sizes)))), \
         "no rank has two buckets of one size: nothing to confuse"
     steps = routed_batches(2, data)
     losses = [engine.train_step(x, y) for x, y in steps]
@@ -147,7 +148,7 @@ def test_a_parameter_without_gradient_is_skipped_as_torch_optim_skips_it(
     reference, ref_losses = train_reference(layers, steps, optimizer=make)
     full = engine.gather_state_dict()
     local = engine.stage.module.state_dict()
-    everyone = WORLD.allgather(local)
+    everyone = allgather(WORLD, local)
     engine.close()
     for other in everyone:                        # the replicas agree
         for k, v in other.items():

@@ -12,6 +12,7 @@ import torch
 from mpi4py import MPI
 
 from pipeflow.comm.mpi import MpiCommunicator, mpi_iallreduce_
+from toy import allgather, barrier
 
 WORLD = MPI.COMM_WORLD
 N = 2**20                 # 4 MB of fp32 a message: sent by rendezvous, not eagerly
@@ -27,12 +28,12 @@ def test_isend_keeps_megabyte_buffers_alive_until_the_receiver_takes_them():
     if comm.rank == 0:
         requests = [pipe.isend([torch.full((N,), float(i + 1))], 1, i) for i in range(4)]
         junk = [torch.full((N,), -7.0) for _ in range(8)]
-        comm.Barrier()
+        barrier(comm)
         for r in requests:
             r.wait()
         del junk
     else:
-        comm.Barrier()
+        barrier(comm)
         for i in range(4):
             (got,) = pipe.irecv(meta, 0, i, torch.device("cpu")).wait()
             wrong = int((got != i + 1).sum())
@@ -69,10 +70,10 @@ def test_a_hang_report_tells_a_silent_peer_from_an_unmatched_message():
     header, tensors = header_of(torch.ones(3, 5))
     if comm.rank == 1:
         assert pipe.arrived_from(0) == "nothing from rank 0 of the pipeline has arrived"
-    comm.Barrier()
+    barrier(comm)
     if comm.rank == 0:
         pipe.send_message(header, tensors, 1, tag=7).wait()
-    comm.Barrier()
+    barrier(comm)
     if comm.rank == 1:
         # The header comes first (an odd wire tag), then 60 bytes of tensor.
         assert pipe.arrived_from(0) == (f"message 7 (a header) of {len(pickle.dumps(header))} "
@@ -98,7 +99,7 @@ def test_engines_on_sub_communicators_of_one_node_take_different_gpus(monkeypatc
     topo = Topology(alone, pipeline=1)
     assert topo.local_rank == 0
     assert default_device(topo) == torch.device("cuda", node.rank % 8)
-    assert len(set(WORLD.allgather(topo.gpu_slot))) == WORLD.size
+    assert len(set(allgather(WORLD, topo.gpu_slot))) == WORLD.size
     topo.free()
     alone.Free()
     node.Free()

@@ -17,6 +17,7 @@ from pipeflow.comm import mpi as pf_mpi, torch_dist as pf_dist
 from toy import adamw, assert_same_parameters, batches, loss_fn, toy_layers, train_reference
 from toy import sgd as plain_sgd
 from toy import sgd_momentum
+from toy import allgather
 
 WORLD = MPI.COMM_WORLD
 GRIDS = {2: [(1, 2), (2, 1)], 4: [(1, 4), (2, 2), (4, 1)]}.get(WORLD.size, [])
@@ -41,7 +42,7 @@ def _check_grid(pipeline, data, schedule, tied, clip, optimizer):
     steps = batches(3, BATCH)
     losses = [engine.train_step(x, y) for x, y in steps]
     reference, ref_losses = train_reference(layers, steps, clip=clip, optimizer=optimizer)
-    assert WORLD.allgather(losses) == [losses] * WORLD.size
+    assert allgather(WORLD, losses) == [losses] * WORLD.size
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     if clip:
         assert engine.stats.grad_norm > clip, "the clip never bit: the test would prove nothing"
@@ -50,7 +51,7 @@ def _check_grid(pipeline, data, schedule, tied, clip, optimizer):
         assert_same_parameters(full, reference.state_dict())
     # Every replica holds the same weights, and tied copies on two stages are identical.
     local = {k: v for k, v in engine.stage.module.state_dict().items()}
-    everyone = WORLD.allgather(local)
+    everyone = allgather(WORLD, local)
     for other in everyone:
         for k, v in other.items():
             if k in local:
@@ -366,4 +367,4 @@ def test_a_closed_replicated_engine_frees_its_weights_without_the_garbage_collec
         freed = weights() is None
     finally:
         gc.enable()
-    assert WORLD.allgather(freed) == [True] * WORLD.size
+    assert allgather(WORLD, freed) == [True] * WORLD.size

@@ -21,6 +21,7 @@ from pipeflow.schedules import get as get_schedule
 
 from toy import (Drop, adamw, assert_same_parameters, batches, loss_fn, sgd, sub_world,
                  toy_layers, train_reference)
+from toy import allgather, bcast
 
 WORLD = MPI.COMM_WORLD
 BATCH = 24
@@ -77,7 +78,7 @@ def test_pipeline_trains_like_one_process(stages, microbatches, schedule, partit
     ref_state, ref_losses = _reference(blocks)
 
     # The same loss, bit for bit, on every rank; and the one-process loss.
-    assert comm.allgather(losses) == [losses] * comm.size
+    assert allgather(comm, losses) == [losses] * comm.size
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     # This stage's parameters, then the gathered whole model.
     local = engine.stage.module.state_dict()
@@ -131,7 +132,7 @@ def test_eval_step_is_forward_only_and_agrees_everywhere():
     loss = engine.eval_step(x, y)
     reference = pf.build_sequential(layers, 0)
     assert loss == pytest.approx(loss_fn(reference(x), y).item(), rel=1e-6)
-    assert comm.allgather(loss) == [loss] * comm.size
+    assert allgather(comm, loss) == [loss] * comm.size
     assert all(torch.equal(before[k], v) for k, v in engine.stage.module.state_dict().items())
     # A different batch shape afterwards: shapes are exchanged again, not assumed.
     x2, y2 = batches(1, 6, seed=5)[0]
@@ -157,7 +158,7 @@ def test_eval_step_turns_dropout_off_and_repeats_exactly(schedule):
     for when in ("fresh", "after a train_step"):   # train_step turns dropout on
         if when != "fresh":
             engine.train_step(x, y)
-            reference.load_state_dict(comm.bcast(engine.gather_state_dict(), root=0))
+            reference.load_state_dict(bcast(comm, engine.gather_state_dict(), root=0))
         with torch.no_grad():
             expected = loss_fn(reference(x), y).item()
         losses = [engine.eval_step(x, y) for _ in range(2)]
@@ -210,7 +211,7 @@ class SendWatch:
 
 def _assert_sends_completed(comm: MPI.Comm, watch: SendWatch) -> None:
     # Every rank checks every rank's sends, so all fail together rather than some hang.
-    left = comm.allgather(watch.open())
+    left = allgather(comm, watch.open())
     assert left == [[]] * comm.size, f"sends (by rank) never seen complete: {left}"
 
 
@@ -265,7 +266,7 @@ def test_bad_batches_raise_the_same_clear_error_on_every_rank():
     first, last = engine.plan.holds_first(engine.stage.index), \
         engine.plan.holds_last(engine.stage.index)
     loss = engine.train_step(x if first else None, y if last else None)
-    assert comm.allgather(loss) == [loss] * comm.size
+    assert allgather(comm, loss) == [loss] * comm.size
     engine.close()
     comm.Free()
 
@@ -282,7 +283,7 @@ def test_grid_that_does_not_fit_the_world_is_an_error_on_every_rank():
 def test_checkpoint_resumes_onto_a_different_grid(tmp_path_factory, optimizer):
     comm = _sub_world(2)
     # Every pipeline in the world writes its own folder; rank 0 of the pipeline names it.
-    folder = comm.bcast(str(tmp_path_factory.mktemp("ckpt")) if comm.rank == 0 else None)
+    folder = bcast(comm, str(tmp_path_factory.mktemp("ckpt")) if comm.rank == 0 else None)
     layers = toy_layers()
     data = batches(4, BATCH)
     engine = pf.Engine(layers, loss_fn, optimizer, pf.Config(pipeline=2, microbatches=4),

@@ -19,12 +19,13 @@ import pipeflow as pf
 
 from toy import (Block, Head, assert_same_parameters, batches, loss_fn, pair, sgd, toy_layers,
                  train_reference)
+from toy import allgather
 
 WORLD = MPI.COMM_WORLD
 
 
 def _verdict(ok: bool, text: str) -> None:
-    views = WORLD.allgather((ok, text))
+    views = allgather(WORLD, (ok, text))
     bad = [f"rank {r}: {t}" for r, (o, t) in enumerate(views) if not o]
     assert not bad, "; ".join(bad)
 

@@ -14,6 +14,7 @@ from mpi4py import MPI
 import pipeflow as pf
 
 from test_generate import PROMPTS, gpt_engine, gpt_model, greedy_reference
+from toy import allgather
 
 WORLD = MPI.COMM_WORLD
 GRIDS = [dict(pipeline=2), dict(pipeline=2, schedule="interleaved", virtual_stages=2),
@@ -30,7 +31,7 @@ def grid_engine(backend: str = "mpi", **grid):
 
 def assert_on_every_rank(ok: bool, what: str) -> None:
     """Every rank's verdict, so a failure on one is a failure on all (none left waiting)."""
-    verdicts = WORLD.allgather(bool(ok))
+    verdicts = allgather(WORLD, bool(ok))
     assert all(verdicts), f"{what}: ranks {[r for r, v in enumerate(verdicts) if not v]}"
 
 

@@ -19,6 +19,7 @@ safetensors = pytest.importorskip("safetensors")
 
 from hub_run import SEQ, VOCAB, logits_of, run_toml, save_hub, train_keeping_engine  # noqa
 from pipeflow.train import hub as hub_io                                             # noqa
+from toy import bcast, gather                                                        # noqa
 
 WORLD = MPI.COMM_WORLD
 
@@ -60,12 +61,12 @@ def test_each_rank_reads_only_its_layers_and_the_run_exports_what_it_trained(tmp
     if comm == MPI.COMM_NULL:
         return
     folder = str(tmp_path_factory.mktemp("hub")) if comm.rank == 0 else None
-    folder = comm.bcast(folder)
+    folder = bcast(comm, folder)
     hub, out = os.path.join(folder, "hub"), os.path.join(folder, "out")
     reference = save_hub(hub, kind, sharded=True, layers=4) if comm.rank == 0 else None
     path = run_toml(folder, f'pretrained = "{hub}"', pipeline=2,
                     train_extra=f'export_hf = "{out}"') if comm.rank == 0 else None
-    path = comm.bcast(path)
+    path = bcast(comm, path)
     read: list[str] = []
     monkeypatch.setattr(safetensors, "safe_open", _CountingOpen(safetensors.safe_open, read))
     ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(5))
@@ -81,7 +82,7 @@ def test_each_rank_reads_only_its_layers_and_the_run_exports_what_it_trained(tmp
     train_keeping_engine(path, comm, before, after)
     # Every key this rank read belongs to one of its own layers, and it read all of them.
     index = hub_io.weight_index(hub)
-    views = comm.gather((seen["layers"], sorted(read)), root=0)
+    views = gather(comm, (seen["layers"], sorted(read)), root=0)
     if comm.rank == 0:
         config = reference.config
         sources, _ = hub_io.layer_sources(index, config)

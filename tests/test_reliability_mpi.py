@@ -15,6 +15,7 @@ import pipeflow as pf
 from pipeflow.runtime.optim_step import NonFiniteError
 
 from toy import adamw, batches, loss_fn, pair, toy_layers
+from toy import barrier, bcast
 
 
 
@@ -182,7 +183,7 @@ def test_a_save_on_rank_0_only_fails_on_both_ranks():
     # agreement meets rank 0's save; both ranks learn it at once, nothing is written.
     import tempfile
     comm = pair()
-    folder = comm.bcast(tempfile.mkdtemp(prefix="pipeflow-rank0-") if comm.rank == 0 else None)
+    folder = bcast(comm, tempfile.mkdtemp(prefix="pipeflow-rank0-") if comm.rank == 0 else None)
     engine = pf.Engine(toy_layers(), loss_fn, adamw, pf.Config(pipeline=2, microbatches=2),
                        comm=comm)
     x, y = batches(1, 8)[0]
@@ -215,4 +216,4 @@ def test_a_call_some_rank_never_makes_names_it_within_agree_s():
         assert time.monotonic() - start < 10
         with pytest.raises(pf.ConfigError, match="on a closed engine"):
             engine.train_step(*batches(1, 8)[0])
-    comm.Barrier()
+    barrier(comm)

@@ -17,6 +17,7 @@ from mpi4py import MPI
 from pipeflow.cli import main
 
 from test_sample import RUN, greedy_ids
+from toy import allgather, barrier, bcast
 
 WORLD = MPI.COMM_WORLD
 
@@ -25,14 +26,13 @@ WORLD = MPI.COMM_WORLD
 @pytest.mark.timeout(240)
 def test_sample_on_two_ranks_equals_one_process(capsys):
     assert WORLD.size % 2 == 0, "run this file under mpirun -n 2 or -n 4"
-    folder = WORLD.bcast(tempfile.mkdtemp(prefix="pipeflow-sample-") if WORLD.rank == 0
-                         else None)
+    folder = bcast(WORLD, tempfile.mkdtemp(prefix="pipeflow-sample-") if WORLD.rank == 0 else None)
     run = os.path.join(folder, "run.toml")
     if WORLD.rank == 0:
         with open(run, "w") as f:
             f.write(RUN.replace("microbatches = 2", f"microbatches = 2\npipeline = 2\n"
                                                     f"data = {WORLD.size // 2}"))
-    WORLD.Barrier()
+    barrier(WORLD)
     ck = os.path.join(folder, "ck")
     assert main(["train", run, "--save-dir", ck]) == 0
     capsys.readouterr()
@@ -44,7 +44,7 @@ def test_sample_on_two_ranks_equals_one_process(capsys):
                          "--max-new-tokens", "20", "--pipeline", pipeline, "--ids", *how]) == 0
             printed = capsys.readouterr().out
             outs[pipeline, how[0]] = [json.loads(line) for line in printed.splitlines()]
-    shown = WORLD.allgather(outs)
+    shown = allgather(WORLD, outs)
     assert all(s == {k: [] for k in outs} for s in shown[1:])    # only rank 0 prints
     mine = shown[0]
     assert mine["2", "--temperature"][0] == want == mine["1", "--temperature"][0]

@@ -20,6 +20,7 @@ from pipeflow.runtime.precision import (bytes_per_parameter, itemsize,
 
 from toy import (VOCAB, Block, Embed, Head, adamw, assert_same_parameters, batches, loss_fn,
                  pair, sgd, sgd_momentum, toy_layers, train_reference)
+from toy import allgather, bcast
 
 WORLD = MPI.COMM_WORLD
 GRIDS = {2: [(1, 2)], 4: [(2, 2), (1, 4)]}.get(WORLD.size, [])
@@ -50,7 +51,7 @@ def _run(layers, optimizer, steps, **config):
 
 def _verdict(ok: bool, text: str) -> None:
     """Every rank fails together (a rank-local assert would leave the others blocked)."""
-    views = WORLD.allgather((ok, text))
+    views = allgather(WORLD, (ok, text))
     bad = [f"rank {r}: {t}" for r, (o, t) in enumerate(views) if not o]
     assert not bad, "; ".join(bad)
 
@@ -65,7 +66,7 @@ def _same(state, other, rtol):
 
 def _replicas_agree(working):
     """Each stage's replicas hold identical working weights after the all-gather."""
-    views = WORLD.allgather(working)
+    views = allgather(WORLD, working)
     for other in views:
         for k, v in other.items():
             if k in working and not torch.equal(v, working[k]):
@@ -137,7 +138,7 @@ def test_fp16_overflow_skips_on_every_rank_alike(pipeline, data):
     grid = dict(pipeline=pipeline, data=data, precision="fp16", loss_scale=2.0 ** 30)
     plain = _run(layers, sgd, steps, **grid)
     sharded = _run(layers, sgd, steps, shard_optimizer=True, **grid)
-    views = WORLD.allgather((sharded[4], sharded[5]))
+    views = allgather(WORLD, (sharded[4], sharded[5]))
     assert sharded[5] >= 1, "no step overflowed: the test would prove nothing"
     assert views == [views[0]] * WORLD.size
     assert (sharded[4], sharded[5]) == (plain[4], plain[5])
@@ -271,7 +272,7 @@ def test_sharded_checkpoint_resumes_on_other_data_sizes(tmp_path_factory, optimi
     # and, on 4 ranks, at d = 4 sharded: the same as two more steps of the d = 2 run.
     layers = toy_layers(tied=True)
     steps = batches(4, BATCH)
-    folder = WORLD.bcast(str(tmp_path_factory.mktemp("shard")) if WORLD.rank == 0 else None)
+    folder = bcast(WORLD, str(tmp_path_factory.mktemp("shard")) if WORLD.rank == 0 else None)
     folder = f"{folder}/pair{WORLD.rank // 2}"
     comm = pair()
     config = dict(pipeline=1, microbatches=3, bucket_mb=TINY, shard_optimizer=True)
@@ -287,7 +288,7 @@ def test_sharded_checkpoint_resumes_on_other_data_sizes(tmp_path_factory, optimi
     results = []
     for data in [1, 4][:WORLD.size // 2]:
         sub = MPI.COMM_SELF if data == 1 else WORLD
-        source = WORLD.bcast(folder if WORLD.rank == 0 else None) if data == 4 else folder
+        source = bcast(WORLD, folder if WORLD.rank == 0 else None) if data == 4 else folder
         resumed = pf.Engine(layers, loss_fn, optimizer, pf.Config(data=data, **config),
                             comm=sub)
         resumed.load(source)
@@ -370,7 +371,7 @@ def test_a_sharded_resume_loads_through_the_optimizers_own_load_state_dict(tmp_p
     # As an unsharded resume does: the optimizer's rules for its state (a fused or capturable
     # AdamW wants `step` on the parameters' device, which only a GPU can show) and its load
     # hooks apply, instead of state written into `optimizer.state` behind its back.
-    folder = WORLD.bcast(str(tmp_path_factory.mktemp("hooks")) if WORLD.rank == 0 else None)
+    folder = bcast(WORLD, str(tmp_path_factory.mktemp("hooks")) if WORLD.rank == 0 else None)
     comm = pair()
     folder = f"{folder}/pair{WORLD.rank // 2}"
     config = pf.Config(pipeline=1, data=2, microbatches=2, bucket_mb=TINY, shard_optimizer=True)
@@ -433,7 +434,7 @@ def test_a_sharded_resume_keeps_each_groups_own_and_changed_settings(tmp_path_fa
     # never stopped.
     layers = toy_layers()
     steps = batches(4, BATCH)
-    folder = WORLD.bcast(str(tmp_path_factory.mktemp("groups")) if WORLD.rank == 0 else None)
+    folder = bcast(WORLD, str(tmp_path_factory.mktemp("groups")) if WORLD.rank == 0 else None)
     folder = f"{folder}/pair{WORLD.rank // 2}"
     comm = pair()
     config = dict(pipeline=1, microbatches=3, bucket_mb=TINY)

@@ -18,6 +18,7 @@ from pipeflow.comm.strict import StrictCommError, StrictCommunicator
 
 from toy import (adamw, assert_same_parameters, batches, loss_fn, pair, toy_layers,
                  train_reference)
+from toy import barrier
 
 WORLD = MPI.COMM_WORLD
 # Representative grids: (pipeline, data, schedule, tied, clip); only those the world holds.
@@ -60,7 +61,7 @@ def test_training_through_the_strict_communicator_equals_one_process(pipeline, d
 def test_receives_out_of_send_order_are_refused_although_tags_would_match():
     pair = WORLD.Split(0 if WORLD.rank < 2 else MPI.UNDEFINED, WORLD.rank)
     if WORLD.rank >= 2:
-        WORLD.Barrier()
+        barrier(WORLD)
         return
     comm = StrictCommunicator(pair)
     a, b = torch.ones(3), torch.full((3,), 2.0)
@@ -80,7 +81,7 @@ def test_receives_out_of_send_order_are_refused_although_tags_would_match():
             first.wait()
     comm.free()
     pair.Free()
-    WORLD.Barrier()
+    barrier(WORLD)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -183,11 +184,11 @@ def test_a_strict_send_completes_only_once_the_peer_receives():
         request = comm.isend([torch.ones(4)], dest=1, tag=3)
         time.sleep(0.3)
         early = request.test()
-        group.Barrier()                       # only now does rank 1 post its receive
+        barrier(group)                       # only now does rank 1 post its receive
         request.wait()
         assert not early, "the send completed before any receive was posted"
     else:
-        group.Barrier()
+        barrier(group)
         got = comm.irecv([((4,), torch.float32)], source=0, tag=3,
                          device=torch.device("cpu")).wait()
         assert torch.equal(got[0], torch.ones(4))

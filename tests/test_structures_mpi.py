@@ -14,6 +14,7 @@ import pipeflow as pf
 from pipeflow.tree import tensors as tree_tensors
 
 from toy import pair, sgd
+from toy import allgather, bcast
 
 VOCAB, WIDTH, SEQ, BATCH, M = 11, 6, 7, 8, 4
 
@@ -170,7 +171,7 @@ def test_a_float_mask_made_without_grad_crosses_forward_only():
                        comm=comm)
     x, y, _ = data(1)[0]
     engine.train_step(x, y)
-    sent = comm.allgather(engine.stage.pipe_comm.bytes_sent)
+    sent = allgather(comm, engine.stage.pipe_comm.bytes_sent)
     per_mb = (BATCH // M) * SEQ
     # Forward: hidden and mask; backward: the hidden's gradient only, never the mask's.
     assert sent[0] == M * per_mb * (WIDTH + 1) * 4
@@ -193,7 +194,7 @@ def test_side_inputs_reach_every_stage_and_never_cross():
     _, plain_losses = reference(layers, batches, side=False)
     assert losses[1:] != pytest.approx(plain_losses[1:], rel=1e-5)
     # Activations only crossed: hidden states, no mask.
-    assert comm.allgather(engine.stage.pipe_comm.bytes_sent)[0] == \
+    assert allgather(comm, engine.stage.pipe_comm.bytes_sent)[0] == \
         3 * M * (BATCH // M) * SEQ * WIDTH * 4
     engine.close()
     comm.Free()
@@ -215,7 +216,7 @@ def test_frozen_parameters_stay_put_and_save_and_gather(tmp_path_factory):
         start = pf.build_sequential(layers, 0).state_dict()
         assert torch.equal(full["0.emb.weight"], start["0.emb.weight"])   # exact, fp32
         assert not torch.equal(full["1.lin.weight"], start["1.lin.weight"])
-    folder = comm.bcast(str(tmp_path_factory.mktemp("frozen")) if comm.rank == 0 else None)
+    folder = bcast(comm, str(tmp_path_factory.mktemp("frozen")) if comm.rank == 0 else None)
     engine.save(folder)
     fresh = pf.Engine(layers, loss_fn, sgd,
                       pf.Config(pipeline=2, microbatches=M, precision="bf16", clip=1.0),

@@ -21,11 +21,12 @@ from pipeflow.train.loop import train
 
 from factory_models import RUN_TOML
 from toy import pair
+from toy import barrier, bcast
 
 
 
 def _shared_folder(comm: MPI.Comm) -> str:
-    return comm.bcast(tempfile.mkdtemp(prefix="pipeflow-train-") if comm.rank == 0 else None)
+    return bcast(comm, tempfile.mkdtemp(prefix="pipeflow-train-") if comm.rank == 0 else None)
 
 
 def _run(folder: str, pipeline: int = 2, data: int = 1, *overrides: str):
@@ -46,7 +47,7 @@ def _quiet(*args, **kwargs):
 def test_sigterm_on_one_rank_saves_on_every_rank_and_resume_continues():
     comm = pair()
     folder = _shared_folder(comm)
-    comm.Barrier()
+    barrier(comm)
     whole = train(_run(folder), comm=comm, log=_quiet)
     save = f'train.save_dir="{folder}/ck"'
 
@@ -71,7 +72,7 @@ def test_replicas_reading_their_shards_train_as_one_process():
     folder = _shared_folder(comm)
     if comm.rank == 0:
         (np.arange(30_000) * 7 % 256).astype(np.uint16).tofile(os.path.join(folder, "t.bin"))
-    comm.Barrier()
+    barrier(comm)
     data = f'data.train="{folder}/t.bin"'
     replicated = train(_run(folder, 1, 2, data), comm=comm, log=_quiet)
     alone = train(_run(folder, 1, 1, data), comm=MPI.COMM_SELF, log=_quiet)

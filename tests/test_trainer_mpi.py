@@ -26,6 +26,7 @@ from pipeflow.train.data import Batches, load_corpus
 from pipeflow.models import GPTConfig, gpt_layers, gpt_loss
 from pipeflow.train.run_config import load_run_config
 from pipeflow.train.loop import lr_at, train, weight_decay_groups
+from toy import barrier, bcast
 
 WORLD = MPI.COMM_WORLD
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "auto"]
@@ -78,7 +79,7 @@ def _run(folder: str, schedule: str, precision: str, data: int, *overrides: str)
                           virtual=2 if schedule in ("interleaved", "zbv") else 1,
                           partition="time" if schedule == "auto" else "uniform")
         atomic_write_bytes(path, text.encode())
-    WORLD.Barrier()
+    barrier(WORLD)
     return load_run_config(path, overrides)
 
 
@@ -114,8 +115,7 @@ def _library_loop(run, comm: MPI.Comm, plan: dict) -> list[float]:
 def test_stopped_and_resumed_run_is_the_uninterrupted_run_and_the_library_loop(schedule,
                                                                                 precision):
     comm, data = _grid()
-    folder = comm.bcast(tempfile.mkdtemp(prefix="pipeflow-trainer-") if comm.rank == 0
-                        else None)
+    folder = bcast(comm, tempfile.mkdtemp(prefix="pipeflow-trainer-") if comm.rank == 0 else None)
     whole = train(_run(folder, schedule, precision, data, f'train.save_dir="{folder}/all"'),
                   comm=comm, log=_quiet)
     assert len(whole) == 6 and all(map(torch.isfinite, torch.tensor(whole)))
@@ -148,8 +148,7 @@ def test_resume_from_a_periodic_checkpoint_trains_each_batch_once():
     # A periodic checkpoint (save_every) must record the batch after the one just trained:
     # resumed from it, a run that failed later sees every batch exactly once.
     comm, data = _grid()
-    folder = comm.bcast(tempfile.mkdtemp(prefix="pipeflow-trainer-") if comm.rank == 0
-                        else None)
+    folder = bcast(comm, tempfile.mkdtemp(prefix="pipeflow-trainer-") if comm.rank == 0 else None)
     base = ("1f1b", "bf16", data, f'train.save_dir="{folder}/ck"', "train.save_every=2")
     whole = train(_run(folder, "1f1b", "bf16", data), comm=comm, log=_quiet)
 
