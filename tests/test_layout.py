@@ -215,3 +215,44 @@ def test_the_schedules_import_check_sees_each_kind_of_import(tmp_path, monkeypat
     found = _imports_out_of(package, "pipeflow.schedules")
     assert [f.split(":")[0].rsplit("/", 1)[1] for f in found] == sorted(planted), found
     assert "pipeflow/schedules/e.py:1: pipeflow.runtime.recompute" in found
+
+
+# mpi4py's blocking collectives, which spin inside MPI while they wait.
+_SPINNING = {"allgather", "allreduce", "bcast", "gather", "scatter", "alltoall", "barrier",
+             "Allgather", "Allreduce", "Bcast", "Gather", "Barrier", "Reduce", "reduce"}
+
+
+def _spinning_collectives(source: str, name: str) -> list[str]:
+    """`name:LINE: comm.OP` for each call of a blocking mpi4py collective on a communicator
+    in `source`: a method call on a plain name other than `waiting` and `dist`."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in _SPINNING and isinstance(node.func.value, ast.Name) \
+                and node.func.value.id not in ("waiting", "dist", "torch_dist"):
+            found.append(f"{name}:{node.lineno}: {node.func.value.id}.{node.func.attr}")
+    return found
+
+
+def test_multi_rank_tests_wait_for_each_other_by_yielding():
+    # At 4 ranks on 2 cores the ranks that spin in a test's own collective take the cores
+    # the rank they wait for needs (tests/README.md: the -n 4 part 6 min 15 s spinning,
+    # 3 min 46 s yielding).
+    # test_waiting_mpi.py compares the yielding collectives with MPI's own.
+    found = [hit for path in sorted((ROOT / "tests").glob("test_*_mpi.py"))
+             if path.name != "test_waiting_mpi.py"
+             for hit in _spinning_collectives(path.read_text(), path.name)]
+    assert not found, ("multi-rank tests call mpi4py's blocking collectives, which spin: "
+                       + "; ".join(found) + ". Use toy.allgather / gather / bcast / barrier")
+
+
+def test_the_spinning_collective_check_sees_each_form():
+    planted = ("WORLD.allgather(x)\ncomm.bcast(x, root=0)\ngroup.Barrier()\n"
+               "comm.allreduce(x, op=MPI.MAX)\n")
+    allowed = ("allgather(comm, x)\nwaiting.bcast(comm, x, 0)\ndist.barrier()\n"
+               "engine.stats.gather\n")
+    assert [h.split(": ")[1] for h in _spinning_collectives(planted, "t.py")] == \
+        ["WORLD.allgather", "comm.bcast", "group.Barrier", "comm.allreduce"]
+    assert _spinning_collectives(allowed, "t.py") == []
