@@ -190,11 +190,14 @@ def per_step_counts(cfg: GPTConfig, m: int, backend: str) -> dict[str, float]:
     spans = [(name, b - a) for name, a, b in engine.runner.timeline]
     comm.send_message = real_send
     instructions = [d for name, d in spans if name != "optimizer step"]
+    # F, B and W (the arithmetic): the busiest rank's sum bounds the step from below.
+    compute = sum(d for name, d in spans if name[:1] in "FBW" and name[1:2].isdigit())
     program = engine.plan.programs[engine.stage.index]
     links = max(1, len({engine.runner.route(a).peer for a in program if a.op in SENDS}))
     engine.close()
     mine = dict(step=step, instructions=len(instructions),
                 per_instruction=sum(instructions) / max(1, len(instructions)),
+                compute=compute, step_time=step,
                 outside=step - sum(d for _, d in spans), data=sent["data"] / m / links,
                 control=sent["control"] / m / links,
                 blocking=sum(v for k, v in calls.items() if k not in (
@@ -203,21 +206,26 @@ def per_step_counts(cfg: GPTConfig, m: int, backend: str) -> dict[str, float]:
                 torch_item=calls["torch item"] + calls["torch tolist"],
                 synchronize=calls["synchronize"] + calls["torch synchronize"])
     every = COMM.allgather(mine)
-    return {k: max(e[k] for e in every) for k in mine}
+    out = {k: max(e[k] for e in every) for k in mine}
+    out["computes"] = [e["compute"] for e in every]
+    return out
 
 
 def counts_table(cfg: GPTConfig, m: int) -> list[str]:
     rows = ["| backend | m | instructions a rank | host time per instruction (µs) | outside "
             "instructions (ms) | data messages per micro-batch and link | control messages "
             "per micro-batch and link | blocking waits a step | pipeflow's `.item()`/`.tolist()` "
-            "a step | torch's (the optimizer's step counts) | device synchronize a step |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "a step | torch's (the optimizer's step counts) | device synchronize a step | "
+            "step (ms) | F, B and W a step, each rank (ms) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for backend in ("mpi", "gloo"):
         c = per_step_counts(cfg, m, backend)
         rows.append(f"| {backend} | {m} | {c['instructions']:.0f} | "
                     f"{c['per_instruction'] * 1e6:.0f} | {c['outside'] * 1e3:.1f} | "
                     f"{c['data']:.2f} | {c['control']:.2f} | {c['blocking']:.0f} | "
-                    f"{c['item']:.0f} | {c['torch_item']:.0f} | {c['synchronize']:.0f} |")
+                    f"{c['item']:.0f} | {c['torch_item']:.0f} | {c['synchronize']:.0f} | "
+                    f"{c['step_time'] * 1e3:.1f} | "
+                    f"{' / '.join(f'{x * 1e3:.1f}' for x in c['computes'])} |")
     return rows
 
 
@@ -427,7 +435,11 @@ def main() -> None:
         "communicator (a control message is a header: shapes announced); blocking waits are "
         "the wait policy's calls (each receive, each agreement) and, under gloo, the waits on "
         "torch.distributed's requests (a receive posted ahead, a send unfinished at the "
-        "step's end).", "",
+        "step's end). The last column is each rank's arithmetic (its F, B and W "
+        "instructions): the busiest rank's sum, plus the bubble, bounds the step from below "
+        "whatever the engine does. The uniform split gives the last rank the head and the "
+        "loss besides its blocks, and the first the embedding; a layer boundary cannot "
+        "split them more evenly.", "",
         *sections[1], "",
         "A step's cost against m (best of 2 steps): linear, the per-micro-batch cost flat.", "",
         *sections[2], "",

@@ -1,4 +1,5 @@
-"""Communicator checks that need no second rank: the device rule of torch.distributed groups."""
+"""Communicator checks that need no second rank: the device rule of torch.distributed groups,
+and the bytes a host tensor hands MPI."""
 
 from __future__ import annotations
 
@@ -137,3 +138,28 @@ def test_a_links_header_is_agreed_per_batch_shape_and_never_where_it_varied():
         ends.end()
     ends.begin("seq 3")
     assert ends.known(link) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_a_host_tensor_goes_to_mpi_as_its_own_bytes_by_address(dtype):
+    from pipeflow.comm.base import as_bytes
+
+    whole = torch.arange(12).to(dtype)
+    part = whole[3:9]                                 # an offset into the storage
+    buf, kind = as_bytes(part)
+    assert kind == MPI.BYTE
+    assert bytes(buf) == part.view(torch.uint8).numpy().tobytes()
+    # MPI writes into it (a receive): the tensor itself changes, no copy in between.
+    out = torch.empty(6, dtype=dtype)
+    buf2, _ = as_bytes(out)
+    MPI.COMM_SELF.Sendrecv([buf, MPI.BYTE], 0, 0, [buf2, MPI.BYTE], 0, 0)
+    assert torch.equal(out, part)
+    assert len(as_bytes(torch.empty(0, dtype=dtype))[0]) == 0
+
+
+def test_a_strided_tensor_is_refused_before_mpi_reads_the_wrong_bytes():
+    from pipeflow.comm.base import as_bytes
+
+    wanted = r"contiguous.*shape \(4, 3\) with strides \(1, 4\).*\.contiguous\(\)"
+    with pytest.raises(ValueError, match=wanted):
+        as_bytes(torch.zeros(3, 4).t())

@@ -153,9 +153,16 @@ def as_bytes(t: torch.Tensor) -> Any:
     that MPI can read and write.
 
     Bytes, not typed elements, so every torch dtype (bf16 included, which MPI lacks) travels.
+    A host tensor is handed over by address (0.5 us a call against 5 us for a NumPy view, and
+    a message takes one on each side): the buffer holds no reference, so the caller keeps `t`
+    alive until MPI is done with it, as the requests here do (`_MpiSend`, `_MpiRecv`).
     """
-    raw = t.view(-1).view(torch.uint8)
-    return [raw if t.device.type == "cuda" else raw.numpy(), MPI.BYTE]   # CUDA: CUDA-aware MPI
+    if t.device.type == "cuda":                 # CUDA-aware MPI reads the tensor itself
+        return [t.view(-1).view(torch.uint8), MPI.BYTE]
+    if not t.is_contiguous():
+        raise ValueError(f"MPI sends a contiguous tensor's bytes; found a tensor of shape "
+                         f"{tuple(t.shape)} with strides {t.stride()}: call .contiguous()")
+    return [MPI.buffer.fromaddress(t.data_ptr(), t.numel() * t.element_size()), MPI.BYTE]
 
 
 def as_typed(t: torch.Tensor) -> Any:

@@ -34,6 +34,8 @@ def _outgoing(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The buffers a send hands MPI: contiguous host copies, or with a CUDA-aware MPI the GPU
     tensors themselves, once the compute stream has written them."""
     ts = [t.detach() for t in tensors]
+    if all(t.device.type == "cpu" and t.is_contiguous() for t in ts):
+        return ts                             # already what MPI reads: no call per tensor
     if ts and _device_aware(ts[0].device):
         out = [t.contiguous() for t in ts]
         torch.cuda.current_stream(ts[0].device).synchronize()
