@@ -73,7 +73,10 @@ def test_time_partition_isolates_the_slow_layer():
     layers = [pf.LayerSpec(nn.Linear, 64, 64)] * 3 + [pf.LayerSpec(Slow, 64)] + \
         [pf.LayerSpec(nn.Linear, 64, 64)] * 3
     times = measure_layer_times(layers, torch.randn(32, 64))
-    assert times[3] > 5 * max(times[:3] + times[4:])
+    # Against the others' median (20x the work): one of them caught by a busy machine's
+    # stall must not fail the test (a CI run at load 4 measured one at 4x its peers).
+    others = sorted(times[:3] + times[4:])
+    assert times[3] > 5 * (others[2] + others[3]) / 2
     # By parameters the slow layer looks like the others; by time it gets a stage of its own.
     assert partition_layers(layers, 3, "parameters") == [0, 2, 4, 7]
     assert partition_layers(layers, 3, "time", times) == [0, 3, 4, 7]
