@@ -197,7 +197,7 @@ def per_step_counts(cfg: GPTConfig, m: int, backend: str) -> dict[str, float]:
     engine.close()
     mine = dict(step=step, instructions=len(instructions),
                 per_instruction=sum(instructions) / max(1, len(instructions)),
-                compute=compute, step_time=step,
+                compute=compute,
                 outside=step - sum(d for _, d in spans), data=sent["data"] / m / links,
                 control=sent["control"] / m / links,
                 blocking=sum(v for k, v in calls.items() if k not in (
@@ -224,7 +224,7 @@ def counts_table(cfg: GPTConfig, m: int) -> list[str]:
                     f"{c['per_instruction'] * 1e6:.0f} | {c['outside'] * 1e3:.1f} | "
                     f"{c['data']:.2f} | {c['control']:.2f} | {c['blocking']:.0f} | "
                     f"{c['item']:.0f} | {c['torch_item']:.0f} | {c['synchronize']:.0f} | "
-                    f"{c['step_time'] * 1e3:.1f} | "
+                    f"{c['step'] * 1e3:.1f} | "
                     f"{' / '.join(f'{x * 1e3:.1f}' for x in c['computes'])} |")
     return rows
 
