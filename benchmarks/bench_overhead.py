@@ -6,7 +6,8 @@ With a GPT this small (8 blocks, width 16, sequence 8, one sample a micro-batch)
 arithmetic is close to nothing, so a step's time is the host's: instructions dispatched,
 messages, waits. Measured in one run, alternated in rounds: pipeflow (1F1B, interleaved),
 torch.distributed.pipelining (Schedule1F1B, ScheduleInterleaved1F1B) and the one-process loop
-on the same micro-batches; then, per pipeflow step: host time per instruction, messages a
+on the same micro-batches (for the tiny GPT, and a small one of width 128 and sequence 64
+whose arithmetic begins to count); then, per pipeflow step of the tiny GPT: host time per instruction, messages a
 micro-batch crosses per link (data and control apart, MPI and gloo backends), host-device
 synchronisation points, aten operations against a plain loop, a step's cost against m, and
 start-up (import, `pipeflow --help`, engine build, first step).
@@ -51,6 +52,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--width", type=int, default=16)
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--seq", type=int, default=8)
+    p.add_argument("--small", default="128,4,64",
+                   help="the small GPT's width,heads,sequence (same blocks) for the side-by-side "
+                        "table; '' leaves it out")
     p.add_argument("--microbatches", type=int, nargs="+", default=[8, 32])
     p.add_argument("--scaling", type=int, nargs="+", default=[8, 32, 128, 256],
                    help="micro-batch counts for the cost-against-m row")
@@ -79,13 +83,13 @@ def _engine(cfg: GPTConfig, m: int, schedule: str, backend: str = "mpi",
 
 # -- 1. step time side by side -----------------------------------------------------------
 
-def side_by_side(cfg: GPTConfig, args) -> list[str]:
-    rows = ["| m | pipeflow 1F1B (ms) | peer Schedule1F1B (ms) | one-process loop (ms) | "
+def side_by_side(models: list[tuple[str, GPTConfig]], args) -> list[str]:
+    rows = ["| GPT | m | pipeflow 1F1B (ms) | peer Schedule1F1B (ms) | one-process loop (ms) | "
             "pipeflow / peer | pipeflow / loop | pipeflow, pipeline 1 (ms) | pipeline 1 / "
             "loop | pipeflow interleaved (ms) | peer interleaved (ms) | interleaved / peer's |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    layers = gpt_layers(cfg)
-    for m in args.microbatches:
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for (label, cfg), m in ((model, m) for model in models for m in args.microbatches):
+        layers = gpt_layers(cfg)
         a = _args_for(args, m)
         data = Batches(load_corpus(), m, cfg.seq_len, seed=0)
         ours = {s: _engine(cfg, m, s) for s in ("1f1b", "interleaved")}
@@ -102,7 +106,7 @@ def side_by_side(cfg: GPTConfig, args) -> list[str]:
             "peer interleaved": peer["interleaved"].step}
         times = _rounds(systems, data, args)
         med = {k: statistics.median(v) for k, v in times.items()}
-        rows.append(f"| {m} | {med['ours 1f1b'] * 1e3:.1f} | {med['peer 1f1b'] * 1e3:.1f} | "
+        rows.append(f"| {label} | {m} | {med['ours 1f1b'] * 1e3:.1f} | {med['peer 1f1b'] * 1e3:.1f} | "
                     f"{med['loop'] * 1e3:.1f} | {_ratio(times, 'ours 1f1b', 'peer 1f1b')} | "
                     f"{_ratio(times, 'ours 1f1b', 'loop')} | {med['alone'] * 1e3:.1f} | "
                     f"{_ratio(times, 'alone', 'loop')} | "
@@ -415,7 +419,13 @@ def main() -> None:
     cfg = GPTConfig(n_layers=args.layers, d_model=args.width, n_heads=args.heads,
                     seq_len=args.seq)
     load = load_average()
-    sections = [side_by_side(cfg, args), counts_table(cfg, max(args.microbatches)),
+    models = [(f"tiny (width {cfg.d_model}, sequence {cfg.seq_len})", cfg)]
+    if args.small:
+        width, heads, seq = (int(v) for v in args.small.split(","))
+        models.append((f"small (width {width}, sequence {seq})",
+                       GPTConfig(n_layers=args.layers, d_model=width, n_heads=heads,
+                                 seq_len=seq)))
+    sections = [side_by_side(models, args), counts_table(cfg, max(args.microbatches)),
                 scaling(cfg, args), startup(cfg)]
     ops = {p: aten_ops(cfg, p) for p in ("fp32", "bf16")} if COMM.rank == 0 else {}
     if COMM.rank != 0:
@@ -424,7 +434,11 @@ def main() -> None:
         f"## The engine's own cost at tiny compute ({COMM.size} CPU ranks)", "",
         header(COMM.size), "",
         f"GPT of {cfg.n_layers} blocks, width {cfg.d_model}, {cfg.n_heads} heads, sequence "
-        f"{cfg.seq_len}, one sample a micro-batch: a step is the host's own work. Medians of "
+        f"{cfg.seq_len}, one sample a micro-batch: a step is the host's own work"
+        + (f" (and in the side-by-side table, a small GPT of the same blocks, width "
+           f"{models[1][1].d_model}, {models[1][1].n_heads} heads, sequence "
+           f"{models[1][1].seq_len}: some arithmetic)" if len(models) > 1 else "")
+        + f". Medians of "
         f"{args.rounds} alternated rounds of {args.steps} steps; the one-process loop runs the "
         f"same micro-batches on rank 0 while the other ranks wait. "
         + busy_note(load, load_average(), COMM.size), "",
