@@ -93,6 +93,14 @@ class Communicator(abc.ABC):
         `header` (what the last message on this link announced); every tensor is checked
         against it, and a message that does not fit raises `ProtocolError`."""
 
+    def irecv_message(self, metas: Sequence[TensorMeta], source: int, tag: int,
+                      device: torch.device) -> Request:
+        """Post the receive of message `tag`'s tensors, whose sizes the receiver knows and
+        whose header the sender does not send (an agreed link, or the gradients of an
+        activation this rank sent): posted ahead of the instruction that consumes it, so the
+        transfer overlaps the compute before that instruction."""
+        return self.irecv(metas, source, tag, device)
+
     @abc.abstractmethod
     def send_object(self, obj: Any, dest: int) -> None: ...
 

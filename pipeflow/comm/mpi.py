@@ -219,6 +219,12 @@ class MpiCommunicator(Communicator):
         reqs += [self._isend(as_bytes(t), dest=dest, tag=2 * tag) for t in host]
         return _MpiSend(reqs, host + keep)
 
+    def irecv_message(self, metas: Sequence[TensorMeta], source: int, tag: int,
+                      device: torch.device) -> Request:
+        # send_message's tensors travel on tag 2 * tag. A posted receive claims its message
+        # by tag, so a later probe (ANY_TAG) from the same peer never sees it.
+        return self.irecv(metas, source, 2 * tag, device)
+
     def recv_message(self, source: int, tag: int, header: Header | None,
                      device: torch.device) -> tuple[Header, list[torch.Tensor]]:
         status = MPI.Status()

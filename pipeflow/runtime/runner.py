@@ -7,8 +7,9 @@ tensors; the structure and shapes (`tree.Header`) travel only when they change, 
 message is checked against them on arrival: over MPI the receiver probes and learns a new
 header from the message; where it cannot probe (torch.distributed, strict), each link's
 header is agreed once per batch shape (`LinkShapes`), so the steady state sends no control
-message, and receives whose sizes are known are posted one compute instruction ahead, so a
-transfer overlaps the compute before it.
+message. Receives whose sizes are known are posted one compute instruction ahead, so a
+transfer overlaps the compute before it: every one on an agreed link, and over MPI the
+gradients (their sizes are those of the activation this rank sent).
 """
 
 from __future__ import annotations
@@ -202,15 +203,15 @@ class Runner:
         self.pending_sends = st.sends      # for hang reports
         if self.trace:
             self.clock.start()
-        agreed, windows = self._agreed, None
+        agreed = self._agreed
         self._ahead = {}
         if agreed is not None:
             agreed.begin(st.batches.shapes)
-            windows = self._windows_of(program)
+        windows = self._windows_of(program)
         for i, act in enumerate(program):
             self.on_instruction(act)     # described only if a report needs it
             t0 = self.clock.mark() if self.trace else None
-            if agreed is not None and windows[i]:
+            if windows[i]:
                 self._post_ahead(windows[i], st)
             self._handlers[act.op](self, act, st)
             # Let finished sends go and reductions in flight progress, without blocking.
@@ -230,7 +231,9 @@ class Runner:
     def _windows_of(self, program: list[sched.Action]) -> list[list[sched.Action]]:
         """For each instruction of `program`: the receives to post before it runs (before a
         compute instruction, the receives between it and the next one), computed once a
-        program."""
+        program. A receiver that probes (MPI) learns an activation's header from the message
+        itself, so its windows end at the first activation: only gradients, whose sizes the
+        sent activation gives, are posted ahead there."""
         known = self._windows.get(id(program))
         if known is not None and known[0] is program:
             return known[1]
@@ -243,6 +246,8 @@ class Runner:
                 if later.op in sched.COMPUTE:
                     break
                 if later.op in sched.RECVS and self.route(later).peer != rank:
+                    if later.op == sched.RECV_ACT and self._agreed is None:
+                        break
                     windows[i].append(later)
         self._windows[id(program)] = (program, windows)
         return windows
@@ -265,8 +270,8 @@ class Runner:
                     return
                 header, metas = None, sent.grad_metas()
             if metas or header is not None:
-                request = comm.irecv([(m.shape, m.dtype) for m in metas], r.peer, r.tag,
-                                     device) if metas else None
+                request = comm.irecv_message([(m.shape, m.dtype) for m in metas], r.peer,
+                                             r.tag, device) if metas else None
                 self._ahead[act] = (header, request)
 
     def route(self, act: sched.Action) -> sched.Route:
