@@ -103,3 +103,42 @@ def test_engines_on_sub_communicators_of_one_node_take_different_gpus(monkeypatc
     topo.free()
     alone.Free()
     node.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("new_length", [2, 6, 4])
+def test_a_receive_posted_for_old_shapes_never_takes_a_message_of_new_ones(new_length):
+    # The receiver posts message 1's receive for the shapes message 0 announced; the sender
+    # announces new ones instead (shorter, longer, or the same). The whole message has
+    # arrived before the receiver looks (a barrier lets MPI match what it can): the posted
+    # receive must not have matched the new tensors, and the message comes back whole.
+    from pipeflow import tree
+
+    comm = WORLD.Split(color=WORLD.rank // 2, key=WORLD.rank)
+    pipe = MpiCommunicator(comm)
+    cpu = torch.device("cpu")
+    old = (torch.zeros(3, 4), torch.arange(3))
+    new = (torch.full((3, new_length), 5.0), torch.arange(3) + 10)
+    if comm.rank == 0:
+        first, ts = tree.header_of(old)
+        pipe.send_message(first, ts, 1, 0).wait()
+        header, ts = tree.header_of(new)
+        # Announced as new even when the shapes are the old ones: the requires_grad flag
+        # differs (a header of other leaves, the same sizes).
+        header = header._replace(metas=tuple(m._replace(requires_grad=True)
+                                             for m in header.metas))
+        pipe.send_message(header, ts, 1, 1).wait()
+        barrier(comm)
+    else:
+        first, _ = pipe.recv_message(0, 0, None, cpu)
+        posted = pipe.irecv_message([(m.shape, m.dtype) for m in first.metas], 0, 1, cpu)
+        barrier(comm)
+        for _ in range(100):              # let MPI progress: any match happens now
+            comm.Iprobe(source=0, tag=MPI.ANY_TAG)
+        header, got = pipe.recv_posted(posted, 0, 1, first, cpu)
+        assert [tuple(m.shape) for m in header.metas] == [(3, new_length), (3,)]
+        assert all(m.requires_grad for m in header.metas)
+        assert torch.equal(got[0], new[0]) and torch.equal(got[1], new[1])
+    pipe.free()
+    comm.Free()

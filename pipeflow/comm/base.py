@@ -95,11 +95,20 @@ class Communicator(abc.ABC):
 
     def irecv_message(self, metas: Sequence[TensorMeta], source: int, tag: int,
                       device: torch.device) -> Request:
-        """Post the receive of message `tag`'s tensors, whose sizes the receiver knows and
-        whose header the sender does not send (an agreed link, or the gradients of an
-        activation this rank sent): posted ahead of the instruction that consumes it, so the
+        """Post the receive of message `tag`'s tensors, whose sizes the receiver knows (an
+        agreed link, the gradients of an activation this rank sent, or over MPI the last
+        header of the link): posted ahead of the instruction that consumes it, so the
         transfer overlaps the compute before that instruction."""
         return self.irecv(metas, source, tag, device)
+
+    def recv_posted(self, request: Request, source: int, tag: int, header: Header,
+                    device: torch.device) -> tuple[Header, list[torch.Tensor]]:
+        """Complete a receive posted by `irecv_message` for `header`'s sizes: `(header, its
+        tensors)`. A receiver that probes (MPI) posts for the link's last header, and where
+        the sender announced a new one instead, takes the announced message (see
+        `MpiCommunicator`); elsewhere the header was agreed and the message is the posted
+        one."""
+        return header, request.wait()
 
     @abc.abstractmethod
     def send_object(self, obj: Any, dest: int) -> None: ...

@@ -89,6 +89,19 @@ class _MpiRecv(Request):
             return self._host
         return [t.to(self._device, non_blocking=True) for t in self._host]
 
+    def cancel(self) -> None:
+        """Withdraw receives that no message will match (MPI cancels a posted receive
+        reliably); one that matched in the meantime completes instead, and is an error."""
+        for r in self._requests:
+            r.Cancel()
+        statuses = [MPI.Status() for _ in self._requests]
+        MPI.Request.Waitall(self._requests, statuses)
+        if not all(st.Is_cancelled() for st in statuses):
+            raise ProtocolError("a receive posted for a link's last shapes matched a message "
+                                "although its sender announced new shapes: the two ranks "
+                                "disagree on the order of their messages")
+        self._host = []
+
 
 class _MpiAllreduce(Request):
     """A collective whose result MPI writes into `host`: `wait()` copies it into `target`
@@ -206,30 +219,56 @@ class MpiCommunicator(Communicator):
 
     def send_message(self, header: Header | None, tensors: Sequence[torch.Tensor], dest: int,
                      tag: int) -> Request:
-        # The header and the tensors go on one communicator from one sender, so the receiver
-        # meets them in order (MPI's non-overtaking rule under an ANY_TAG probe): it learns a
-        # new shape before the tensors of that shape, and nothing when no shape changed.
+        # A message the receiver knows the shapes of travels as its tensors alone, on tag
+        # 2·tag; one with a new header travels whole on 2·tag + 1, the header first. The two
+        # go on one communicator from one sender, so the receiver meets them in order (MPI's
+        # non-overtaking rule under an ANY_TAG probe) and learns a new shape before its
+        # tensors; and a receive posted ahead for the link's last shapes (2·tag) never meets
+        # tensors of a new shape, which follow their header on the other tag.
         reqs, keep = [], []
+        data_tag = 2 * tag
         if header is not None:
+            data_tag = 2 * tag + 1
             raw = bytearray(pickle.dumps(header))
-            reqs.append(self.comm.Isend([raw, MPI.BYTE], dest=dest, tag=2 * tag + 1))
+            reqs.append(self.comm.Isend([raw, MPI.BYTE], dest=dest, tag=data_tag))
             keep.append(raw)
         host = _outgoing(tensors)
         self.bytes_sent += sum(t.numel() * t.element_size() for t in host)
-        reqs += [self._isend(as_bytes(t), dest=dest, tag=2 * tag) for t in host]
+        reqs += [self._isend(as_bytes(t), dest=dest, tag=data_tag) for t in host]
         return _MpiSend(reqs, host + keep)
 
     def irecv_message(self, metas: Sequence[TensorMeta], source: int, tag: int,
                       device: torch.device) -> Request:
-        # send_message's tensors travel on tag 2 * tag. A posted receive claims its message
-        # by tag, so a later probe (ANY_TAG) from the same peer never sees it.
+        # The tensors of a message whose shapes the receiver knows travel on 2·tag. A posted
+        # receive claims its message by tag, so a later probe (ANY_TAG) never sees it.
         return self.irecv(metas, source, 2 * tag, device)
+
+    def recv_posted(self, request: Request, source: int, tag: int, header: Header,
+                    device: torch.device) -> tuple[Header, list[torch.Tensor]]:
+        # Posted for the link's last header; the sender either sent tensors of those shapes
+        # (they land in the posted buffers) or announced new ones on 2·tag + 1, whose
+        # message no posted receive matches: then the posted receives are withdrawn and
+        # the announced message is probed as any other.
+        announced = MPI.Status()
+
+        def done() -> str | None:
+            if request.test():
+                return "posted"
+            if self.comm.Iprobe(source=source, tag=2 * tag + 1, status=announced):
+                return "announced"
+            return None
+        if waiting.until(done) == "posted":
+            return header, request.wait()
+        request.cancel()
+        return self.recv_message(source, tag, None, device)
 
     def recv_message(self, source: int, tag: int, header: Header | None,
                      device: torch.device) -> tuple[Header, list[torch.Tensor]]:
         status = MPI.Status()
         msg = waiting.mprobe(self.comm, source, MPI.ANY_TAG, status)
+        data_tag = 2 * tag
         if status.tag == 2 * tag + 1:
+            data_tag = 2 * tag + 1
             raw = bytearray(status.Get_count(MPI.BYTE))
             waiting.wait(msg.Irecv([raw, MPI.BYTE]))
             header = pickle.loads(raw)
@@ -243,7 +282,7 @@ class MpiCommunicator(Communicator):
             if i:
                 msg = waiting.mprobe(self.comm, source, MPI.ANY_TAG, status)
             found = status.Get_count(MPI.BYTE)
-            if status.tag != 2 * tag or found != meta.nbytes:
+            if status.tag != data_tag or found != meta.nbytes:
                 raise ProtocolError(
                     f"expected message {tag} from rank {source} of the pipeline, tensor {i} "
                     f"of {describe(header.metas)} ({meta.nbytes} bytes); found "

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["use", "policy", "choose", "node_cores", "wait", "waitall", "wait_object", "mprobe",
+__all__ = ["use", "policy", "choose", "node_cores", "until", "wait", "waitall", "wait_object", "mprobe",
            "recv_object", "allgather", "gather", "bcast", "barrier", "sleeping_barrier",
            "agree", "NotJoined"]
 
@@ -82,6 +82,12 @@ def _until(done: Callable[[], Any], deadline: float | None = None,
         if nap:
             time.sleep(pause)
             pause = min(2 * pause, _LONGEST_NAP)
+
+
+def until(done: Callable[[], Any]) -> Any:
+    """Call `done` until it returns something other than None/False, waiting by the policy
+    between calls (for a wait on either of two things, which no single MPI call does)."""
+    return _until(done, nap=_policy[0] != "spin")
 
 
 def wait(request: MPI.Request) -> None:

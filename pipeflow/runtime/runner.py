@@ -8,8 +8,9 @@ message is checked against them on arrival: over MPI the receiver probes and lea
 header from the message; where it cannot probe (torch.distributed, strict), each link's
 header is agreed once per batch shape (`LinkShapes`), so the steady state sends no control
 message. Receives whose sizes are known are posted one compute instruction ahead, so a
-transfer overlaps the compute before it: every one on an agreed link, and over MPI the
-gradients (their sizes are those of the activation this rank sent).
+transfer overlaps the compute before it: on an agreed link, and over MPI for the link's last
+header (a sender that announces new shapes sends them on another tag, and the posted receive
+is withdrawn); gradients always (their sizes are those of the activation this rank sent).
 """
 
 from __future__ import annotations
@@ -231,9 +232,7 @@ class Runner:
     def _windows_of(self, program: list[sched.Action]) -> list[list[sched.Action]]:
         """For each instruction of `program`: the receives to post before it runs (before a
         compute instruction, the receives between it and the next one), computed once a
-        program. A receiver that probes (MPI) learns an activation's header from the message
-        itself, so its windows end at the first activation: only gradients, whose sizes the
-        sent activation gives, are posted ahead there."""
+        program."""
         known = self._windows.get(id(program))
         if known is not None and known[0] is program:
             return known[1]
@@ -246,21 +245,33 @@ class Runner:
                 if later.op in sched.COMPUTE:
                     break
                 if later.op in sched.RECVS and self.route(later).peer != rank:
-                    if later.op == sched.RECV_ACT and self._agreed is None:
-                        break
                     windows[i].append(later)
         self._windows[id(program)] = (program, windows)
         return windows
 
     def _post_ahead(self, receives: list[sched.Action], st: StepState) -> None:
-        """Post these receives now where their sizes are known (an agreed header, or the
-        gradients of a sent activation), in program order: the first that cannot be posted
-        ends the window, so every link's receives are still posted in the order sent."""
+        """Post these receives now where their sizes are known (an agreed header; over MPI,
+        which probes, the link's last header; the gradients of a sent activation), in program
+        order: the first that cannot be posted ends the window, so every link's receives are
+        still posted in the order sent. Over MPI an activation is posted only while its link
+        has no other receive in the window: the last header is known only once the message
+        before it is in (a sender that announces new shapes instead sends them on another
+        tag, and `recv_posted` withdraws the posted receive)."""
         comm, device = self.stage.pipe_comm, self.stage.device
+        probed: set[tuple[int, int]] = set()
         for act in receives:
             r = self.route(act)
             if act.op == sched.RECV_ACT:
-                header = self._agreed.known((r.peer, r.chunk))
+                link = (r.peer, r.chunk)
+                if self._agreed is not None:
+                    header = self._agreed.known(link)
+                elif link in probed:
+                    return
+                else:
+                    probed.add(link)
+                    header = self._heard.get(link)
+                    if header is not None and not header.metas:
+                        return          # a header alone: nothing to post, it is probed
                 if header is None:
                     return
                 metas = header.metas
@@ -305,7 +316,12 @@ class Runner:
             header, ts = st.local.pop(r.tag)
         elif act in self._ahead:
             header, request = self._ahead.pop(act)
-            ts = request.wait() if request is not None else []
+            if self._agreed is None:      # posted for the last header; the sender may differ
+                header, ts = comm.recv_posted(request, r.peer, r.tag, header,
+                                              self.stage.device)
+                self._heard[(r.peer, r.chunk)] = header
+            else:
+                ts = request.wait() if request is not None else []
         elif self._agreed is not None:
             link = (r.peer, r.chunk)
             header, ts = comm.recv_message(r.peer, r.tag, self._agreed.known(link),
