@@ -478,6 +478,10 @@ def test_mpi_receives_posted_for_old_shapes_give_way_to_new_ones(schedule, monke
     local = engine.stage.module.state_dict()
     assert_same_parameters(local, {k: v for k, v in reference.state_dict().items()
                                    if k in local})
-    assert sum(allgather(comm, len(withdrawn))) > 0
+    # Strict mode (PIPEFLOW_STRICT_COMM) runs this as NCCL would: headers agreed per batch
+    # shape, a link whose shapes change within a step announcing every message; nothing is
+    # withdrawn there.
+    if isinstance(engine.stage.pipe_comm, mpi_comm.MpiCommunicator):
+        assert sum(allgather(comm, len(withdrawn))) > 0
     engine.close()
     comm.Free()
