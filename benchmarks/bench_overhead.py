@@ -181,7 +181,7 @@ def per_step_counts(cfg: GPTConfig, m: int, backend: str) -> dict[str, float]:
         return real_send(header, tensors, dest, tag)
     comm.send_message = send
     waits = [(waiting, n) for n in ("wait", "waitall", "wait_object", "mprobe", "recv_object",
-                                    "allgather", "bcast", "barrier", "gather")]
+                                    "allgather", "bcast", "barrier", "gather", "until")]
     # torch.distributed's requests block in torch (gloo, NCCL), not in the MPI wait policy.
     waits.append((torch_dist._DistWork, "wait"))
     engine.runner.trace = True
