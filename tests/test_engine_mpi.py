@@ -344,28 +344,6 @@ def test_plain_sgd_update_equals_one_process(momentum, schedule, microbatches):
 
 
 
-def _watch_receives(engine) -> list:
-    """Record, on `engine`'s pipeline communicator and runner: each receive posted ahead
-    ("post", peer, tag), each probed ("probe", peer, tag), each instruction run ("run", act)."""
-    runner, pipe = engine.runner, engine.stage.pipe_comm
-    events: list = []
-    posted_recv, probed_recv = pipe.irecv_message, pipe.recv_message
-
-    def posted(metas, source, tag, device):
-        events.append(("post", source, tag))
-        return posted_recv(metas, source, tag, device)
-
-    def probed(source, tag, known, device):
-        events.append(("probe", source, tag))
-        return probed_recv(source, tag, known, device)
-    pipe.irecv_message, pipe.recv_message = posted, probed
-    handlers = runner._handlers
-    runner._handlers = {op: (lambda f: lambda r, act, st: (events.append(("run", act)),
-                                                           f(r, act, st)))(f)
-                        for op, f in handlers.items()}
-    return events
-
-
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
@@ -377,7 +355,7 @@ def test_mpi_posts_receives_before_the_compute_before_them(schedule):
     # step, or a second activation of one link in one window (whose header the first may
     # change), is probed where it stands; the training is still exact.
     from pipeflow import schedules as sched
-    from toy import pair
+    from toy import pair, watch_receives
 
     comm = pair()
     interleaved = schedule == "interleaved"
@@ -389,7 +367,7 @@ def test_mpi_posts_receives_before_the_compute_before_them(schedule):
                        comm=comm)
     runner, pipe = engine.runner, engine.stage.pipe_comm
     program = engine.plan.programs[engine.stage.index]
-    events = _watch_receives(engine)
+    events = watch_receives(engine)
     steps = batches(2, 4 * m)
     losses = [engine.train_step(*steps[0])]
     events.clear()                                 # the second step: every link has a header

@@ -18,7 +18,7 @@ from pipeflow.comm.strict import StrictCommError, StrictCommunicator
 
 from toy import (adamw, assert_same_parameters, batches, loss_fn, pair, toy_layers,
                  train_reference)
-from toy import barrier
+from toy import barrier, watch_receives
 
 WORLD = MPI.COMM_WORLD
 # Representative grids: (pipeline, data, schedule, tied, clip); only those the world holds.
@@ -289,21 +289,7 @@ def test_receives_are_posted_before_the_compute_before_them(schedule):
                        comm=comm)
     runner, pipe = engine.runner, engine.stage.pipe_comm
     program = engine.plan.programs[engine.stage.index]
-    events: list = []
-    irecv, blocking = pipe.irecv, pipe.recv_message
-
-    def posted(metas, source, tag, device):
-        events.append(("post", source, tag))
-        return irecv(metas, source, tag, device)
-
-    def waited(source, tag, known, device):
-        events.append(("blocking", source, tag))
-        return blocking(source, tag, known, device)
-    pipe.irecv, pipe.recv_message = posted, waited
-    handlers = runner._handlers
-    runner._handlers = {op: (lambda f: lambda r, act, st: (events.append(("run", act)),
-                                                           f(r, act, st)))(f)
-                        for op, f in handlers.items()}
+    events = watch_receives(engine)
     steps = batches(3, 4 * m)
     losses = [engine.train_step(x, y) for x, y in steps[:1]]
     events.clear()                                   # the second step: shapes agreed
@@ -315,13 +301,13 @@ def test_receives_are_posted_before_the_compute_before_them(schedule):
         r = runner.route(act)
         before = [a for a in program[:i] if a.op in sched.COMPUTE]
         if not before:
-            assert ("blocking", r.peer, r.tag) in events
+            assert ("probe", r.peer, r.tag) in events
             where_it_stands += 1
             continue
         assert events.index(("post", r.peer, r.tag)) < events.index(("run", before[-1])), act
         ahead += 1
     assert ahead > 0 and where_it_stands == (0 if engine.stage.index == 0 else 1)
-    assert sum(e[0] == "blocking" for e in events) == where_it_stands
+    assert sum(e[0] == "probe" for e in events) == where_it_stands
     reference, ref_losses = train_reference(layers, steps[:2])
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     engine.close()

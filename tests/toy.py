@@ -197,3 +197,25 @@ def barrier(comm) -> None:
     """`comm.Barrier()`, yielding while it waits."""
     from pipeflow.comm import waiting
     waiting.sleeping_barrier(comm)
+
+
+def watch_receives(engine) -> list:
+    """Record, on `engine`'s pipeline communicator and runner: each receive posted ahead
+    ("post", peer, tag), each probed ("probe", peer, tag), each instruction run ("run", act)."""
+    runner, pipe = engine.runner, engine.stage.pipe_comm
+    events: list = []
+    posted_recv, probed_recv = pipe.irecv_message, pipe.recv_message
+
+    def posted(metas, source, tag, device):
+        events.append(("post", source, tag))
+        return posted_recv(metas, source, tag, device)
+
+    def probed(source, tag, known, device):
+        events.append(("probe", source, tag))
+        return probed_recv(source, tag, known, device)
+    pipe.irecv_message, pipe.recv_message = posted, probed
+    handlers = runner._handlers
+    runner._handlers = {op: (lambda f: lambda r, act, st: (events.append(("run", act)),
+                                                           f(r, act, st)))(f)
+                        for op, f in handlers.items()}
+    return events
