@@ -7,10 +7,10 @@ arithmetic is close to nothing, so a step's time is the host's: instructions dis
 messages, waits. Measured in one run, alternated in rounds: pipeflow (1F1B, interleaved),
 torch.distributed.pipelining (Schedule1F1B, ScheduleInterleaved1F1B) and the one-process loop
 on the same micro-batches (for the tiny GPT, and a small one of width 128 and sequence 64
-whose arithmetic begins to count); then, per pipeflow step of the tiny GPT: host time per instruction, messages a
-micro-batch crosses per link (data and control apart, MPI and gloo backends), host-device
-synchronisation points, aten operations against a plain loop, a step's cost against m, and
-start-up (import, `pipeflow --help`, engine build, first step).
+whose arithmetic begins to count); then, per pipeflow step of the tiny GPT: host time per
+instruction, messages a micro-batch crosses per link (data and control apart, MPI and gloo
+backends), host-device synchronisation points, aten operations against a plain loop, a
+step's cost against m, and start-up (import, `pipeflow --help`, engine build, first step).
 """
 
 from __future__ import annotations
@@ -106,8 +106,9 @@ def side_by_side(models: list[tuple[str, GPTConfig]], args) -> list[str]:
             "peer interleaved": peer["interleaved"].step}
         times = _rounds(systems, data, args)
         med = {k: statistics.median(v) for k, v in times.items()}
-        rows.append(f"| {label} | {m} | {med['ours 1f1b'] * 1e3:.1f} | {med['peer 1f1b'] * 1e3:.1f} | "
-                    f"{med['loop'] * 1e3:.1f} | {_ratio(times, 'ours 1f1b', 'peer 1f1b')} | "
+        rows.append(f"| {label} | {m} | {med['ours 1f1b'] * 1e3:.1f} | "
+                    f"{med['peer 1f1b'] * 1e3:.1f} | {med['loop'] * 1e3:.1f} | "
+                    f"{_ratio(times, 'ours 1f1b', 'peer 1f1b')} | "
                     f"{_ratio(times, 'ours 1f1b', 'loop')} | {med['alone'] * 1e3:.1f} | "
                     f"{_ratio(times, 'alone', 'loop')} | "
                     f"{med['ours interleaved'] * 1e3:.1f} | "

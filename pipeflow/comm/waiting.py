@@ -33,8 +33,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["use", "policy", "choose", "node_cores", "until", "wait", "waitall", "wait_object", "mprobe",
-           "recv_object", "allgather", "gather", "bcast", "barrier", "sleeping_barrier",
+__all__ = ["use", "policy", "choose", "node_cores", "until", "wait", "waitall", "wait_object",
+           "mprobe", "recv_object", "allgather", "gather", "bcast", "barrier", "sleeping_barrier",
            "agree", "NotJoined"]
 
 _FIRST_NAP, _LONGEST_NAP = 2e-5, 2e-4

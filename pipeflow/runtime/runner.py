@@ -258,17 +258,17 @@ class Runner:
         before it is in (a sender that announces new shapes instead sends them on another
         tag, and `recv_posted` withdraws the posted receive)."""
         comm, device = self.stage.pipe_comm, self.stage.device
-        probed: set[tuple[int, int]] = set()
+        posted_links: set[tuple[int, int]] = set()     # MPI: one activation a link
         for act in receives:
             r = self.route(act)
             if act.op == sched.RECV_ACT:
                 link = (r.peer, r.chunk)
                 if self._agreed is not None:
                     header = self._agreed.known(link)
-                elif link in probed:
+                elif link in posted_links:
                     return
                 else:
-                    probed.add(link)
+                    posted_links.add(link)
                     header = self._heard.get(link)
                     if header is not None and not header.metas:
                         return          # a header alone: nothing to post, it is probed
@@ -316,12 +316,10 @@ class Runner:
             header, ts = st.local.pop(r.tag)
         elif act in self._ahead:
             header, request = self._ahead.pop(act)
-            if self._agreed is None:      # posted for the last header; the sender may differ
-                header, ts = comm.recv_posted(request, r.peer, r.tag, header,
-                                              self.stage.device)
-                self._heard[(r.peer, r.chunk)] = header
-            else:
-                ts = request.wait() if request is not None else []
+            # Over MPI posted for the link's last header, which the sender may have changed.
+            header, ts = comm.recv_posted(request, r.peer, r.tag, header, self.stage.device) \
+                if request is not None else (header, [])
+            self._heard[(r.peer, r.chunk)] = header
         elif self._agreed is not None:
             link = (r.peer, r.chunk)
             header, ts = comm.recv_message(r.peer, r.tag, self._agreed.known(link),
