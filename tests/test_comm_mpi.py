@@ -142,3 +142,31 @@ def test_a_receive_posted_for_old_shapes_never_takes_a_message_of_new_ones(new_l
         assert torch.equal(got[0], new[0]) and torch.equal(got[1], new[1])
     pipe.free()
     comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_a_message_longer_than_its_posted_receive_is_a_protocol_error_naming_it():
+    # A sender that changes shapes without announcing them (a bug of the protocol's users)
+    # overruns the receive posted for the link's last shapes: a ProtocolError that names
+    # the message, the rank and the shapes expected, not MPI's bare truncation code.
+    from pipeflow import tree
+    from pipeflow.comm.base import ProtocolError
+
+    comm = WORLD.Split(color=WORLD.rank // 2, key=WORLD.rank)
+    pipe = MpiCommunicator(comm)
+    cpu = torch.device("cpu")
+    if comm.rank == 0:
+        header, ts = tree.header_of(torch.zeros(4))
+        pipe.send_message(header, ts, 1, 0).wait()
+        pipe.send_message(None, [torch.zeros(6)], 1, 1).wait()     # not announced
+        barrier(comm)
+    else:
+        first, _ = pipe.recv_message(0, 0, None, cpu)
+        posted = pipe.irecv_message([(m.shape, m.dtype) for m in first.metas], 0, 1, cpu)
+        with pytest.raises(ProtocolError, match=r"expected message 1 from rank 0 of the "
+                                                r"pipeline as \[\(4,\) float32\].*does not fit"):
+            pipe.recv_posted(posted, 0, 1, first, cpu)
+        barrier(comm)
+    pipe.free()
+    comm.Free()

@@ -257,8 +257,15 @@ class MpiCommunicator(Communicator):
             if self.comm.Iprobe(source=source, tag=2 * tag + 1, status=announced):
                 return "announced"
             return None
-        if waiting.until(done) == "posted":
-            return header, request.wait()
+        try:
+            if waiting.until(done) == "posted":
+                return header, request.wait()
+        except MPI.Exception as exc:        # a message longer than the sizes posted
+            raise ProtocolError(
+                f"expected message {tag} from rank {source} of the pipeline as "
+                f"{describe(header.metas)}, the shapes its link last announced; found a "
+                f"message that does not fit ({exc.Get_error_string()}): the sender changed "
+                f"shapes without announcing them") from None
         request.cancel()
         return self.recv_message(source, tag, None, device)
 
