@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import time
 
 import pytest
 
@@ -44,10 +45,19 @@ def test_tensorboard_and_offline_wandb_get_the_jsonl_losses(tmp_path, monkeypatc
     runs = glob.glob(str(tmp_path / "ck" / "wandb" / "offline-run-*"))
     assert len(runs) == 1
     # The offline run's log (what `wandb sync` uploads) holds each loss as its JSON text.
+    # wandb's service process writes it: under load its last records land a moment after
+    # finish() returns (one run of the suite read the file before they had), so it is read
+    # until they are there, for at most 30 s.
     (log,) = glob.glob(os.path.join(runs[0], "run-*.wandb"))
-    with open(log, "rb") as f:
-        raw = f.read()
-    assert all(json.dumps(x).encode() in raw for x in losses)
+    deadline = time.monotonic() + 30
+    while True:
+        with open(log, "rb") as f:
+            raw = f.read()
+        missing = [x for x in losses if json.dumps(x).encode() not in raw]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not missing, f"losses {missing} not in {log} ({len(raw)} bytes) after 30 s"
     steps = [x for x in lines if x.startswith("step ")]
     assert steps[0].startswith("step     0/4  loss") and "elapsed 0:" in steps[0]
     assert "ETA 0:" in steps[-1]
