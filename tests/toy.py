@@ -219,3 +219,35 @@ def watch_receives(engine) -> list:
                                                            f(r, act, st)))(f)
                         for op, f in handlers.items()}
     return events
+
+
+def receives_posted_ahead(engine, events: list, one_activation_a_link: bool) -> tuple[int, int]:
+    """Check a step recorded by `watch_receives`: each receive from another rank with a
+    compute before it was posted before that compute and never probed; the others were
+    probed. Those are the step's first receives (no compute before them) and, with
+    `one_activation_a_link` (MPI, which posts for a link's last header), a second activation
+    of one link between two computes. Returns (posted ahead, probed where they stand)."""
+    from pipeflow import schedules as sched
+
+    runner, pipe = engine.runner, engine.stage.pipe_comm
+    program = engine.plan.programs[engine.stage.index]
+    ahead = where_it_stands = 0
+    for i, act in enumerate(program):
+        if act.op not in sched.RECVS or runner.route(act).peer == pipe.rank:
+            continue
+        r = runner.route(act)
+        computes = [j for j, a in enumerate(program[:i]) if a.op in sched.COMPUTE]
+        window = program[computes[-1] + 1:i] if computes else []
+        same_link = one_activation_a_link and act.op == sched.RECV_ACT and any(
+            a.op == sched.RECV_ACT and runner.route(a).peer == r.peer
+            and runner.route(a).chunk == r.chunk for a in window)
+        if not computes or same_link:
+            assert ("probe", r.peer, r.tag) in events, act
+            where_it_stands += 1
+            continue
+        run_before = events.index(("run", program[computes[-1]]))
+        assert events.index(("post", r.peer, r.tag)) < run_before, act
+        assert ("probe", r.peer, r.tag) not in events, act
+        ahead += 1
+    assert sum(e[0] == "probe" for e in events) == where_it_stands
+    return ahead, where_it_stands
