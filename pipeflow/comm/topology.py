@@ -1,4 +1,5 @@
-"""The rank grid `pipeline × data`, its MPI sub-communicators, and the backend it talks over."""
+"""The rank grid `pipeline × data × tensor` (`pipeflow.grid`), its MPI sub-communicators, and
+the backend it talks over."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import torch
 from mpi4py import MPI
 
 from pipeflow.comm import waiting
-from pipeflow.grid import rank_of
+from pipeflow.grid import Grid
 from pipeflow.config import ConfigError
 from pipeflow.logs import get_logger
 
-__all__ = ["Topology", "TopologyError", "rank_of", "bind_device",
+__all__ = ["Topology", "TopologyError", "bind_device",
            "choose_backend", "grid_communicators"]
 
 STRICT_ENV = "PIPEFLOW_STRICT_COMM"   # =1: the MPI backend runs under NCCL's rules (tests)
@@ -31,28 +32,28 @@ class TopologyError(ConfigError):
 class Topology:
     """Where this rank sits in the grid, and the communicators it talks over.
 
-    Ranks are laid out pipeline-outermost: world rank = stage · data + replica. The replicas of
-    one stage are neighbours (on one node, when `data` divides the GPUs per node), so the
-    heavy gradient all-reduce stays on the fast intra-node links and only the light
-    point-to-point activations cross nodes.
+    The layout is `pipeflow.grid.Grid`'s (tensor innermost, then data, pipeline outermost);
+    each communicator here is one of its groups, asked for by axis name: `pipe` (this rank's
+    pipeline: one stage of each, same replica and tensor rank; a rank's place in it is its
+    stage), `data_group` (its stage's replicas) and `tensor_group` (its stage's tensor ranks).
     """
 
-    def __init__(self, comm: MPI.Comm, pipeline: int, data: int = 1) -> None:
-        if pipeline * data != comm.size:
+    def __init__(self, comm: MPI.Comm, pipeline: int, data: int = 1, tensor: int = 1) -> None:
+        grid = Grid(pipeline, data, tensor)
+        if grid.size != comm.size:
             raise TopologyError(
-                f"rank {comm.rank}: the grid pipeline={pipeline} x data={data} needs "
-                f"{pipeline * data} ranks, but the job has {comm.size}; launch with "
-                f"`mpirun -n {pipeline * data}` or set pipeline x data = {comm.size}")
+                f"rank {comm.rank}: the grid pipeline={pipeline} x data={data} x "
+                f"tensor={tensor} needs {grid.size} ranks, but the job has {comm.size}; "
+                f"launch with `mpirun -n {grid.size}` or choose degrees whose product is "
+                f"{comm.size}{_fits(comm.size, pipeline, tensor)}")
+        self.grid = grid
         self.world = comm
         self.rank = comm.rank
-        self.pipeline = pipeline
-        self.data = data
-        self.stage, self.replica = divmod(comm.rank, data)     # the inverse of rank_of
-        # Each replica's pipeline: ranks of all stages of one replica, ordered by stage, so
-        # a stage's rank in `pipe` is its stage index.
-        self.pipe = comm.Split(color=self.replica, key=self.stage)
-        # Each stage's data group: its replicas, ordered by replica.
-        self.data_group = comm.Split(color=self.stage, key=self.replica)
+        self.pipeline, self.data, self.tensor = pipeline, data, tensor
+        self.stage, self.replica, self.tensor_rank = grid.coords(comm.rank)
+        self.pipe = self.split("pipeline")
+        self.data_group = self.split("data")
+        self.tensor_group = self.split("tensor")
         local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
         self.local_rank, self.local_size = local.rank, local.size
         # Which of its node's GPUs this rank takes: its place among the job's ranks on the
@@ -62,18 +63,36 @@ class Topology:
         self.local_cores = waiting.node_cores(local)    # cores this node's ranks may use
         local.Free()
 
-    def rank_of(self, stage: int, replica: int) -> int:
-        """World rank of `(stage, replica)`."""
-        return rank_of(stage, replica, self.data)
+    def split(self, axes: str | tuple[str, ...]) -> MPI.Comm:
+        """This rank's group along `axes` as an MPI communicator (collective over the
+        world), ranked by its coordinates on those axes."""
+        return self.world.Split(color=self.grid.index(axes, self.rank),
+                                key=self.grid.position(axes, self.rank))
+
+    def rank_of(self, stage: int, replica: int | None = None) -> int:
+        """World rank of `stage` in `replica`'s pipeline (this rank's by default) at this
+        rank's tensor coordinate."""
+        return self.grid.rank(stage, self.replica if replica is None else replica,
+                              self.tensor_rank)
 
     def describe(self) -> str:
-        return (f"rank {self.rank} (stage {self.stage} of {self.pipeline}, "
-                f"replica {self.replica} of {self.data})")
+        text = (f"rank {self.rank} (stage {self.stage} of {self.pipeline}, "
+                f"replica {self.replica} of {self.data}")
+        if self.tensor > 1:
+            text += f", tensor rank {self.tensor_rank} of {self.tensor}"
+        return text + ")"
 
     def free(self) -> None:
-        for comm in (self.pipe, self.data_group):
+        for comm in (self.pipe, self.data_group, self.tensor_group):
             if comm != MPI.COMM_NULL:
                 comm.Free()
+
+
+def _fits(world: int, pipeline: int, tensor: int) -> str:
+    """Advice: the data degree that would fill `world` at these pipeline and tensor degrees."""
+    if world % (pipeline * tensor) == 0:
+        return f" (e.g. data = {world // (pipeline * tensor)})"
+    return ""
 
 
 def bind_device(device: torch.device) -> None:

@@ -313,7 +313,7 @@ def torch_grid_communicators(topo: Any, backend: str, device: torch.device, ring
     """
     init_torch_distributed(backend, device, timeout_s)
     p, d = topo.pipeline, topo.data
-    pipelines = [[topo.rank_of(s, r) for s in range(p)] for r in range(d)]
+    pipelines = topo.grid.groups("pipeline")
     pipe_group = _split_family(pipelines, backend, "pipeline")
     links: dict[tuple[int, int], Any] = {}
     pairs = [(b, b + 1) for b in range(p - 1)]
@@ -329,8 +329,7 @@ def torch_grid_communicators(topo: Any, backend: str, device: torch.device, ring
                     links[(a, b) if forward else (b, a)] = group
     data_group = None
     if d > 1:
-        data_group = _split_family([[topo.rank_of(s, r) for r in range(d)] for s in range(p)],
-                                   backend, "data")
+        data_group = _split_family(topo.grid.groups("data"), backend, "data")
     pipe = TorchDistCommunicator(topo.pipe, pipe_group, links, device)
     data = TorchDistCommunicator(topo.data_group, data_group, device=device) if d > 1 else None
     return pipe, data

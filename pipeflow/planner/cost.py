@@ -14,7 +14,7 @@ from pipeflow.planner.shapes import Shape
 from pipeflow.runtime.sizes import bytes_per_parameter, itemsize, sharded_bytes_per_parameter
 from pipeflow.schedules import registry, simulate
 from pipeflow.schedules.plan import Plan
-from pipeflow.grid import rank_of
+from pipeflow.grid import Grid as RankGrid
 
 __all__ = [
     "PrecisionBytes", "PRECISIONS", "RECOMPUTE", "PLANNED_SCHEDULES", "Grid", "StageCost",
@@ -323,12 +323,12 @@ def _replica_samples(data: int, gpus_per_node: int) -> range:
 
 def _p2p_time(cluster: Cluster, stage: int, p: int, d: int, send_bytes: float) -> float:
     """Per micro-batch: the stage's activation sent forward and gradient sent backward."""
-    total = 0.0
+    total, grid = 0.0, RankGrid(p, d)
     for neighbour in (stage + 1, stage - 1):
         if 0 <= neighbour < p:
             # Every replica sends at once; the step waits for the slowest pair.
-            total += max(_transfer_time(cluster, [rank_of(stage, r, d),
-                                                  rank_of(neighbour, r, d)], send_bytes)
+            total += max(_transfer_time(cluster, [grid.rank(stage, r), grid.rank(neighbour, r)],
+                                        send_bytes)
                          for r in _replica_samples(d, cluster.gpus_per_node))
     return total
 
@@ -358,7 +358,8 @@ def _gradient_sync_time(shape: Shape, cluster: Cluster, prec: PrecisionBytes, st
     Sharded: a reduce-scatter of the fp32 gradients (overlapped as the all-reduce's buckets,
     half its traffic) and an all-gather of the working weights after the step, counted
     whole after it (it overlaps only the step of later buckets, itself 1/d as long)."""
-    bw, lat = cluster.link([rank_of(stage, r, d) for r in range(d)])
+    grid = RankGrid(p, d)
+    bw, lat = cluster.link(grid.group("data", grid.rank(stage)))
     nbytes = params * prec.grad_reduce_bytes
     if sharded and d > 1:
         gather = ring_half_time(params * prec.act_bytes, d, bw, lat)
@@ -373,8 +374,8 @@ def _gradient_sync_time(shape: Shape, cluster: Cluster, prec: PrecisionBytes, st
         # The tied embedding / head matrix: its gradient is summed between the first and
         # the last stage after the replicas' all-reduce.
         tie_bytes = shape.vocab_size * shape.d_model * prec.grad_reduce_bytes
-        tie = max(ring_allreduce_time(tie_bytes, 2, *cluster.link([rank_of(0, r, d),
-                                                                   rank_of(p - 1, r, d)]))
+        tie = max(ring_allreduce_time(tie_bytes, 2, *cluster.link([grid.rank(0, r),
+                                                                   grid.rank(p - 1, r)]))
                   for r in _replica_samples(d, cluster.gpus_per_node))
         total, exposed = total + tie, exposed + tie
     return total, exposed

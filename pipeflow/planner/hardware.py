@@ -259,7 +259,7 @@ class Cluster:
     """`gpus` accelerators of one kind, `gpus_per_node` to a node.
 
     Ranks fill nodes in order, and the grid places a stage's data-parallel replicas on
-    consecutive ranks (`pipeflow.comm.topology.rank_of`), as Megatron-LM does: the all-reduce
+    consecutive ranks (`pipeflow.grid.Grid`), as Megatron-LM does: the all-reduce
     stays inside a node as long as the data group does, and the pipeline's point-to-point
     traffic crosses nodes.
     """

@@ -298,7 +298,7 @@ class Runner:
         if act.op not in sched.SENDS and act.op not in sched.RECVS:
             return repr(act)
         r = self.route(act)
-        peer = self.stage.topo.rank_of(r.peer, self.stage.topo.replica)
+        peer = self.stage.topo.rank_of(r.peer)
         verb = "to" if act.op in sched.SENDS else "from"
         text = f"{act!r} ({verb} rank {peer}"
         if probe and act.op in sched.RECVS and r.peer != self.stage.pipe_comm.rank:

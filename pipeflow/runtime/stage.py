@@ -190,9 +190,10 @@ class Stage:
             member = self.index in stages and len(stages) > 1
             if len(stages) > 1:
                 self.tie_stages.append(stages)
-            # Collective over the world: every rank takes part, members per replica.
-            comm = self.topo.world.Split(self.topo.replica if member else MPI.UNDEFINED,
-                                         self.index)
+            # Collective over the world: every rank takes part, members per pipeline.
+            comm = self.topo.world.Split(
+                self.topo.grid.index("pipeline", self.topo.rank) if member else MPI.UNDEFINED,
+                self.index)
             if member:
                 self.tie_comms[key] = comm
             if not mine:
@@ -233,7 +234,7 @@ class Stage:
 
         mine = iter(self.ties)
         for stages in self.tie_stages:
-            ranks = [[self.topo.rank_of(s, r) for s in stages] for r in range(self.topo.data)]
+            ranks = [[line[s] for s in stages] for line in self.topo.grid.groups("pipeline")]
             tie = next(mine) if self.index in stages else None
             dist = torch_family_communicators(tie.comm if tie else None, ranks, self.backend,
                                               self.device, "tie")
