@@ -77,6 +77,9 @@ class Config:
 
     pipeline: int = 1          # pipeline stages
     data: int = 1              # data-parallel replicas of every stage
+    # tensor-parallel ranks of every stage (consecutive ranks: one node): each layer's tp_plan
+    # cuts its matrices over them (docs/design.md, "The tensor axis"); world = p · d · t
+    tensor: int = 1
     microbatches: int = 1      # micro-batches per step: the gradient accumulation
     # a registered schedule (`pipeflow schedule --list`), or "auto": the fastest that fits
     # activation_budget_mb, simulated from F, B and W measured on the Engine's `sample`
@@ -157,7 +160,7 @@ class Config:
 
     def validate(self) -> None:
         """Check every field; a `ConfigError` names the field, what it needs and what to set."""
-        for name in ("pipeline", "data", "microbatches", "virtual_stages"):
+        for name in ("pipeline", "data", "tensor", "microbatches", "virtual_stages"):
             _integer(name, getattr(self, name), 1)
         self.schedule = _choice("schedule", self.schedule, SCHEDULES)
         self._check_schedule()
@@ -186,6 +189,10 @@ class Config:
             if not isinstance(getattr(self, name), bool):
                 _fail(name, "true or false", getattr(self, name),
                       f"set {name} = true (the default) or false")
+        if self.shard_optimizer and self.tensor > 1 and self.data > 1:
+            _fail("shard_optimizer", "false with tensor > 1 (the sharded optimizer does not "
+                  "yet count a tensor group's whole weights once in the gradient norm)",
+                  self.shard_optimizer, "set shard_optimizer = false, or tensor = 1")
         _number("watchdog_s", self.watchdog_s, 0.0, hint="0 turns the watchdog off")
         _number("agree_s", self.agree_s, 0.0, hint="0 waits without a limit")
         _integer("max_nonfinite_steps", self.max_nonfinite_steps, 0)

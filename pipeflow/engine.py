@@ -29,7 +29,9 @@ from pipeflow.comm.topology import Topology, bind_device
 from pipeflow.config import Config, ConfigError
 from pipeflow.layers import LayerSpec, _check_layers, fingerprint
 from pipeflow.runtime.batch import BatchError, SummedLossCheck, agree_call, split_step
-from pipeflow.runtime.checkpoint import CheckpointState, load_checkpoint, save_checkpoint
+from pipeflow.runtime import tensor_parallel as tp
+from pipeflow.runtime.checkpoint import (CheckpointState, load_checkpoint,
+                                         load_optimizer_by_name, save_checkpoint)
 from pipeflow.runtime.failure import (CollectiveError, Watchdog, abort_world, install_excepthook,
                               report_and_abort, say)
 from pipeflow.runtime.hostmem import keep_freed_memory
@@ -114,7 +116,7 @@ class Engine:
         check_launcher(world)
         _check_layers(layers)
         self._fingerprint = fingerprint(layers)
-        topo = Topology(world, config.pipeline, config.data)
+        topo = Topology(world, config.pipeline, config.data, config.tensor)
         # How this process waits on MPI from here on (process-wide: see pipeflow.comm.waiting).
         waiting.use(waiting.choose(config.wait, topo.local_size, topo.local_cores))
         dev = default_device(topo, torch.device(device) if device is not None else None)
@@ -140,8 +142,9 @@ class Engine:
             keep_freed_memory()     # B to W keeps more graphs alive: no page faults each step
         self._control = world.Dup()    # the per-step agreement and the close check
         # Dropout and other random draws: reproducible from Config.seed, different per rank
-        # (replicas must not draw the same masks). Layers were built under their own seeds.
-        seed_everything(config.seed, world.rank)
+        # (replicas must not draw the same masks), alike over a tensor group (whose ranks
+        # compute the replicated parts alike). Layers were built under their own seeds.
+        seed_everything(config.seed, topo.grid.group("tensor", world.rank)[0])
         if config.deterministic:
             use_deterministic_algorithms()
         self.watchdog = Watchdog(config.watchdog_s, _weak(self._report_where))
@@ -174,14 +177,36 @@ class Engine:
 
     def master_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's state dict with full-precision values (frozen parameters included).
-        Sharded: gathered over the data group, so every replica calls it."""
+        Sharded: gathered over the data group; tensor-parallel: whole tensors, gathered over
+        the tensor group; so every replica and tensor rank calls it."""
         stage = self.stage
         state = {k: v.detach() for k, v in stage.module.state_dict().items()}
         whole = stage.shards.full_masters() if stage.shards is not None else {}
         for name, p in stage.module.named_parameters(remove_duplicate=False):
             state[name] = whole[id(p)] if id(p) in whole else \
                 stage.precision.master_of(p).detach()
-        return state
+        return self._whole(state)
+
+    def _whole(self, values: dict[str, Any]) -> dict[str, Any]:
+        """Tensor-parallel: each cut parameter's value (by name) gathered whole."""
+        if self.stage.tensor_comm is None:
+            return values
+        splits = self._splits()
+        return {n: tp.gather_whole(self.stage.tensor, v, *splits[n], f"{n} whole")
+                if n in splits else v for n, v in values.items()}
+
+    def _cut(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """Tensor-parallel: this rank's slice of each whole value of a cut parameter."""
+        if self.stage.tensor_comm is None:
+            return dict(values)
+        splits, group = self._splits(), self.stage.tensor
+        return {n: tp.cut(v, *splits[n], group.size, group.rank) if n in splits else v
+                for n, v in values.items()}
+
+    def _splits(self) -> dict[str, tuple[int, int]]:
+        return {n: tp.split_of(p) for n, p in
+                self.stage.module.named_parameters(remove_duplicate=False)
+                if tp.split_of(p) is not None}
 
     def memory_report(self) -> dict[str, Any]:
         """This rank's bytes of model state and activations (see `runtime.memory`)."""
@@ -428,6 +453,7 @@ class Engine:
     def _load_params(self, params: Mapping[str, torch.Tensor]) -> None:
         """Full-precision values by name: the working weights (cast) and the masters."""
         stage = self.stage
+        params = self._cut(params)
         stage.module.load_state_dict({k: v.to(stage.device) for k, v in params.items()})
         values = {id(p): params[n].to(stage.device) for n, p in
                   stage.module.named_parameters(remove_duplicate=False) if n in params}
@@ -466,6 +492,7 @@ class Engine:
     def _checkpoint_state(self) -> CheckpointState:
         """What a checkpoint reads and writes: a narrow view, not the engine."""
         stage, sharded = self.stage, self.stage.shards is not None
+        tensor = stage.tensor_comm is not None and stage.optimizer is not None
         return CheckpointState(
             topo=stage.topo, n_layers=stage.n_layers, step=self.stats.step,
             config=self.config.to_dict(), layer_indices=stage.module.indices,
@@ -473,8 +500,10 @@ class Engine:
             named_master_parameters=self.named_master_parameters,
             load_params=self._load_params, optimizer=stage.optimizer,
             scaler=stage.precision.scaler, device=stage.device, model=self._fingerprint,
-            optimizer_entries=self._sharded_entries if sharded else None,
-            load_optimizer_entries=self._load_sharded_entries if sharded else None,
+            optimizer_entries=self._sharded_entries if sharded else
+            self._tensor_entries if tensor else None,
+            load_optimizer_entries=self._load_sharded_entries if sharded else
+            self._load_tensor_entries if tensor else None,
             plan={"schedule": self.schedule, "virtual_stages": self.plan.chunks,
                   "boundaries": list(self.plan.boundaries)})
 
@@ -489,6 +518,32 @@ class Engine:
         named = self._names()
         return ({n: states[id(p)] for n, p in named if id(p) in states},
                 {n: settings[id(p)] for n, p in named if id(p) in settings})
+
+    def _tensor_entries(self) -> tuple[dict[str, dict], dict[str, dict]]:
+        """Tensor-parallel: optimizer state by parameter name, a cut parameter's state tensors
+        gathered whole (every tensor rank calls it), and group settings."""
+        opt, splits = self.stage.optimizer, self._splits()
+        group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+        states, settings = {}, {}
+        for n, p in self.named_master_parameters():
+            if p in opt.state:
+                states[n] = {k: tp.gather_whole(self.stage.tensor, v, *splits[n], f"{n} {k}")
+                             if n in splits and torch.is_tensor(v) and v.shape == p.shape
+                             else v for k, v in opt.state[p].items()}
+            if id(p) in group_of:
+                settings[n] = {k: v for k, v in group_of[id(p)].items() if k != "params"}
+        return states, settings
+
+    def _load_tensor_entries(self, states: dict[str, dict], settings: dict[str, dict]) -> None:
+        """Tensor-parallel: whole per-name optimizer state cut into this rank's slices."""
+        splits, group = self._splits(), self.stage.tensor
+        named = self.named_master_parameters()
+        whole = {n: tp.whole_shape(p.shape, splits[n][0], group.size) for n, p in named
+                 if n in splits}
+        cut = {n: {k: tp.cut(v, *splits[n], group.size, group.rank)
+                   if n in whole and torch.is_tensor(v) and v.shape == whole[n] else v
+                   for k, v in st.items()} for n, st in states.items()}
+        load_optimizer_by_name(self.stage.optimizer, named, cut, settings)
 
     def _load_sharded_entries(self, states: dict[str, dict], settings: dict[str, dict]) -> None:
         """Sharded: whole per-name optimizer state (of a checkpoint of any grid, sharded or

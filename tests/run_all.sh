@@ -151,7 +151,7 @@ done
 # ranks, and the trainer on 4.
 if [[ "$parts" == *" strict "* ]]; then
   STRICT_FILES="tests/test_engine_mpi.py tests/test_data_parallel_mpi.py \
-tests/test_checkpoint_mpi.py tests/test_shard_mpi.py tests/test_collective_order_mpi.py \
+tests/test_checkpoint_mpi.py tests/test_shard_mpi.py tests/test_collective_order_mpi.py tests/test_tensor_mpi.py \
 tests/test_trainer_mpi.py"
   export PIPEFLOW_STRICT_COMM=1
   echo "== strict mode (PIPEFLOW_STRICT_COMM=1), mpirun -n 2"

@@ -16,7 +16,7 @@ from pipeflow.config import ConfigError
 from pipeflow.logs import get_logger
 
 __all__ = ["Topology", "TopologyError", "bind_device",
-           "choose_backend", "grid_communicators"]
+           "choose_backend", "grid_communicators", "tensor_communicator"]
 
 STRICT_ENV = "PIPEFLOW_STRICT_COMM"   # =1: the MPI backend runs under NCCL's rules (tests)
 
@@ -191,6 +191,19 @@ def grid_communicators(topo: Topology, backend: str, device: torch.device, ring:
             f"of its {MPI.COMM_WORLD.size} ranks; use backend 'mpi', or one engine over "
             f"the whole job")
     return torch_grid_communicators(topo, backend, device, ring=ring, timeout_s=timeout_s)
+
+
+def tensor_communicator(topo: Topology, backend: str, device: torch.device) -> Any:
+    """This rank's tensor group as a communicator on `backend` (tensor > 1): its layers'
+    collectives run on it (`runtime.tensor_parallel`)."""
+    if backend in ("mpi", "strict"):
+        from pipeflow.comm.mpi import MpiCommunicator
+        from pipeflow.comm.strict import StrictCommunicator
+        return MpiCommunicator(topo.tensor_group) if backend == "mpi" else \
+            StrictCommunicator(topo.tensor_group, device)
+    from pipeflow.comm.torch_dist import torch_family_communicators
+    return torch_family_communicators(topo.tensor_group, topo.grid.groups("tensor"), backend,
+                                      device, "tensor")
 
 
 # What launchers set for a rank's place among the job's ranks on its node: Open MPI, MPICH's

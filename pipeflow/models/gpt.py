@@ -63,18 +63,23 @@ class AttentionCore(nn.Module):
 
     pipeflow_selective = True
 
-    def __init__(self, n_heads: int, dropout: float) -> None:
+    def __init__(self, n_heads: int, dropout: float, head_dim: int | None = None) -> None:
         super().__init__()
         self.n_heads = n_heads
         self.dropout = dropout
+        self.head_dim = head_dim      # given: the heads are counted from the width it is fed
+
+    def heads(self, d: int) -> int:
+        """Heads in a width of `d`: all of them, or (tensor-parallel) this rank's."""
+        return d // self.head_dim if self.head_dim else self.n_heads
 
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
         B, T, three_d = qkv.shape
         d = three_d // 3
         q, k, v = qkv.split(d, dim=2)
+        h = self.heads(d)
         # [B, T, d] -> [B, heads, T, head_dim]
-        q, k, v = (t.view(B, T, self.n_heads, d // self.n_heads).transpose(1, 2)
-                   for t in (q, k, v))
+        q, k, v = (t.view(B, T, h, d // h).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         return y.transpose(1, 2).contiguous().view(B, T, d)
@@ -84,8 +89,8 @@ class AttentionCore(nn.Module):
         cache (`{"k", "v"}`: [B, heads, positions, head_dim]) grows by T."""
         B, T, three_d = qkv.shape
         d = three_d // 3
-        q, k, v = (t.view(B, T, self.n_heads, d // self.n_heads).transpose(1, 2)
-                   for t in qkv.split(d, dim=2))
+        h = self.heads(d)
+        q, k, v = (t.view(B, T, h, d // h).transpose(1, 2) for t in qkv.split(d, dim=2))
         if "k" in cache:
             k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
         cache["k"], cache["v"] = k, v
@@ -100,14 +105,22 @@ class AttentionCore(nn.Module):
 
 
 class Block(nn.Module):
-    """One transformer block, pre-LayerNorm: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """One transformer block, pre-LayerNorm: x + attn(ln(x)), then x + mlp(ln(x)).
+
+    Tensor-parallel (`tp_plan`, Megatron's split): attention by heads (q, k and v each cut in
+    whole heads, the output projection by rows), the MLP by its inner width; the norms are
+    replicated."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         d = cfg.d_model
+        head_dim = d // cfg.n_heads
+        self.tp_plan = {"qkv": ("colwise", 3, head_dim), "attn_proj": ("rowwise", 1, head_dim),
+                        "fc": "colwise", "mlp_proj": "rowwise"}
         self.ln_1 = nn.LayerNorm(d, bias=cfg.bias)
         self.qkv = nn.Linear(d, 3 * d, bias=cfg.bias)
-        self.core = AttentionCore(cfg.n_heads, cfg.dropout)   # no parameters: same state dict
+        # no parameters: same state dict
+        self.core = AttentionCore(cfg.n_heads, cfg.dropout, head_dim)
         self.attn_proj = nn.Linear(d, d, bias=cfg.bias)
         self.ln_2 = nn.LayerNorm(d, bias=cfg.bias)
         self.fc = nn.Linear(d, 4 * d, bias=cfg.bias)

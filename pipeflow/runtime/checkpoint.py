@@ -127,8 +127,9 @@ def save_checkpoint(state: CheckpointState, directory: str | os.PathLike) -> str
     try:
         # Replicas hold identical copies (sharded: blocks, gathered by every replica): one
         # writes, the same per-layer files either way.
+        # Tensor-parallel: whole tensors, gathered over the tensor group, its rank 0 writes.
         layers = _shards(state) if topo.replica == 0 or state.optimizer_entries else {}
-        if topo.replica == 0:
+        if topo.replica == 0 and topo.tensor_rank == 0:
             for i, shard in layers.items():
                 written[_layer_name(i)] = _write(os.path.join(folder, _layer_name(i)), shard)
         rng = _rng_name(topo.rank)
@@ -291,7 +292,7 @@ def _write_meta(state: CheckpointState, directory: str, folder: str,
     meta = {"format": FORMAT, "step": state.step, "n_layers": state.n_layers,
             "sequence": 1 + max([-1, *(_written(os.path.join(directory, d))[0]
                                        for d in _step_folders(directory))]),
-            "grid": {"pipeline": topo.pipeline, "data": topo.data},
+            "grid": _grid_of(topo),
             "config": state.config,
             "loss_scaler": dataclasses.asdict(scaler) if scaler is not None else None,
             "model": state.model, "plan": state.plan,
@@ -540,10 +541,16 @@ def _read(folder: str, name: str, checksums: dict[str, str] | None, where: str) 
 
 def _load_optimizer(state: CheckpointState, optim: dict[str, dict[str, Any]],
                     groups: dict[str, dict[str, Any]]) -> None:
+    load_optimizer_by_name(state.optimizer, state.named_master_parameters(), optim, groups)
+
+
+def load_optimizer_by_name(opt: torch.optim.Optimizer,
+                           named: list[tuple[str, torch.nn.Parameter]],
+                           optim: dict[str, dict[str, Any]],
+                           groups: dict[str, dict[str, Any]]) -> None:
     """Optimizer state and group settings by parameter name, so a checkpoint of any grid
     (other partitions, other groupings of parameters into ranks) lands on the right ones."""
-    opt = state.optimizer
-    name_of = {id(p): n for n, p in state.named_master_parameters()}
+    name_of = {id(p): n for n, p in named}
     saved = opt.state_dict()
     new_state: dict[int, Any] = {}
     index = 0
@@ -559,12 +566,20 @@ def _load_optimizer(state: CheckpointState, optim: dict[str, dict[str, Any]],
     opt.load_state_dict(saved)
 
 
+def _grid_of(topo: Topology) -> dict[str, int]:
+    """The grid as a checkpoint records it (`tensor` only where it is > 1, as before it was)."""
+    grid = {"pipeline": topo.pipeline, "data": topo.data}
+    if topo.tensor > 1:
+        grid["tensor"] = topo.tensor
+    return grid
+
+
 def _restore_rng(state: CheckpointState, folder: str, meta: dict[str, Any],
                  checksums: dict[str, str] | None) -> None:
     """This rank's random state, when the checkpoint was written on the same grid (so rank
     r held the same stage and replica); otherwise a warning on rank 0."""
     topo = state.topo
-    here = {"pipeline": topo.pipeline, "data": topo.data}
+    here = _grid_of(topo)
     name = _rng_name(topo.rank)
     if meta.get("grid") != here or checksums is None or name not in checksums:
         if topo.rank == 0:

@@ -44,6 +44,7 @@ class StepStage(Protocol):
     shards: Any                         # `runtime.shard.ShardedOptimizer` (sharded) or None
     data_comm: Communicator | None
     pipe_comm: Communicator
+    tensor_comm: Communicator | None    # tensor > 1: the stage's tensor group
     ties: list[Any]                     # `runtime.stage.Tie`: weights shared across stages
     norm_params: list[nn.Parameter]     # the masters the gradient norm counts (ties once)
 
@@ -137,7 +138,8 @@ def _skip(stage: StepStage, stats: Any, loss: float, norm: float) -> None:
 
 
 def grad_norm(stage: StepStage) -> float:
-    """The whole grid's gradient norm: tied weights once, replicas once (they agree). Sharded,
+    """The whole grid's gradient norm: tied weights once, replicas once (they agree), a tensor
+    group's slices each once and its whole weights once (`Stage.norm_params`). Sharded,
     each replica holds a block of the summed gradient: the blocks' squares are summed over
     the data group first, each element counted once."""
     if stage.shards is not None:
@@ -150,6 +152,8 @@ def grad_norm(stage: StepStage) -> float:
         sq = (torch.stack(torch._foreach_norm(grads)).double().square().sum() if grads
               else torch.zeros((), dtype=torch.float64, device=stage.device))
     sq = sq.reshape(1).to(stage.pipe_comm.device)    # NCCL groups take CUDA tensors only
+    if stage.tensor_comm is not None:     # slices of the tensor group (replicated ones once)
+        stage.tensor_comm.allreduce_(sq)
     if stage.stages > 1:
         stage.pipe_comm.allreduce_(sq)
     return math.sqrt(sq.item())

@@ -18,12 +18,15 @@ from torch import nn
 
 from pipeflow.comm import waiting
 from pipeflow.comm.base import Communicator
-from pipeflow.comm.topology import Topology, choose_backend, grid_communicators
+from pipeflow.comm.topology import (Topology, choose_backend, grid_communicators,
+                                    tensor_communicator)
 from pipeflow.config import ConfigError
 from pipeflow.layers import LayerSpec, build_layer, get_parameter, set_parameter, tie_groups
 from pipeflow.runtime.data_parallel import GradReducer
 from pipeflow.runtime.precision import DTYPES, LossScaler, Precision, class_matches
 from pipeflow.runtime.shard import ShardedOptimizer
+from pipeflow.runtime.tensor_parallel import (TensorGroup, check_cut_consistent, plan_of,
+                                              shard_layer, split_of)
 from pipeflow.schedules.ir import Action
 from pipeflow.schedules.plan import Plan
 
@@ -120,6 +123,10 @@ class Stage:
         self.tie_comms: dict[str, MPI.Comm] = {}
         self.tie_stages: list[list[int]] = []    # each spanning tie's stages, alike everywhere
         self.ties = self._tie(layers, built)
+        # Tensor parallelism: each layer built whole (above), then cut by its tp_plan.
+        self.tensor = TensorGroup(topo.tensor, topo.tensor_rank)
+        if topo.tensor > 1:
+            self._cut(built)
         self.module = StageModule(built).to(self.device)
         self.chunk_layers = [[self.module.get_submodule(str(i)) for i in r] for r in ranges]
         if settings.compile:
@@ -133,6 +140,8 @@ class Stage:
         mark_selective(self.module, settings.recompute_modules, self.recompute, self.describe())
         self.backend = choose_backend(settings.backend, topo, self.device)
         self.pipe_comm, self.data_comm = self._communicators()
+        self.tensor_comm = self.tensor.comm = (
+            tensor_communicator(topo, self.backend, self.device) if topo.tensor > 1 else None)
         self._tie_groups()
         self.shards: ShardedOptimizer | None = None
         if self.sharded:
@@ -143,10 +152,12 @@ class Stage:
                                     int(settings.bucket_mb * 2**20), grad_params=masters,
                                     reduce_dtype=self._reduce_dtype())
                         if self.data_comm is not None and masters else None)
-        # A tied weight counts in the gradient norm on the first stage that holds it only.
+        # A tied weight counts in the gradient norm on the first stage that holds it only;
+        # a weight every tensor rank holds whole, on tensor rank 0 only.
         later = {id(t.param) for t in self.ties if not t.first}
         self.norm_params = [self.precision.master_of(p) for p in self.precision.working
-                            if id(p) not in later]
+                            if id(p) not in later and
+                            (topo.tensor_rank == 0 or split_of(p) is not None)]
         self.optimizer = _make_optimizer(optimizer, masters, topo.describe())
 
     def _reduce_dtype(self) -> torch.dtype | None:
@@ -208,6 +219,36 @@ class Stage:
                 ties.append(Tie(shared, stages[0] == self.index, comm))
         return ties
 
+    def _cut(self, built: dict[int, nn.Module]) -> None:
+        """Cut this rank's layers by their tp_plans; a plan that does not fit on any rank is
+        refused on every rank (with the first rank's reason), before any communicator."""
+        problem, planned = None, 0
+        try:
+            for i, layer in built.items():
+                planned += bool(plan_of(layer))
+                shard_layer(layer, self.tensor, i)
+            for i, layer in built.items():
+                check_cut_consistent(layer, f"layer {i} ({type(layer).__name__})")
+        except ConfigError as exc:
+            problem = f"{self.describe()}: {exc}"
+        views = waiting.allgather(self.topo.world, (problem, planned))
+        first = problem or next((p for p, _ in views if p), None)
+        if first:
+            raise ConfigError(first)
+        if not sum(n for _, n in views):
+            raise ConfigError(
+                f"{self.describe()}: tensor = {self.topo.tensor}, and no layer of the model "
+                f"declares a tp_plan, so every tensor rank would compute the whole model; "
+                f"give the layer classes a tp_plan (docs/design.md, 'The tensor axis') or "
+                f"set tensor = 1")
+        for tie in self.ties:     # the holders of a tie across stages cut it alike
+            shapes = waiting.allgather(tie.comm, (self.index, tuple(tie.param.shape)))
+            if len({s for _, s in shapes}) > 1:
+                raise ConfigError(
+                    f"{self.describe()}: a weight tied across stages has shapes {shapes} "
+                    f"(stage, shape) after the tp_plans cut it; give every holder the same "
+                    f"tp_plan style")
+
     def _communicators(self) -> tuple[Communicator, Communicator | None]:
         """The pipeline's communicator and, with replicas, the stage's data group's. Only
         the interleaved schedule needs the ring's wrap-around link (ZBV turns on one rank)."""
@@ -245,8 +286,9 @@ class Stage:
         if self.reducer is not None:
             self.reducer.close()
         self.pipe_comm.free()
-        if self.data_comm is not None:
-            self.data_comm.free()
+        for comm in (self.data_comm, self.tensor_comm):
+            if comm is not None:
+                comm.free()
         for tie in self.ties:
             if tie.dist is not None:
                 tie.dist.free()

@@ -1,0 +1,320 @@
+"""Tensor parallelism inside a stage: a layer's `tp_plan` cuts its matrices over the tensor
+group, and collectives inside autograd make the cut layer compute what the whole one does.
+
+A layer says how it splits with a `tp_plan` dictionary on its class or instance: submodule
+names (fnmatch patterns, as transformers' `base_model_tp_plan`) to a style, with the meaning
+`torch.distributed.tensor.parallel` gives it:
+
+    class Block(nn.Module):
+        tp_plan = {"attn.qkv": ("colwise", 3), "attn.proj": "rowwise",
+                   "mlp.up": "colwise", "mlp.down": "rowwise"}
+
+- `"colwise"` on `nn.Linear`: output features cut (weight rows, bias); the input is copied to
+  the group (identity forward, all-reduce of its gradient backward: Megatron's
+  `copy_to_tensor_model_parallel_region`). `("colwise", k)`: the output is `k` fused blocks
+  (q, k, v) and each block is cut, so rank r holds its slice of every block.
+  `("colwise", k, unit)`: each rank's slice of a block is a whole number of `unit`s (a head).
+- `"rowwise"` on `nn.Linear`: input features cut (weight columns); the partial products are
+  summed over the group (`reduce_from`: all-reduce forward, identity backward), then the
+  whole bias added once.
+- `"rowwise"` on `nn.Embedding`: the vocabulary cut (a vocabulary-parallel embedding: ids
+  outside a rank's rows give zeros, the group sums); `"colwise"` on `nn.Embedding`: the
+  embedding width cut, the slices gathered.
+
+Everything the plan does not name is replicated: every tensor rank holds it whole, computes
+it alike and gets the same gradient. Each layer is built whole under its own seed (as
+`build_sequential` builds it) and then cut, so every grid starts from the same weights; the
+parameters keep their names and their shapes say which slice a rank holds (`split_of`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import weakref
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pipeflow.comm.base import Communicator
+from pipeflow.config import ConfigError
+
+__all__ = ["TensorGroup", "Split", "plan_of", "shard_layer", "split_of", "cut", "join",
+           "gather_whole", "check_cut_consistent",
+           "copy_to", "reduce_from"]
+
+STYLES = ("colwise", "rowwise")
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """One `tp_plan` entry: the style, the fused blocks of the cut dimension, and the unit
+    each rank's slice of a block must be a whole number of (a head's width)."""
+
+    style: str
+    parts: int = 1
+    unit: int = 1
+
+    @classmethod
+    def parse(cls, value: Any, where: str) -> "Split":
+        items = (value,) if isinstance(value, str) else tuple(value) \
+            if isinstance(value, (tuple, list)) else None
+        ok = (items is not None and 1 <= len(items) <= 3 and items[0] in STYLES
+              and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                      for n in items[1:]))
+        if not ok:
+            raise ConfigError(
+                f"{where}: expected \"colwise\", \"rowwise\" or (style, fused blocks[, unit]) "
+                f"with whole numbers >= 1, found {value!r}; e.g. \"colwise\" or "
+                f"(\"colwise\", 3, head_dim) for a fused q, k, v projection")
+        return cls(*items)
+
+
+class TensorGroup:
+    """A stage's handle on its tensor group: its size, this rank's place, and (bound once the
+    communicators exist) the `Communicator` the layers' collectives run on."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self.size, self.rank = size, rank
+        self.comm: Communicator | None = None
+        self._copied: tuple[Any, Any] | None = None    # the last input copied to the group
+
+    def allreduce(self, x: torch.Tensor, key: str) -> torch.Tensor:
+        """A new tensor: `x` summed over the group. Halves are summed in fp32 over MPI (which
+        has no bf16 sum), natively over torch.distributed."""
+        native = type(self.comm).__name__ == "TorchDistCommunicator"
+        wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) and not native \
+            else x.dtype
+        y = x.detach().to(wide, memory_format=torch.contiguous_format, copy=True)
+        self.comm.iallreduce_(y, key=key).wait()
+        return y.to(x.dtype)
+
+    def copy(self, x: torch.Tensor, key: str) -> torch.Tensor:
+        """`copy_to(x)`, once for an input that several column layers read (q, k and v; gate
+        and up): their gradients meet in one all-reduce instead of one each."""
+        if self._copied is not None:
+            seen, made = (ref() for ref in self._copied)
+            if seen is x and made is not None:
+                return made
+        y = _CopyTo.apply(x, self, key)
+        if torch.is_grad_enabled():
+            self._copied = (weakref.ref(x), weakref.ref(y))
+        return y
+
+
+class _CopyTo(torch.autograd.Function):
+    """Identity forward; the gradient summed over the tensor group backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
+        ctx.group, ctx.key = group, key
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return ctx.group.allreduce(grad, f"{ctx.key} (input gradient)"), None, None
+
+
+class _ReduceFrom(torch.autograd.Function):
+    """Partial results summed over the tensor group forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
+        return group.allreduce(x, key)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return grad, None, None
+
+
+class _GatherLast(torch.autograd.Function):
+    """Each rank's slice of the last dimension gathered whole forward; the rank's slice of
+    the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
+        ctx.group = group
+        shard = x.detach().contiguous()
+        out = torch.empty((group.size, *shard.shape), dtype=shard.dtype, device=shard.device)
+        group.comm.iallgather_(shard, out, key=key).wait()
+        return torch.cat(out.unbind(0), dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return grad.chunk(ctx.group.size, dim=-1)[ctx.group.rank].contiguous(), None, None
+
+
+def copy_to(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
+    return group.copy(x, key)
+
+
+def reduce_from(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
+    return _ReduceFrom.apply(x, group, key)
+
+
+# -- the cut layers: nn.Linear and nn.Embedding with the group's collectives around them ----
+
+class ColwiseLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to(x, self.pf_tensor, self.pf_key), self.weight, self.bias)
+
+
+class RowwiseLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from(F.linear(x, self.weight), self.pf_tensor, self.pf_key)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabEmbedding(nn.Embedding):
+    """`rowwise` embedding: this rank's rows of the vocabulary; the group sums the lookups."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        start = self.pf_tensor.rank * self.num_embeddings
+        outside = (ids < start) | (ids >= start + self.num_embeddings)
+        local = (ids - start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight, None, None, self.norm_type,
+                          self.scale_grad_by_freq, self.sparse)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from(out, self.pf_tensor, self.pf_key)
+
+
+class ColwiseEmbedding(nn.Embedding):
+    """`colwise` embedding: this rank's columns of every vector, gathered whole."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = F.embedding(ids, self.weight, self.padding_idx, None, self.norm_type,
+                          self.scale_grad_by_freq, self.sparse)
+        return _GatherLast.apply(out, self.pf_tensor, self.pf_key)
+
+
+# (module class, style) -> (cut class, {parameter: dimension cut}, the size field it divides)
+_CUTS: dict[tuple[type, str], tuple[type, dict[str, int], str]] = {
+    (nn.Linear, "colwise"): (ColwiseLinear, {"weight": 0, "bias": 0}, "out_features"),
+    (nn.Linear, "rowwise"): (RowwiseLinear, {"weight": 1}, "in_features"),
+    (nn.Embedding, "rowwise"): (VocabEmbedding, {"weight": 0}, "num_embeddings"),
+    (nn.Embedding, "colwise"): (ColwiseEmbedding, {"weight": 1}, "embedding_dim"),
+}
+
+
+def plan_of(layer: nn.Module) -> Mapping[str, Any]:
+    """The layer's `tp_plan` (instance first, then class); empty: replicated whole."""
+    plan = getattr(layer, "tp_plan", None) or {}
+    if not isinstance(plan, Mapping):
+        raise ConfigError(f"{type(layer).__name__}.tp_plan must be a dict of submodule name "
+                          f"patterns to \"colwise\" / \"rowwise\", found {type(plan).__name__}")
+    return plan
+
+
+def split_of(param: torch.Tensor) -> tuple[int, int] | None:
+    """(dimension, fused blocks) a cut parameter was cut along; None where it is whole."""
+    return getattr(param, "pf_tensor_split", None)
+
+
+def cut(whole: torch.Tensor, dim: int, parts: int, size: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s slice of `whole`: each of its `parts` blocks along `dim` cut in `size`."""
+    return torch.cat([b.chunk(size, dim)[rank] for b in whole.chunk(parts, dim)], dim)
+
+
+def join(slices: list[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
+    """The whole tensor from every rank's slice (the inverse of `cut`)."""
+    blocks = [s.chunk(parts, dim) for s in slices]
+    return torch.cat([torch.cat([b[p] for b in blocks], dim) for p in range(parts)], dim)
+
+
+def whole_shape(shape: torch.Size, dim: int, size: int) -> torch.Size:
+    """The whole tensor's shape from a slice's."""
+    return torch.Size(n * size if i == dim else n for i, n in enumerate(shape))
+
+
+def gather_whole(group: TensorGroup, value: torch.Tensor, dim: int, parts: int,
+                 key: str) -> torch.Tensor:
+    """The whole tensor from this rank's slice `value` and the group's (every rank calls it)."""
+    shard = value.detach().contiguous()
+    out = torch.empty((group.size, *shard.shape), dtype=shard.dtype, device=shard.device)
+    group.comm.iallgather_(shard, out, key=f"tensor group: {key}").wait()
+    return join(list(out.unbind(0)), dim, parts)
+
+
+def shard_layer(layer: nn.Module, group: TensorGroup, index: int) -> None:
+    """Cut `layer` (built whole) by its `tp_plan` for this rank of `group`, in place: the
+    parameters keep their objects (a tie within the stage stays one tensor) and names.
+    A plan that does not fit (an unknown style, a pattern that names nothing, a type it
+    cannot cut, a width the degree does not divide) raises `ConfigError` naming the layer."""
+    name = type(layer).__name__
+    plan = plan_of(layer)
+    where = f"layer {index} ({name})"
+    named = dict(layer.named_modules())
+    for pattern, value in plan.items():
+        split = Split.parse(value, f"{where}: tp_plan[{pattern!r}]")
+        hits = [n for n in named if n and fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            raise ConfigError(
+                f"{where}: tp_plan entry {pattern!r} names no submodule; its submodules are "
+                f"{[n for n in named if n][:12]}; fix the pattern")
+        for sub_name in hits:
+            _cut_module(named[sub_name], split, group, f"{where}.{sub_name}",
+                        f"layer {index}.{sub_name}")
+
+
+def _cut_module(module: nn.Module, split: Split, group: TensorGroup, where: str,
+                key: str) -> None:
+    kind = next((k for k in (nn.Linear, nn.Embedding) if type(module) is k), None)
+    if kind is None:
+        raise ConfigError(
+            f"{where}: tp_plan cuts nn.Linear and nn.Embedding, found {type(module).__name__}; "
+            f"name its Linear submodules instead, or leave it out of the plan (replicated)")
+    if kind is nn.Embedding and (split.parts != 1 or module.max_norm is not None or
+                                 (split.style == "rowwise" and module.padding_idx is not None)):
+        raise ConfigError(
+            f"{where}: a {split.style} nn.Embedding is cut as one block without max_norm"
+            f"{' or padding_idx' if split.style == 'rowwise' else ''}; found parts "
+            f"{split.parts}, max_norm {module.max_norm}, padding_idx {module.padding_idx}; "
+            f"leave it replicated (out of the plan)")
+    cls, dims, field = _CUTS[(kind, split.style)]
+    total = getattr(module, field)
+    _check_divides(total, split, group.size, where, field)
+    for pname, dim in dims.items():
+        param = getattr(module, pname, None)
+        if param is None:
+            continue
+        if split_of(param) is not None:      # a tie within the stage, cut through its twin
+            if split_of(param) != (dim, split.parts):
+                raise ConfigError(f"{where}.{pname}: a tied weight cut two ways "
+                                  f"({split_of(param)} and {(dim, split.parts)}); cut both "
+                                  f"holders alike")
+            continue
+        param.data = cut(param.data, dim, split.parts, group.size, group.rank).clone()
+        param.pf_tensor_split = (dim, split.parts)
+    setattr(module, field, total // group.size)
+    module.__class__ = cls
+    module.pf_tensor, module.pf_key = group, f"tensor group: {key} ({split.style})"
+
+
+def _check_divides(total: int, split: Split, t: int, where: str, field: str) -> None:
+    step = split.parts * split.unit
+    if total % (step * t) == 0:
+        return
+    fits = [d for d in range(1, 129) if total % (step * d) == 0 and d > 1][:8] or [1]
+    unit = f" in units of {split.unit}" if split.unit > 1 else ""
+    blocks = f" ({split.parts} fused blocks)" if split.parts > 1 else ""
+    raise ConfigError(
+        f"{where}: {split.style} cuts {field} = {total}{blocks}{unit} over tensor = {t}, "
+        f"which does not divide it; tensor degrees that would: {fits}; change "
+        f"Config.tensor or the model's width")
+
+
+def check_cut_consistent(module: nn.Module, where: str) -> None:
+    """No module computes with a weight cut for another: a weight tied within the stage is
+    cut through one holder, so every holder must be cut alike (or none)."""
+    cut_classes = tuple(c for c, _, _ in _CUTS.values())
+    for name, sub in module.named_modules():
+        if isinstance(sub, cut_classes):
+            continue
+        for pname, param in sub.named_parameters(recurse=False):
+            if split_of(param) is not None:
+                raise ConfigError(
+                    f"{where}: {name}.{pname} is a weight tied to one cut by a tp_plan, but "
+                    f"{name} ({type(sub).__name__}) is not cut; give every holder of a tied "
+                    f"weight the same tp_plan style")
