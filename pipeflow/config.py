@@ -80,6 +80,9 @@ class Config:
     # tensor-parallel ranks of every stage (consecutive ranks: one node): each layer's tp_plan
     # cuts its matrices over them (docs/design.md, "The tensor axis"); world = p · d · t
     tensor: int = 1
+    # with tensor > 1: norms, dropout and residuals of the cut layers run on this rank's
+    # slice of the sequence (Korthikanti et al. 2022), their activations 1/tensor as large
+    sequence_parallel: bool = False
     microbatches: int = 1      # micro-batches per step: the gradient accumulation
     # a registered schedule (`pipeflow schedule --list`), or "auto": the fastest that fits
     # activation_budget_mb, simulated from F, B and W measured on the Engine's `sample`
@@ -185,10 +188,14 @@ class Config:
             _fail("compile", 'true, false or a torch.compile backend\'s name', self.compile,
                   'set compile = true (inductor), "aot_eager", or false')
         for name in ("free_sent_outputs", "keep_host_memory", "deterministic",
-                     "shard_optimizer"):
+                     "shard_optimizer", "sequence_parallel"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, "true or false", getattr(self, name),
                       f"set {name} = true (the default) or false")
+        if self.sequence_parallel and self.tensor == 1:
+            _fail("sequence_parallel", "false with tensor = 1 (it cuts the sequence over the "
+                  "tensor group)", self.sequence_parallel,
+                  "set tensor > 1, or sequence_parallel = false")
         if self.shard_optimizer and self.tensor > 1 and self.data > 1:
             _fail("shard_optimizer", "false with tensor > 1 (the sharded optimizer does not "
                   "yet count a tensor group's whole weights once in the gradient norm)",

@@ -78,8 +78,9 @@ def check(layers, grid, optimizer, rtol, loss_fn=gpt_loss, steps=3, **config):
 @pytest.mark.parametrize("grid", GRIDS, ids=lambda g: "p%dxd%dxt%d" % g)
 @pytest.mark.parametrize("optimizer,rtol", [(sgd, 1e-5), (adamw, 1e-4)], ids=["sgd", "adamw"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_tensor_grid_trains_like_one_process(grid, optimizer, rtol, tied):
-    engine = check(gpt(tied), grid, optimizer, rtol, microbatches=2)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_tensor_grid_trains_like_one_process(grid, optimizer, rtol, tied, sp):
+    engine = check(gpt(tied), grid, optimizer, rtol, microbatches=2, sequence_parallel=sp)
     # Each rank holds its slices only: a block's qkv weight is 1/t of the whole.
     t = grid[2]
     held = {n: p.shape for n, p in engine.stage.module.named_parameters()}
@@ -99,10 +100,12 @@ FOUR = N == 4
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1", "interleaved"])
 @pytest.mark.parametrize("recompute", ["none", "full"])
-def test_pipeline_by_tensor_every_schedule(schedule, recompute):
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_pipeline_by_tensor_every_schedule(schedule, recompute, sp):
     v = 2 if schedule == "interleaved" else 1
     check(gpt(tied=True, n_layers=6), (2, 1, 2), sgd, 1e-5, microbatches=4,
-          schedule=schedule, virtual_stages=v, recompute=recompute, clip=0.05)
+          schedule=schedule, virtual_stages=v, recompute=recompute, clip=0.05,
+          sequence_parallel=sp)
 
 
 @pytest.mark.mpi(min_size=2)

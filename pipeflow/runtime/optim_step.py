@@ -45,6 +45,7 @@ class StepStage(Protocol):
     data_comm: Communicator | None
     pipe_comm: Communicator
     tensor_comm: Communicator | None    # tensor > 1: the stage's tensor group
+    sequence_params: list[nn.Parameter] # sequence parallelism: summed over the tensor group
     ties: list[Any]                     # `runtime.stage.Tie`: weights shared across stages
     norm_params: list[nn.Parameter]     # the masters the gradient norm counts (ties once)
 
@@ -61,6 +62,7 @@ def close_step(stage: StepStage, loss: float, stats: Any) -> None:
     else:
         if stage.reducer is not None:
             stage.reducer.finish()      # waits only for the buckets still in flight
+        _sum_sequence_parallel(stage)
         _sum_ties(stage)
         precision.unscale_()
         norm = grad_norm(stage)
@@ -98,6 +100,20 @@ def _step(stage: StepStage, coef: float) -> None:
             master.grad = None
         stage.optimizer.step()
         precision.refresh_working()
+
+
+def _sum_sequence_parallel(stage: StepStage) -> None:
+    """Sequence parallelism: a whole weight inside a cut layer (a norm, a row layer's bias)
+    saw only this rank's slice of the sequence; its gradient is the sum over the tensor
+    group (one all-reduce of them all)."""
+    params = [stage.precision.master_of(p) for p in stage.sequence_params]
+    grads = [p.grad for p in params if p.grad is not None]
+    if stage.tensor_comm is None or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    stage.tensor_comm.allreduce_(flat)
+    torch._foreach_copy_(grads, [v.view_as(g) for v, g in
+                                 zip(flat.split([g.numel() for g in grads]), grads)])
 
 
 def _sum_ties(stage: StepStage) -> None:

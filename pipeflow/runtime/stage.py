@@ -26,7 +26,7 @@ from pipeflow.runtime.data_parallel import GradReducer
 from pipeflow.runtime.precision import DTYPES, LossScaler, Precision, class_matches
 from pipeflow.runtime.shard import ShardedOptimizer
 from pipeflow.runtime.tensor_parallel import (TensorGroup, check_cut_consistent, plan_of,
-                                              shard_layer, split_of)
+                                              sequence_boundaries, shard_layer, split_of)
 from pipeflow.schedules.ir import Action
 from pipeflow.schedules.plan import Plan
 
@@ -54,6 +54,7 @@ class StageSettings:
     shard_optimizer: bool
     compile: bool | str
     watchdog_s: float                   # the communicators' own timeout
+    sequence_parallel: bool             # tensor > 1: planned layers run on sequence slices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +125,8 @@ class Stage:
         self.tie_stages: list[list[int]] = []    # each spanning tie's stages, alike everywhere
         self.ties = self._tie(layers, built)
         # Tensor parallelism: each layer built whole (above), then cut by its tp_plan.
-        self.tensor = TensorGroup(topo.tensor, topo.tensor_rank)
+        self.tensor = TensorGroup(topo.tensor, topo.tensor_rank, settings.sequence_parallel)
+        self.sequence_params: list[nn.Parameter] = []   # summed over the tensor group
         if topo.tensor > 1:
             self._cut(built)
         self.module = StageModule(built).to(self.device)
@@ -222,10 +224,10 @@ class Stage:
     def _cut(self, built: dict[int, nn.Module]) -> None:
         """Cut this rank's layers by their tp_plans; a plan that does not fit on any rank is
         refused on every rank (with the first rank's reason), before any communicator."""
-        problem, planned = None, 0
+        problem, planned = None, {}
         try:
             for i, layer in built.items():
-                planned += bool(plan_of(layer))
+                planned[i] = bool(plan_of(layer))
                 shard_layer(layer, self.tensor, i)
             for i, layer in built.items():
                 check_cut_consistent(layer, f"layer {i} ({type(layer).__name__})")
@@ -235,7 +237,8 @@ class Stage:
         first = problem or next((p for p, _ in views if p), None)
         if first:
             raise ConfigError(first)
-        if not sum(n for _, n in views):
+        flags = {i: f for _, mine in views for i, f in mine.items()}
+        if not any(flags.values()):
             raise ConfigError(
                 f"{self.describe()}: tensor = {self.topo.tensor}, and no layer of the model "
                 f"declares a tp_plan, so every tensor rank would compute the whole model; "
@@ -248,6 +251,13 @@ class Stage:
                     f"{self.describe()}: a weight tied across stages has shapes {shapes} "
                     f"(stage, shape) after the tp_plans cut it; give every holder the same "
                     f"tp_plan style")
+        if self.settings.sequence_parallel:
+            order = [flags[i] for i in range(self.n_layers)]
+            for i, layer in built.items():
+                sequence_boundaries(layer, i, order, self.tensor)
+            self.sequence_params = [p for i, layer in built.items() if order[i]
+                                    for p in layer.parameters()
+                                    if split_of(p) is None and p.requires_grad]
 
     def _communicators(self) -> tuple[Communicator, Communicator | None]:
         """The pipeline's communicator and, with replicas, the stage's data group's. Only

@@ -76,8 +76,8 @@ class TensorGroup:
     """A stage's handle on its tensor group: its size, this rank's place, and (bound once the
     communicators exist) the `Communicator` the layers' collectives run on."""
 
-    def __init__(self, size: int, rank: int) -> None:
-        self.size, self.rank = size, rank
+    def __init__(self, size: int, rank: int, sequence_parallel: bool = False) -> None:
+        self.size, self.rank, self.sequence_parallel = size, rank, sequence_parallel
         self.comm: Communicator | None = None
         self._copied: tuple[Any, Any] | None = None    # the last input copied to the group
 
@@ -91,14 +91,15 @@ class TensorGroup:
         self.comm.iallreduce_(y, key=key).wait()
         return y.to(x.dtype)
 
-    def copy(self, x: torch.Tensor, key: str) -> torch.Tensor:
-        """`copy_to(x)`, once for an input that several column layers read (q, k and v; gate
-        and up): their gradients meet in one all-reduce instead of one each."""
+    def copy(self, x: torch.Tensor, key: str, how: Any = None) -> torch.Tensor:
+        """`copy_to(x)` (or `how`: sequence parallelism's gather), once for an input that
+        several column layers read (q, k and v; gate and up): their gradients meet in one
+        collective instead of one each."""
         if self._copied is not None:
             seen, made = (ref() for ref in self._copied)
             if seen is x and made is not None:
                 return made
-        y = _CopyTo.apply(x, self, key)
+        y = (how or _CopyTo).apply(x, self, key)
         if torch.is_grad_enabled():
             self._copied = (weakref.ref(x), weakref.ref(y))
         return y
@@ -146,11 +147,100 @@ class _GatherLast(torch.autograd.Function):
         return grad.chunk(ctx.group.size, dim=-1)[ctx.group.rank].contiguous(), None, None
 
 
+SEQ = 1      # the sequence dimension of activations: [batch, sequence, features]
+
+
+def _wide(x: torch.Tensor, group: TensorGroup) -> torch.Tensor:
+    native = type(group.comm).__name__ == "TorchDistCommunicator"
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) and not native else x
+
+
+def _seq_gather(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
+    """Every rank's slice of the sequence, whole (in rank order)."""
+    shard = _wide(x.detach(), group).transpose(0, SEQ).contiguous()
+    out = torch.empty((group.size, *shard.shape), dtype=shard.dtype, device=shard.device)
+    group.comm.iallgather_(shard, out, key=key).wait()
+    whole = out.reshape(group.size * shard.shape[0], *shard.shape[1:])
+    return whole.transpose(0, SEQ).to(x.dtype)
+
+
+def _seq_reduce_scatter(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
+    """The sum over the group of `x` (whole sequence), this rank's slice of it."""
+    whole = _wide(x.detach(), group).transpose(0, SEQ).contiguous()
+    out = torch.empty((whole.shape[0] // group.size, *whole.shape[1:]), dtype=whole.dtype,
+                      device=whole.device)
+    group.comm.ireduce_scatter_(whole, out, key=key).wait()
+    return out.transpose(0, SEQ).to(x.dtype)
+
+
+def _seq_slice(x: torch.Tensor, group: TensorGroup) -> torch.Tensor:
+    return x.chunk(group.size, SEQ)[group.rank].contiguous()
+
+
+class _GatherSeq(torch.autograd.Function):
+    """Sequence parallelism into a column layer: all-gather forward, reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
+        ctx.group, ctx.key = group, key
+        return _seq_gather(x, group, key)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return (_seq_reduce_scatter(grad, ctx.group, f"{ctx.key} (input gradient)"),
+                None, None)
+
+
+class _ScatterSeq(torch.autograd.Function):
+    """Out of a row layer: reduce-scatter forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
+        ctx.group, ctx.key = group, key
+        return _seq_reduce_scatter(x, group, key)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _seq_gather(grad, ctx.group, f"{ctx.key} (output gradient)"), None, None
+
+
+class _EnterSeq(torch.autograd.Function):
+    """Whole (replicated) activations into a sequence-parallel region: this rank's slice
+    forward; the slices gathered backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
+        ctx.group, ctx.key = group, key
+        return _seq_slice(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _seq_gather(grad, ctx.group, f"{ctx.key} (gradient)"), None, None
+
+
+class _LeaveSeq(torch.autograd.Function):
+    """Out of a sequence-parallel region: the slices gathered forward; this rank's slice of
+    the (replicated) gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
+        ctx.group = group
+        return _seq_gather(x, group, key)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _seq_slice(grad, ctx.group), None, None
+
+
 def copy_to(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
+    if group.sequence_parallel:
+        return group.copy(x, key, _GatherSeq)
     return group.copy(x, key)
 
 
 def reduce_from(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
+    if group.sequence_parallel:
+        return _ScatterSeq.apply(x, group, key)
     return _ReduceFrom.apply(x, group, key)
 
 
@@ -196,6 +286,54 @@ _CUTS: dict[tuple[type, str], tuple[type, dict[str, int], str]] = {
     (nn.Embedding, "rowwise"): (VocabEmbedding, {"weight": 0}, "num_embeddings"),
     (nn.Embedding, "colwise"): (ColwiseEmbedding, {"weight": 1}, "embedding_dim"),
 }
+
+
+def enter_sequence(value: Any, group: TensorGroup, key: str) -> Any:
+    """A layer's input entering the sequence-parallel region: this rank's slice of every
+    activation ([batch, sequence, ...] floating tensors) in it."""
+    return _map_activations(value, lambda x: _EnterSeq.apply(x, group, key), group, key)
+
+
+def leave_sequence(value: Any, group: TensorGroup, key: str) -> Any:
+    """A layer's output leaving the sequence-parallel region: the slices gathered whole."""
+    return _map_activations(value, lambda x: _LeaveSeq.apply(x, group, key), None, key)
+
+
+def _map_activations(value: Any, fn: Any, cut_by: TensorGroup | None, key: str) -> Any:
+    if torch.is_tensor(value):
+        if not value.is_floating_point() or value.dim() < 2:
+            return value
+        if cut_by is not None and value.shape[SEQ] % cut_by.size:
+            raise ConfigError(
+                f"{key}: sequence parallelism cuts the sequence ({value.shape[SEQ]} positions, "
+                f"dimension {SEQ} of {tuple(value.shape)}) over tensor = {cut_by.size}, "
+                f"which does not divide it; feed sequences of a multiple of {cut_by.size} "
+                f"positions, or set sequence_parallel = false")
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map_activations(v, fn, cut_by, key) for v in value)
+    if isinstance(value, dict):
+        return {k: _map_activations(v, fn, cut_by, key) for k, v in value.items()}
+    return value
+
+
+def sequence_boundaries(layer: nn.Module, index: int, planned: list[bool],
+                        group: TensorGroup) -> None:
+    """Hooks on a layer of the model's `planned` list (True: a tp_plan, so it runs on
+    sequence slices): entering the region slices its input, leaving it gathers its output,
+    so whole activations flow between layers without a plan and slices between those with
+    one (across stages too)."""
+    if not planned[index]:
+        return
+    key = f"tensor group: layer {index} ({type(layer).__name__})"
+    if index == 0 or not planned[index - 1]:
+        layer.register_forward_pre_hook(
+            lambda _m, args, kwargs: (enter_sequence(args, group, f"{key} input"),
+                                      enter_sequence(kwargs, group, f"{key} input")),
+            with_kwargs=True)
+    if index == len(planned) - 1 or not planned[index + 1]:
+        layer.register_forward_hook(
+            lambda _m, _args, out: leave_sequence(out, group, f"{key} output"))
 
 
 def plan_of(layer: nn.Module) -> Mapping[str, Any]:
