@@ -208,3 +208,32 @@ def test_checkpoint_of_p2xt2_resumes_on_other_tensor_degrees(resume, tmp_path):
 
 if not FOUR:       # not collected at all (a skip under mpirun is an error)
     del test_pipeline_by_tensor_every_schedule, test_checkpoint_of_p2xt2_resumes_on_other_tensor_degrees
+
+
+@pytest.mark.mpi(min_size=2)
+def test_memory_falls_by_the_tensor_degree():
+    """Each rank's model states are at most 1/t of one rank's at t = 1 plus the replicated
+    share; with sequence parallelism its activations per micro-batch at most 0.55x at t = 2
+    (each rank keeps its slice of the sequence outside attention)."""
+    t = N
+    layers = gpt(n_layers=6)      # blocks dominate, as in any model worth cutting
+    x, y = data(1)[0]
+    reports = {}
+    for name, world, config in [
+            ("t1", MPI.COMM_SELF, pf.Config()),
+            ("tp", WORLD, pf.Config(tensor=t)),
+            ("sp", WORLD, pf.Config(tensor=t, sequence_parallel=True))]:
+        engine = pf.Engine(layers, gpt_loss, adamw, config, comm=world,
+                           measure_activations=True)
+        engine.train_step(x, y)
+        reports[name] = engine.memory_report()
+        engine.close()
+    one, tp, sp = reports["t1"], reports["tp"], reports["sp"]
+    replicated = tp["replicated_working"]
+    assert 0 < replicated < one["working"] / 4
+    for kind in ("working", "gradients", "optimizer_state"):
+        share = replicated * (2 if kind == "optimizer_state" else 1)   # AdamW: two moments
+        assert tp[kind] <= one[kind] / t + share + 64, (kind, tp[kind], one[kind], share)
+    assert sp["activations_peak"] <= (0.55 if t == 2 else 0.35) * one["activations_peak"], \
+        (sp["activations_peak"], one["activations_peak"])
+    assert tp["activations_peak"] > sp["activations_peak"]

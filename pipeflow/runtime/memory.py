@@ -9,6 +9,8 @@
                       the masters' `.grad`, allocated during each step
     optimizer_state   every tensor the optimizer keeps (allocated at its first step)
     activations_peak  bytes saved for backward at the step's peak (`measure_activations`)
+    replicated_working  tensor > 1: the working bytes every tensor rank holds whole (norms,
+                      row layers' biases, layers without a tp_plan); the rest is a 1/t slice
 
 `bytes_per_parameter` divides each by the stage's parameter count (trainable and frozen);
 its `model_states` is masters + gradients + optimizer state, the part a sharded optimizer
@@ -71,7 +73,14 @@ def memory_report(stage: Any, activations_peak: int) -> dict[str, Any]:
     per_parameter = {k: v / n if n else 0.0 for k, v in per.items()}
     per_parameter["model_states"] = (masters + gradients + state) / n if n else 0.0
     per_parameter["total"] = (working + masters + gradients + state) / n if n else 0.0
+    # Tensor-parallel: the weights every tensor rank holds whole (norms, biases of row layers,
+    # layers without a plan), in bytes of working weights; the rest is this rank's 1/t slice.
+    from pipeflow.runtime.tensor_parallel import split_of
+    replicated = _bytes([p for p in params if split_of(p) is None]) \
+        if stage.topo.tensor > 1 else 0
     return {"rank": stage.topo.rank, "stage": stage.index, "replica": stage.topo.replica,
             "sharded": shards is not None, "data": stage.topo.data,
+            "tensor": stage.topo.tensor, "tensor_rank": stage.topo.tensor_rank,
+            "replicated_working": replicated,
             "precision": precision.name, "parameters": n, **per,
             "activations_peak": int(activations_peak), "bytes_per_parameter": per_parameter}

@@ -91,15 +91,14 @@ class TensorGroup:
         self.comm.iallreduce_(y, key=key).wait()
         return y.to(x.dtype)
 
-    def copy(self, x: torch.Tensor, key: str, how: Any = None) -> torch.Tensor:
-        """`copy_to(x)` (or `how`: sequence parallelism's gather), once for an input that
-        several column layers read (q, k and v; gate and up): their gradients meet in one
-        collective instead of one each."""
+    def copy(self, x: torch.Tensor, key: str) -> torch.Tensor:
+        """`copy_to(x)`, once for an input that several column layers read (q, k and v; gate
+        and up): their gradients meet in one all-reduce instead of one each."""
         if self._copied is not None:
             seen, made = (ref() for ref in self._copied)
             if seen is x and made is not None:
                 return made
-        y = (how or _CopyTo).apply(x, self, key)
+        y = _CopyTo.apply(x, self, key)
         if torch.is_grad_enabled():
             self._copied = (weakref.ref(x), weakref.ref(y))
         return y
@@ -177,18 +176,32 @@ def _seq_slice(x: torch.Tensor, group: TensorGroup) -> torch.Tensor:
     return x.chunk(group.size, SEQ)[group.rank].contiguous()
 
 
-class _GatherSeq(torch.autograd.Function):
-    """Sequence parallelism into a column layer: all-gather forward, reduce-scatter backward."""
+class _SeqColwise(torch.autograd.Function):
+    """A column layer under sequence parallelism (Megatron's
+    `LinearWithGradAccumulationAndAsyncCommunication`): the input's sequence slices
+    all-gathered forward, the product taken; only the slice is kept for backward, which
+    gathers it again for the weight gradient and reduce-scatters the input gradient, so the
+    whole sequence's input is never kept between forward and backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
-        ctx.group, ctx.key = group, key
-        return _seq_gather(x, group, key)
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                group: TensorGroup, key: str) -> torch.Tensor:
+        ctx.group, ctx.key, ctx.has_bias = group, key, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(_seq_gather(x, group, key), weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return (_seq_reduce_scatter(grad, ctx.group, f"{ctx.key} (input gradient)"),
-                None, None)
+        x, weight = ctx.saved_tensors
+        group, key = ctx.group, ctx.key
+        total = _seq_gather(x, group, f"{key} (input again, for the weight gradient)")
+        grad_x = _seq_reduce_scatter(grad @ weight, group, f"{key} (input gradient)") \
+            if ctx.needs_input_grad[0] else None
+        flat = grad.reshape(-1, grad.shape[-1])
+        grad_w = flat.t() @ total.reshape(-1, total.shape[-1]) \
+            if ctx.needs_input_grad[1] else None
+        grad_b = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None, None
 
 
 class _ScatterSeq(torch.autograd.Function):
@@ -233,8 +246,6 @@ class _LeaveSeq(torch.autograd.Function):
 
 
 def copy_to(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
-    if group.sequence_parallel:
-        return group.copy(x, key, _GatherSeq)
     return group.copy(x, key)
 
 
@@ -248,6 +259,8 @@ def reduce_from(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
 
 class ColwiseLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pf_tensor.sequence_parallel:
+            return _SeqColwise.apply(x, self.weight, self.bias, self.pf_tensor, self.pf_key)
         return F.linear(copy_to(x, self.pf_tensor, self.pf_key), self.weight, self.bias)
 
 
