@@ -237,3 +237,49 @@ def test_memory_falls_by_the_tensor_degree():
     assert sp["activations_peak"] <= (0.55 if t == 2 else 0.35) * one["activations_peak"], \
         (sp["activations_peak"], one["activations_peak"])
     assert tp["activations_peak"] > sp["activations_peak"]
+
+
+POISON = {"on": False}
+
+
+class _Poison(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf") if POISON["on"] else grad
+
+
+class Injector(nn.Module):
+    """Identity; an infinite gradient backward while armed on this rank."""
+
+    def forward(self, x):
+        return _Poison.apply(x)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_fp16_overflow_on_one_tensor_rank_skips_the_step_on_every_rank(sp):
+    """The overflow verdict spans the tensor group: an infinite gradient on the last tensor
+    rank only skips the step and halves the scale on every rank, as one process would;
+    good steps then take one process's fp16 decisions."""
+    layers = gpt()
+    layers.insert(1, pf.LayerSpec(Injector))
+    engine = pf.Engine(layers, gpt_loss, sgd,
+                       pf.Config(tensor=N, precision="fp16", loss_scale=1024.0,
+                                 loss_scale_interval=2, sequence_parallel=sp))
+    steps = data(4)
+    engine.train_step(*steps[0])
+    before = [m.detach().clone() for m in engine.stage.precision.masters]
+    POISON["on"] = engine.stage.topo.tensor_rank == N - 1
+    engine.train_step(*steps[1])
+    POISON["on"] = False
+    assert all(torch.equal(b, m) for b, m in zip(before, engine.stage.precision.masters))
+    assert allgather(WORLD, (engine.loss_scale, engine.stats.skipped_steps)) == \
+        [(512.0, 1)] * N
+    for x, y in steps[2:]:
+        engine.train_step(x, y)
+    assert allgather(WORLD, engine.loss_scale) == [1024.0] * N
+    engine.close()

@@ -48,6 +48,7 @@ class StepStage(Protocol):
     sequence_params: list[nn.Parameter] # sequence parallelism: summed over the tensor group
     ties: list[Any]                     # `runtime.stage.Tie`: weights shared across stages
     norm_params: list[nn.Parameter]     # the masters the gradient norm counts (ties once)
+    finite_only: list[nn.Parameter]     # masters it only checks for a non-finite gradient
 
     def describe(self) -> str: ...
 
@@ -167,6 +168,9 @@ def grad_norm(stage: StepStage) -> float:
         # and summed in fp64.
         sq = (torch.stack(torch._foreach_norm(grads)).double().square().sum() if grads
               else torch.zeros((), dtype=torch.float64, device=stage.device))
+        checked = [p.grad for p in stage.finite_only if p.grad is not None]
+        if checked:          # 0 · their norm: 0, or NaN where one is not finite
+            sq = sq + 0.0 * torch.stack(torch._foreach_norm(checked)).double().sum()
     sq = sq.reshape(1).to(stage.pipe_comm.device)    # NCCL groups take CUDA tensors only
     if stage.tensor_comm is not None:     # slices of the tensor group (replicated ones once)
         stage.tensor_comm.allreduce_(sq)

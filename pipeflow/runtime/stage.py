@@ -160,6 +160,11 @@ class Stage:
         self.norm_params = [self.precision.master_of(p) for p in self.precision.working
                             if id(p) not in later and
                             (topo.tensor_rank == 0 or split_of(p) is not None)]
+        # The whole weights the norm leaves to tensor rank 0: still checked for a non-finite
+        # gradient here (an overflow on one tensor rank skips the step on all).
+        self.finite_only = [self.precision.master_of(p) for p in self.precision.working
+                            if id(p) not in later and topo.tensor_rank > 0 and
+                            split_of(p) is None]
         self.optimizer = _make_optimizer(optimizer, masters, topo.describe())
 
     def _reduce_dtype(self) -> torch.dtype | None:
@@ -179,7 +184,7 @@ class Stage:
         """Config.shard_optimizer on d > 1 replicas: the reducer, the masters and the optimizer
         are one `ShardedOptimizer` (the norm is summed from its blocks, not `norm_params`)."""
         working = self.precision.working
-        self.norm_params = []
+        self.norm_params, self.finite_only = [], []
         self.reducer = self.optimizer = None
         if not working:
             return
