@@ -22,7 +22,7 @@ from pipeflow._io import atomic_write_bytes
 from pipeflow.runtime.checkpoint import (CheckpointError, ModelMismatch, check_save_dir,
                                  read_sealed_json,
                                  resolve_checkpoint, saved_plan, sealed_json, step_name)
-from pipeflow.config import ConfigError
+from pipeflow.config import Config, ConfigError
 from pipeflow.train import hub
 from pipeflow.train.export import ExportError, check_target
 from pipeflow.runtime.recompute import reads_side_input
@@ -469,8 +469,8 @@ def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
         out = MetricsLog(trackers, t.steps, engine.stats.step, t.progress, log)
         c = run.engine
         where = ", ".join(f"{type(k).__name__[:-7].lower()} {k.path}" for k in trackers)
-        out.line(f"pipeflow: {model.name} on {source}; grid pipeline={c.pipeline} x "
-                 f"data={c.data}, {c.microbatches} micro-batches, {engine.schedule}, stages "
+        out.line(f"pipeflow: {model.name} on {source}; grid {_grid_words(c)}, "
+                 f"{c.microbatches} micro-batches, {engine.schedule}, stages "
                  f"{list(engine.plan.boundaries)}; MFU against {peak[0] / 1e12:.3g} TFLOP/s a "
                  f"rank ({peak[1]})" + (f"; metrics to {where}" if where else ""))
         for note in model.notes:
@@ -700,3 +700,12 @@ def _loop(loop: _Loop, comm: MPI.Comm, preemption: Preemption, trace: str | None
             return loop.losses
     _finish(loop, time.perf_counter() - start, trace)
     return loop.losses
+
+
+def _grid_words(c: Config) -> str:
+    """The grid as the run's first line says it: `pipeline=2 x data=1[ x tensor=2 ...]`."""
+    words = f"pipeline={c.pipeline} x data={c.data}"
+    if c.tensor > 1:
+        words += f" x tensor={c.tensor}" + (" (sequence parallel)" if c.sequence_parallel
+                                            else "")
+    return words
