@@ -283,3 +283,73 @@ def test_fp16_overflow_on_one_tensor_rank_skips_the_step_on_every_rank(sp):
         engine.train_step(x, y)
     assert allgather(WORLD, engine.loss_scale) == [1024.0] * N
     engine.close()
+
+
+# -- transformers models: the Llama-shaped families split, every other one refused ----------
+
+def _hf_config(kind: str):
+    transformers = pytest.importorskip("transformers")
+    shape = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                 num_attention_heads=4, num_key_value_heads=N, vocab_size=VOCAB,
+                 max_position_embeddings=SEQ * 2)
+    if kind == "gpt2":
+        return transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB,
+                                       n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
+                                       attn_pdrop=0.0)
+    return {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[kind](
+                **shape, **({"head_dim": 8} if kind == "qwen3" else {}))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_llama_shaped_transformers_families_split_like_one_process(kind, sp):
+    """Grouped-query attention (as many key/value heads as tensor ranks), padding masks as
+    side inputs, the summed loss over valid tokens: equal to one process at t = world."""
+    from pipeflow.models import hf
+    cfg = _hf_config(kind)
+    layers = hf.causal_lm_layers(cfg)
+    engine = pf.Engine(layers, hf.causal_lm_loss_sum, sgd,
+                       pf.Config(tensor=N, microbatches=2, sequence_parallel=sp),
+                       count_items=hf.num_valid_tokens)
+    gen = torch.Generator().manual_seed(5)
+    steps = []
+    for _ in range(2):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+        lengths = torch.randint(2, SEQ + 1, (BATCH,), generator=gen)
+        mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
+        steps.append((ids, ids.masked_fill(mask == 0, -100), mask))
+    losses = [engine.train_step(ids, labels, attention_mask=mask)
+              for ids, labels, mask in steps]
+    # The reference: transformers' own model from the same start, trained on whole batches.
+    import transformers
+    start = pf.build_sequential(layers, 0).state_dict()
+    model = transformers.AutoModelForCausalLM.from_config(
+        cfg, attn_implementation=hf.attention_implementation(cfg))
+    model.load_state_dict(hf.to_hf_state_dict(start, cfg))
+    opt = sgd(list(model.parameters()))
+    ref = []
+    for ids, labels, mask in steps:
+        opt.zero_grad()
+        loss = model(ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        opt.step()
+        ref.append(loss.item())
+    assert losses == pytest.approx(ref, rel=1e-5)
+    full = engine.gather_state_dict()
+    if WORLD.rank == 0:
+        trained = hf.to_hf_state_dict(full, cfg)
+        for key, value in model.state_dict().items():
+            diff = (trained[key] - value).norm() / value.norm().clamp(min=1e-12)
+            assert diff < 1e-5, (key, float(diff))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_family_without_a_tensor_plan_is_refused_with_the_reason():
+    from pipeflow.models import hf
+    cfg = _hf_config("gpt2")
+    with pytest.raises(pf.ConfigError, match="'gpt2' has no tensor-parallel plan"):
+        pf.Engine(hf.causal_lm_layers(cfg), hf.causal_lm_loss_sum, sgd, pf.Config(tensor=N),
+                  count_items=hf.num_valid_tokens)

@@ -32,7 +32,7 @@ from torch.nn import functional as F
 
 from pipeflow.aux_loss import add_aux_loss
 from pipeflow.layers import LayerSpec
-from pipeflow.models import hf_moe
+from pipeflow.models import hf_families, hf_moe
 from pipeflow.models.hf_families import (FAMILIES, Family, family, local_name, positions,
                                          refusal, submodule)
 
@@ -313,6 +313,11 @@ class DecoderLayer(nn.Module):
         self.kind = parts.family.kind(config, index)   # as the family's base forward chooses
         self._rotary = (None if parts.rotary is None else parts.rotary(config=config),)
         self.decodes = parts.family.cache is not None    # a key/value cache for generation
+        plan = hf_families.tensor_plan(config)
+        if plan is not None:
+            self.tp_plan = plan           # runtime.tensor_parallel cuts it at tensor > 1
+        else:
+            self.tp_refusal = hf_families.tensor_refusal(config)
 
     @property
     def rotary(self) -> nn.Module | None:
@@ -360,9 +365,10 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden: Any, *, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> Any:
         hidden, sums = _split(hidden)
-        position_ids = positions(hidden, position_ids)
-        extra = self.family.block_inputs(self, hidden, attention_mask, position_ids)
-        mask = self._mask(hidden, attention_mask, position_ids)
+        whole = _whole_sequence(self, hidden)     # what the mask and positions are made for
+        position_ids = positions(whole, position_ids)
+        extra = self.family.block_inputs(self, whole, attention_mask, position_ids)
+        mask = self._mask(whole, attention_mask, position_ids)
         if sums is None:
             return self._block(hidden, mask, position_ids, extra)
         with hf_moe.capture_router_logits(self.layer, self.router) as routed:
@@ -376,6 +382,17 @@ class DecoderLayer(nn.Module):
                extra: dict[str, Any]) -> torch.Tensor:
         out = self.layer(hidden, attention_mask=mask, position_ids=position_ids, **extra)
         return out[0] if isinstance(out, tuple) else out
+
+
+def _whole_sequence(layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Under sequence parallelism a block receives its rank's slice of the sequence, while
+    its mask, positions and rotary tables are the whole sequence's: a stand-in of the whole
+    shape (an expanded scalar: no memory) to make them from."""
+    group = getattr(layer, "pf_sequence_group", None)
+    if group is None:
+        return hidden
+    b, t, *rest = hidden.shape
+    return hidden.new_zeros(()).expand(b, t * group.size, *rest)
 
 
 def _positions_from(x: torch.Tensor, position: int) -> torch.Tensor:

@@ -122,7 +122,7 @@ def split_step(call: str, step: int, inputs: Any, targets: Any, side: Mapping[st
         if holds_last and (targets is not None or needs_targets):
             _fill(micro, "targets", _need(call, "targets", targets, where, "last"),
                   m, d, topo.replica, stage.device, where, local)
-            if count_items is not None:
+            if count_items is not None and topo.tensor_rank == 0:   # a tensor group once
                 items = int(sum(int(count_items(mb.targets)) for mb in micro))
         rows = _rows(inputs if holds_first else None) or \
             _rows(targets if holds_last else None)

@@ -232,6 +232,9 @@ class Stage:
         problem, planned = None, {}
         try:
             for i, layer in built.items():
+                refused = getattr(layer, "tp_refusal", None)
+                if refused:
+                    raise ConfigError(f"layer {i} ({type(layer).__name__}): {refused}")
                 planned[i] = bool(plan_of(layer))
                 shard_layer(layer, self.tensor, i)
             for i, layer in built.items():

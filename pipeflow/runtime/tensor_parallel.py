@@ -17,6 +17,9 @@ names (fnmatch patterns, as transformers' `base_model_tp_plan`) to a style, with
 - `"rowwise"` on `nn.Linear`: input features cut (weight columns); the partial products are
   summed over the group (`reduce_from`: all-reduce forward, identity backward), then the
   whole bias added once.
+- `"gather_sequence"` on any module: under sequence parallelism its input is gathered whole
+  on entry (for code that reshapes by its input's length, as transformers' attention does)
+  and its column layers take it as it is; without sequence parallelism nothing.
 - `"rowwise"` on `nn.Embedding`: the vocabulary cut (a vocabulary-parallel embedding: ids
   outside a rank's rows give zeros, the group sums); `"colwise"` on `nn.Embedding`: the
   embedding width cut, the slices gathered.
@@ -45,7 +48,7 @@ __all__ = ["TensorGroup", "Split", "plan_of", "shard_layer", "split_of", "cut", 
            "gather_whole", "check_cut_consistent",
            "copy_to", "reduce_from"]
 
-STYLES = ("colwise", "rowwise")
+STYLES = ("colwise", "rowwise", "gather_sequence")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +82,7 @@ class TensorGroup:
     def __init__(self, size: int, rank: int, sequence_parallel: bool = False) -> None:
         self.size, self.rank, self.sequence_parallel = size, rank, sequence_parallel
         self.comm: Communicator | None = None
+        self.gathered = 0        # inside a `gather_sequence` module (sequence parallelism)
         self._copied: tuple[Any, Any] | None = None    # the last input copied to the group
 
     def allreduce(self, x: torch.Tensor, key: str) -> torch.Tensor:
@@ -204,6 +208,21 @@ class _SeqColwise(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
+class _GatherSeq(torch.autograd.Function):
+    """Into a module that needs the whole sequence (`gather_sequence`): all-gather forward,
+    reduce-scatter backward; the column layers inside then take it as it is."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
+        ctx.group, ctx.key = group, key
+        return _seq_gather(x, group, key)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return (_seq_reduce_scatter(grad, ctx.group, f"{ctx.key} (input gradient)"),
+                None, None)
+
+
 class _ScatterSeq(torch.autograd.Function):
     """Out of a row layer: reduce-scatter forward, all-gather backward."""
 
@@ -259,6 +278,8 @@ def reduce_from(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
 
 class ColwiseLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pf_tensor.gathered:      # inside `gather_sequence`: the whole input is here
+            return F.linear(x, self.weight, self.bias)
         if self.pf_tensor.sequence_parallel:
             return _SeqColwise.apply(x, self.weight, self.bias, self.pf_tensor, self.pf_key)
         return F.linear(copy_to(x, self.pf_tensor, self.pf_key), self.weight, self.bias)
@@ -338,6 +359,7 @@ def sequence_boundaries(layer: nn.Module, index: int, planned: list[bool],
     one (across stages too)."""
     if not planned[index]:
         return
+    layer.pf_sequence_group = group      # a layer that builds masks from the whole length
     key = f"tensor group: layer {index} ({type(layer).__name__})"
     if index == 0 or not planned[index - 1]:
         layer.register_forward_pre_hook(
@@ -409,8 +431,35 @@ def shard_layer(layer: nn.Module, group: TensorGroup, index: int) -> None:
                         f"layer {index}.{sub_name}")
 
 
+def _gather_sequence(module: nn.Module, group: TensorGroup, key: str) -> None:
+    """`gather_sequence`: under sequence parallelism the module's input (its first argument
+    or `hidden_states`) is gathered whole on entry (code that reshapes by its input's length,
+    as transformers' attention does, sees the whole sequence) and its column layers take it
+    as it is; its row layers still scatter their output. Without it, nothing."""
+    if not group.sequence_parallel:
+        return
+
+    def enter(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        group.gathered += 1
+        if args:
+            return (_GatherSeq.apply(args[0], group, key), *args[1:]), kwargs
+        kwargs = dict(kwargs)
+        kwargs["hidden_states"] = _GatherSeq.apply(kwargs["hidden_states"], group, key)
+        return args, kwargs
+
+    def leave(_m: nn.Module, _args: tuple, out: Any) -> Any:
+        group.gathered -= 1
+        return out
+
+    module.register_forward_pre_hook(enter, with_kwargs=True)
+    module.register_forward_hook(leave)
+
+
 def _cut_module(module: nn.Module, split: Split, group: TensorGroup, where: str,
                 key: str) -> None:
+    if split.style == "gather_sequence":
+        _gather_sequence(module, group, f"tensor group: {key} (gather_sequence)")
+        return
     kind = next((k for k in (nn.Linear, nn.Embedding) if type(module) is k), None)
     if kind is None:
         raise ConfigError(
