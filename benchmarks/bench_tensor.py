@@ -120,16 +120,16 @@ def _traffic(layers, cfg: GPTConfig, x, y, sp: bool) -> dict:
     return {op: (n / per, counting.bytes[op] / per / bsh) for op, n in counting.calls.items()}
 
 
-def _memory(layers, x, y) -> list[tuple[int, dict]]:
+def _memory(layers, x, y) -> list[tuple[str, dict]]:
     rows = []
-    for t in [1, 2, 4]:
+    for t, sp in [(1, False), (2, False), (2, True), (4, False), (4, True)]:
         if t > WORLD.size or WORLD.size % t:
             continue
         comm = WORLD.Split(WORLD.rank // t, WORLD.rank)
-        engine = pf.Engine(layers, gpt_loss, _sgd, pf.Config(tensor=t), comm=comm,
-                           measure_activations=True)
+        engine = pf.Engine(layers, gpt_loss, _sgd, pf.Config(tensor=t, sequence_parallel=sp),
+                           comm=comm, measure_activations=True)
         engine.train_step(x, y)
-        rows.append((t, engine.memory_report()))
+        rows.append((f"{t}{' + sequence parallel' if sp else ''}", engine.memory_report()))
         engine.close()
         comm.Free()
     return rows

@@ -196,10 +196,11 @@ class Config:
             _fail("sequence_parallel", "false with tensor = 1 (it cuts the sequence over the "
                   "tensor group)", self.sequence_parallel,
                   "set tensor > 1, or sequence_parallel = false")
-        if self.shard_optimizer and self.tensor > 1 and self.data > 1:
-            _fail("shard_optimizer", "false with tensor > 1 (the sharded optimizer does not "
-                  "yet count a tensor group's whole weights once in the gradient norm)",
-                  self.shard_optimizer, "set shard_optimizer = false, or tensor = 1")
+        if self.shard_optimizer and self.sequence_parallel and self.data > 1:
+            _fail("shard_optimizer", "false with sequence_parallel (the sharded optimizer "
+                  "reduce-scatters gradients during the backward, before the whole weights of "
+                  "cut layers are summed over the tensor group)", self.shard_optimizer,
+                  "set shard_optimizer = false, or sequence_parallel = false")
         _number("watchdog_s", self.watchdog_s, 0.0, hint="0 turns the watchdog off")
         _number("agree_s", self.agree_s, 0.0, hint="0 waits without a limit")
         _integer("max_nonfinite_steps", self.max_nonfinite_steps, 0)

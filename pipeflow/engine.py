@@ -513,42 +513,50 @@ class Engine:
 
     def _sharded_entries(self) -> tuple[dict[str, dict], dict[str, dict]]:
         """Sharded: whole optimizer state and group settings by parameter name, as an
-        unsharded run saves them (gathered over the data group: every replica calls it)."""
+        unsharded run saves them (gathered over the data group: every replica calls it;
+        tensor-parallel, over the tensor group too)."""
         states, settings = self.stage.shards.full_optimizer_state()
         named = self._names()
-        return ({n: states[id(p)] for n, p in named if id(p) in states},
+        return (self._whole_state({n: states[id(p)] for n, p in named if id(p) in states}),
                 {n: settings[id(p)] for n, p in named if id(p) in settings})
 
     def _tensor_entries(self) -> tuple[dict[str, dict], dict[str, dict]]:
         """Tensor-parallel: optimizer state by parameter name, a cut parameter's state tensors
         gathered whole (every tensor rank calls it), and group settings."""
-        opt, splits = self.stage.optimizer, self._splits()
+        opt = self.stage.optimizer
         group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
-        states, settings = {}, {}
-        for n, p in self.named_master_parameters():
-            if p in opt.state:
-                states[n] = {k: tp.gather_whole(self.stage.tensor, v, *splits[n], f"{n} {k}")
-                             if n in splits and torch.is_tensor(v) and v.shape == p.shape
-                             else v for k, v in opt.state[p].items()}
-            if id(p) in group_of:
-                settings[n] = {k: v for k, v in group_of[id(p)].items() if k != "params"}
-        return states, settings
+        named = self.named_master_parameters()
+        states = self._whole_state({n: opt.state[p] for n, p in named if p in opt.state})
+        return states, {n: {k: v for k, v in group_of[id(p)].items() if k != "params"}
+                        for n, p in named if id(p) in group_of}
+
+    def _whole_state(self, states: dict[str, dict]) -> dict[str, dict]:
+        """Per-name optimizer state, a cut parameter's per-element tensors gathered whole."""
+        splits, shapes = self._splits(), {n: p.shape for n, p in self._names()}
+        return {n: {k: tp.gather_whole(self.stage.tensor, v, *splits[n], f"{n} {k}")
+                    if n in splits and torch.is_tensor(v) and v.shape == shapes[n] else v
+                    for k, v in st.items()} for n, st in states.items()}
+
+    def _cut_state(self, states: dict[str, dict]) -> dict[str, dict]:
+        """Whole per-name optimizer state cut into this tensor rank's slices."""
+        if self.stage.tensor_comm is None:
+            return states
+        splits, group = self._splits(), self.stage.tensor
+        whole = {n: tp.whole_shape(p.shape, splits[n][0], group.size) for n, p in self._names()
+                 if n in splits}
+        return {n: {k: tp.cut(v, *splits[n], group.size, group.rank)
+                    if n in whole and torch.is_tensor(v) and v.shape == whole[n] else v
+                    for k, v in st.items()} for n, st in states.items()}
 
     def _load_tensor_entries(self, states: dict[str, dict], settings: dict[str, dict]) -> None:
         """Tensor-parallel: whole per-name optimizer state cut into this rank's slices."""
-        splits, group = self._splits(), self.stage.tensor
-        named = self.named_master_parameters()
-        whole = {n: tp.whole_shape(p.shape, splits[n][0], group.size) for n, p in named
-                 if n in splits}
-        cut = {n: {k: tp.cut(v, *splits[n], group.size, group.rank)
-                   if n in whole and torch.is_tensor(v) and v.shape == whole[n] else v
-                   for k, v in st.items()} for n, st in states.items()}
-        load_optimizer_by_name(self.stage.optimizer, named, cut, settings)
+        load_optimizer_by_name(self.stage.optimizer, self.named_master_parameters(),
+                               self._cut_state(states), settings)
 
     def _load_sharded_entries(self, states: dict[str, dict], settings: dict[str, dict]) -> None:
         """Sharded: whole per-name optimizer state (of a checkpoint of any grid, sharded or
-        not) cut into this replica's blocks."""
-        named = self._names()
+        not) cut into this replica's blocks (and first into this tensor rank's slices)."""
+        named, states = self._names(), self._cut_state(states)
         self.stage.shards.load_optimizer_state(
             {id(p): states[n] for n, p in named if n in states},
             {id(p): settings[n] for n, p in named if n in settings})

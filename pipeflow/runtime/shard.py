@@ -35,7 +35,7 @@ step hook registered on it runs once per bucket.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -121,22 +121,27 @@ class ShardedOptimizer(GradReducer):
     def __init__(self, working: Sequence[nn.Parameter], initial: dict[int, torch.Tensor],
                  ties: Sequence[Any], comm: Communicator, bucket_bytes: int,
                  probe: torch.optim.Optimizer, where: str,
-                 reduce_dtype: torch.dtype | None = None) -> None:
+                 reduce_dtype: torch.dtype | None = None,
+                 counts: Callable[[nn.Parameter], bool] | None = None) -> None:
         """`working`: the stage's trainable parameters; `initial`: their exact fp32 start
         values (by id); `ties`: the stage's `Tie`s; `probe`: the user's optimizer over
-        `working`, read for its type and parameter groups, then rebuilt over the blocks."""
+        `working`, read for its type and parameter groups, then rebuilt over the blocks;
+        `counts`: whether a parameter's gradient counts in the norm here (all by default)."""
         self._setup(comm, reduce_dtype)
         self.where = where
         check_elementwise(probe, where)
         group_of = {id(p): g for g, grp in enumerate(probe.param_groups) for p in grp["params"]}
         tie_of = {id(t.param): t for t in ties}
         # A bucket holds one parameter group and one working dtype (fp32_modules stay fp32).
-        open_buckets: dict[tuple[int, torch.dtype], tuple[list[nn.Parameter], int]] = {}
+        # ... and weights the norm counts here or not (tensor-parallel: the whole weights
+        # count on tensor rank 0 only).
+        counted = counts or (lambda p: True)
+        open_buckets: dict[tuple[int, torch.dtype, bool], tuple[list[nn.Parameter], int]] = {}
         for p in reversed(list(working)):     # backward's order: early buckets final early
             if id(p) in tie_of:
                 self._add_bucket_of([p], group_of[id(p)], initial, tie_of[id(p)])
                 continue
-            key = (group_of[id(p)], p.dtype)
+            key = (group_of[id(p)], p.dtype, counted(p))
             params, size = open_buckets.pop(key, ([], 0))
             params.append(p)
             size += p.numel() * 4
@@ -144,8 +149,10 @@ class ShardedOptimizer(GradReducer):
                 self._add_bucket_of(params, key[0], initial)
             else:
                 open_buckets[key] = (params, size)
-        for (g, _), (params, _) in open_buckets.items():
+        for (g, _, _), (params, _) in open_buckets.items():
             self._add_bucket_of(params, g, initial)
+        for b in self.buckets:
+            b.counted = all(counted(p) for p in b.params)
         # The hooks launch every bucket but the ties' (`finish` launches those, after their
         # sum over the stages that hold them), in index order.
         self._ordered = [b for b in self.buckets if b.tie is None]
@@ -256,10 +263,14 @@ class ShardedOptimizer(GradReducer):
         a tie's on its first holder only: summed over the data group and the pipeline it is
         the squared norm, each element counted once."""
         norms = [torch.linalg.vector_norm(b.master.grad) for b in self.buckets
-                 if b.tie is None or b.tie.first]
-        if not norms:
-            return torch.zeros(1, dtype=torch.float64)
-        return torch.stack(norms).double().square().sum().reshape(1)
+                 if (b.tie is None or b.tie.first) and b.counted]
+        checked = [torch.linalg.vector_norm(b.master.grad) for b in self.buckets
+                   if not b.counted]     # 0 · their norm: 0, or NaN where one is not finite
+        sq = torch.stack(norms).double().square().sum().reshape(1) if norms else \
+            torch.zeros(1, dtype=torch.float64)
+        if checked:
+            sq = sq + 0.0 * torch.stack(checked).double().sum().to(sq.device)
+        return sq
 
     def step(self, coef: float = 1.0) -> None:
         """Clip the blocks by `coef` (< 1), step each bucket's block and all-gather its working

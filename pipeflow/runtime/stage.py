@@ -191,7 +191,9 @@ class Stage:
         probe = _make_optimizer(factory, working, self.describe())
         self.shards = ShardedOptimizer(working, self.precision.take_initial(), self.ties,
                                        self.data_comm, int(self.settings.bucket_mb * 2**20),
-                                       probe, self.describe(), self._reduce_dtype())
+                                       probe, self.describe(), self._reduce_dtype(),
+                                       counts=lambda p: (self.topo.tensor_rank == 0 or
+                                                         split_of(p) is not None))
         self.reducer, self.optimizer = self.shards, self.shards.optimizer
 
     def describe(self) -> str:
