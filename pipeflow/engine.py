@@ -649,7 +649,13 @@ class Engine:
         """The watchdog's report: where this rank is, and what it waits for."""
         text = (f"{self._where} at instruction {self._instruction_text(probe=True)} of step "
                 f"{self.stats.step}")
-        stuck = [op for comm in (self.stage.pipe_comm, self.stage.data_comm)
+        inside = self.stage.tensor.waiting
+        if inside:    # a layer's collective over the tensor group, by the layer's name
+            text += (f"; inside {inside} (tensor group ranks "
+                     f"{topo_group(self.stage.topo, 'tensor')}): a tensor rank that skipped "
+                     f"or reordered a cut layer's collective leaves the others here")
+        stuck = [op for comm in (self.stage.pipe_comm, self.stage.data_comm,
+                                 self.stage.tensor_comm)
                  if comm is not None for op in comm.in_flight()]
         if stuck:     # NCCL: the host waits at a later point than the link that is stuck
             text += "; on the device, still waiting: " + "; ".join(stuck[:4])
@@ -693,6 +699,11 @@ CHECKPOINT_IO_BYTES_S = 50e6
 # close() while this rank raises its own exception: how long the others are waited for (ranks
 # failing alike arrive together; one failing alone would otherwise hold the job agree_s).
 FAILING_CLOSE_S = 1.0
+
+
+def topo_group(topo: Topology, axis: str) -> list[int]:
+    """The world ranks of this rank's group along `axis`."""
+    return topo.grid.group(axis, topo.rank)
 
 
 def check_launcher(world: MPI.Comm) -> None:

@@ -48,6 +48,12 @@ def _clean_env():
     ("trainer_fault.py", "raise-patient",
      "closed the engine while raising ValueError: user code failed between steps"),
     ("trainer_fault.py", "interrupt", "rank 1 interrupted at step 2"),
+    # A tensor rank that skips a cut layer's collective: the waiting rank's watchdog names
+    # the tensor group's collective (layer, style) it waits in; strict mode fails both at
+    # the first collective that differs, naming each side's.
+    ("tensor_skip.py", "mpi", "; inside tensor group: layer "),
+    ("tensor_skip.py", "strict", "collective 0 of this group differs between ranks (rank 0: "
+                                 "all_reduce[tensor group: layer 0.down (rowwise)]"),
 ])
 def test_a_failed_stalled_or_mismatched_rank_ends_the_job_fast(script, mode, expected):
     start = time.monotonic()

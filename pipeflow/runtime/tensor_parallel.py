@@ -83,6 +83,7 @@ class TensorGroup:
         self.size, self.rank, self.sequence_parallel = size, rank, sequence_parallel
         self.comm: Communicator | None = None
         self.gathered = 0        # inside a `gather_sequence` module (sequence parallelism)
+        self.waiting = ""        # the collective this rank waits in (the watchdog says it)
         self._copied: tuple[Any, Any] | None = None    # the last input copied to the group
 
     def allreduce(self, x: torch.Tensor, key: str) -> torch.Tensor:
@@ -92,8 +93,14 @@ class TensorGroup:
         wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) and not native \
             else x.dtype
         y = x.detach().to(wide, memory_format=torch.contiguous_format, copy=True)
-        self.comm.iallreduce_(y, key=key).wait()
+        self.wait(self.comm.iallreduce_(y, key=key), key)
         return y.to(x.dtype)
+
+    def wait(self, request: Any, key: str) -> None:
+        """Wait for a collective, named for the watchdog's report while it lasts."""
+        self.waiting = key
+        request.wait()
+        self.waiting = ""
 
     def copy(self, x: torch.Tensor, key: str) -> torch.Tensor:
         """`copy_to(x)`, once for an input that several column layers read (q, k and v; gate
@@ -142,7 +149,7 @@ class _GatherLast(torch.autograd.Function):
         ctx.group = group
         shard = x.detach().contiguous()
         out = torch.empty((group.size, *shard.shape), dtype=shard.dtype, device=shard.device)
-        group.comm.iallgather_(shard, out, key=key).wait()
+        group.wait(group.comm.iallgather_(shard, out, key=key), key)
         return torch.cat(out.unbind(0), dim=-1)
 
     @staticmethod
@@ -162,7 +169,7 @@ def _seq_gather(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
     """Every rank's slice of the sequence, whole (in rank order)."""
     shard = _wide(x.detach(), group).transpose(0, SEQ).contiguous()
     out = torch.empty((group.size, *shard.shape), dtype=shard.dtype, device=shard.device)
-    group.comm.iallgather_(shard, out, key=key).wait()
+    group.wait(group.comm.iallgather_(shard, out, key=key), key)
     whole = out.reshape(group.size * shard.shape[0], *shard.shape[1:])
     return whole.transpose(0, SEQ).to(x.dtype)
 
@@ -172,7 +179,7 @@ def _seq_reduce_scatter(x: torch.Tensor, group: TensorGroup, key: str) -> torch.
     whole = _wide(x.detach(), group).transpose(0, SEQ).contiguous()
     out = torch.empty((whole.shape[0] // group.size, *whole.shape[1:]), dtype=whole.dtype,
                       device=whole.device)
-    group.comm.ireduce_scatter_(whole, out, key=key).wait()
+    group.wait(group.comm.ireduce_scatter_(whole, out, key=key), key)
     return out.transpose(0, SEQ).to(x.dtype)
 
 
@@ -406,7 +413,7 @@ def gather_whole(group: TensorGroup, value: torch.Tensor, dim: int, parts: int,
     """The whole tensor from this rank's slice `value` and the group's (every rank calls it)."""
     shard = value.detach().contiguous()
     out = torch.empty((group.size, *shard.shape), dtype=shard.dtype, device=shard.device)
-    group.comm.iallgather_(shard, out, key=f"tensor group: {key}").wait()
+    group.wait(group.comm.iallgather_(shard, out, key=f"tensor group: {key}"), key)
     return join(list(out.unbind(0)), dim, parts)
 
 
