@@ -403,8 +403,10 @@ class Engine:
     def _gather_outputs(self, outputs: list[Any]) -> Any:
         """The last stage's outputs of every micro-batch and replica, in global batch order,
         on world rank 0."""
+        # The tensor ranks of the last stage hold the same outputs: tensor rank 0's count.
         mine = tree.map_tensors(lambda t: t.to("cpu"), outputs) \
-            if self.plan.holds_last(self.stage.index) else None
+            if self.plan.holds_last(self.stage.index) and self.stage.topo.tensor_rank == 0 \
+            else None
         parts = waiting.gather(self._control, (self.stage.topo.replica, mine), 0)
         if self._control.rank != 0:
             return None

@@ -374,6 +374,41 @@ def test_sharded_optimizer_at_d2xt2_trains_like_one_process(optimizer, rtol, tmp
         assert_same_parameters(full, model.state_dict(), rtol=rtol)
 
 
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_eval_and_generation_at_tensor_degree_match_one_process(sp):
+    """Logits of eval_step and greedy generation (the key/value cache's decode path, the
+    sequence whole while decoding) equal one rank's after the same training."""
+    layers = gpt(n_layers=2)
+    fast = lambda ps: torch.optim.AdamW(ps, lr=3e-2)       # noqa: E731
+    engines = {t: pf.Engine(layers, gpt_loss, fast, pf.Config(tensor=t, sequence_parallel=sp
+                                                               and t > 1), comm=comm)
+               for t, comm in ((1, MPI.COMM_SELF), (N, WORLD))}
+    for x, _ in data(12):          # learn "the next token is this one plus 1": varied output
+        for e in engines.values():
+            e.train_step(x, (x + 1) % VOCAB)
+    # The same weights on both (training's equivalence is the other tests' business).
+    engines[1].load_state_dict(bcast(WORLD, engines[N].gather_state_dict()))
+    x, _ = data(1, seed=9)[0]
+    logits = {t: e.eval_step(x) for t, e in engines.items()}
+    prompt = x[:2, :3].tolist()
+    group = engines[N].stage.tensor
+    gathers = []
+    real = group.comm.iallgather_
+    group.comm.iallgather_ = lambda *a, **k: gathers.append(k.get("key")) or real(*a, **k)
+    tokens = {t: e.generate(prompt, max_new_tokens=4) for t, e in engines.items()}
+    del group.comm.iallgather_
+    # Decoding cuts no sequence: a few new positions a call, each rank's cache whole (with
+    # sequence parallelism left on, the column layers gathered duplicates of every position).
+    assert gathers == [], gathers[:3]
+    if WORLD.rank == 0:
+        assert torch.allclose(logits[N], logits[1], rtol=1e-4, atol=1e-5)
+        assert tokens[N] == tokens[1], tokens
+        assert len({tok for row in tokens[1] for tok in row}) > 1, "degenerate: proves little"
+    for e in engines.values():
+        e.close()
+
 if not FOUR:       # not collected at all (a skip under mpirun is an error)
     del (test_pipeline_by_tensor_every_schedule,
          test_checkpoint_of_p2xt2_resumes_on_other_tensor_degrees,

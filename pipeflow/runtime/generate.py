@@ -37,6 +37,7 @@ from pipeflow import tree
 from pipeflow.comm import waiting
 from pipeflow.layers import layer_seed
 from pipeflow.runtime.recompute import run_layers
+from pipeflow.runtime.tensor_parallel import whole_sequence
 
 __all__ = ["Request", "normalise_prompts", "sample_next", "prompt_generator", "Decoding",
            "decodes", "layer_report", "choose_cache", "TAG"]
@@ -229,20 +230,24 @@ class Decoding:
         elsewhere the lists stay empty). Collective over the replica's pipeline."""
         self.tokens = self.stage.topo.pipe.Dup()   # tokens back: a link NCCL may lack
         try:
-            for t in range(self.request.max_new_tokens):
-                for v, chunk in self.mine:
-                    for j in range(len(self.indices)):
-                        if j not in self.done[v]:
-                            self.on_item(f"generate: token {t} of prompt {self.indices[j]} "
-                                         f"on virtual stage {v}")
-                            self._item(t, v, chunk, j)
-                    self.sends = [s for s in self.sends if not s.test()]
-            for s in self.sends:
-                s.wait()
-            waiting.waitall(self.token_sends)
+            with whole_sequence(self.stage.tensor):  # decoding cuts no sequence
+                self._tokens()
         finally:
             self.tokens.Free()
         return self.results
+
+    def _tokens(self) -> None:
+        for t in range(self.request.max_new_tokens):
+            for v, chunk in self.mine:
+                for j in range(len(self.indices)):
+                    if j not in self.done[v]:
+                        self.on_item(f"generate: token {t} of prompt {self.indices[j]} "
+                                     f"on virtual stage {v}")
+                        self._item(t, v, chunk, j)
+                self.sends = [s for s in self.sends if not s.test()]
+        for s in self.sends:
+            s.wait()
+        waiting.waitall(self.token_sends)
 
     def _item(self, t: int, v: int, chunk: int, j: int) -> None:
         x = self._first_input(t, j) if v == 0 else self._receive(v, j)

@@ -32,10 +32,11 @@ parameters keep their names and their shapes say which slice a rank holds (`spli
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import weakref
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -332,12 +333,27 @@ _CUTS: dict[tuple[type, str], tuple[type, dict[str, int], str]] = {
 def enter_sequence(value: Any, group: TensorGroup, key: str) -> Any:
     """A layer's input entering the sequence-parallel region: this rank's slice of every
     activation ([batch, sequence, ...] floating tensors) in it."""
+    if not group.sequence_parallel:      # off for the moment (generation)
+        return value
     return _map_activations(value, lambda x: _EnterSeq.apply(x, group, key), group, key)
 
 
 def leave_sequence(value: Any, group: TensorGroup, key: str) -> Any:
     """A layer's output leaving the sequence-parallel region: the slices gathered whole."""
+    if not group.sequence_parallel:
+        return value
     return _map_activations(value, lambda x: _LeaveSeq.apply(x, group, key), None, key)
+
+
+@contextlib.contextmanager
+def whole_sequence(group: TensorGroup) -> Iterator[None]:
+    """Sequence parallelism off while it lasts (generation: a few new positions a call,
+    with a cache of keys and values per position): the tensor split alone."""
+    saved, group.sequence_parallel = group.sequence_parallel, False
+    try:
+        yield
+    finally:
+        group.sequence_parallel = saved
 
 
 def _map_activations(value: Any, fn: Any, cut_by: TensorGroup | None, key: str) -> Any:
