@@ -130,6 +130,8 @@ class Engine:
                            fields_of(StepSettings, config), topo, arranged.plan, optimizer, dev)
         self.plan = self.stage.plan
         self._where = self.stage.describe()
+        if self.stage.vocab_logits:      # logits cut along the vocabulary into the loss
+            loss_fn = tp.vocab_loss(loss_fn, self.stage.tensor)
         self.loss_fn = loss_fn
         # With count_items the first training step checks that the loss is a sum.
         self._loss_check = SummedLossCheck(loss_fn)
@@ -403,6 +405,8 @@ class Engine:
     def _gather_outputs(self, outputs: list[Any]) -> Any:
         """The last stage's outputs of every micro-batch and replica, in global batch order,
         on world rank 0."""
+        if self.stage.vocab_logits:      # whole logits for the caller
+            outputs = [tp.gather_vocab(o, self.stage.tensor) for o in outputs]
         # The tensor ranks of the last stage hold the same outputs: tensor rank 0's count.
         mine = tree.map_tensors(lambda t: t.to("cpu"), outputs) \
             if self.plan.holds_last(self.stage.index) and self.stage.topo.tensor_rank == 0 \

@@ -91,6 +91,19 @@ def test_tensor_grid_trains_like_one_process(grid, optimizer, rtol, tied, sp):
             assert shape == (32, 4 * 32 // t), (name, shape)
         if name.endswith("ln_1.weight"):
             assert shape == (32,), (name, shape)
+        if name.endswith(("tokens.weight", "lm_head.weight")):   # the vocabulary cut
+            assert shape == (VOCAB // t, 32), (name, shape)
+    # Whole logits are never built: the head gives this rank's slice of the vocabulary, the
+    # loss takes it as it is (the vocabulary-parallel cross-entropy).
+    seen, hook = [], None
+    if engine.stage.vocab_logits:
+        head = engine.stage.module.get_submodule(str(engine.stage.n_layers - 1))
+        hook = head.register_forward_hook(lambda _m, _a, out: seen.append(out.shape[-1]))
+    engine.train_step(*data(1)[0])            # every rank: a step is collective
+    if hook is not None:
+        hook.remove()
+        assert seen and set(seen) == {VOCAB // t}, seen
+    assert engine.stage.vocab_logits == engine.stage.plan.holds_last(engine.stage.index)
 
 
 # Grids of 4 ranks only: collected under `mpirun -n 4` alone (see the end of the file).
@@ -401,7 +414,7 @@ def test_eval_and_generation_at_tensor_degree_match_one_process(sp):
     del group.comm.iallgather_
     # Decoding cuts no sequence: a few new positions a call, each rank's cache whole (with
     # sequence parallelism left on, the column layers gathered duplicates of every position).
-    assert gathers == [], gathers[:3]
+    assert [k for k in gathers if "logits" not in k] == [], gathers[:3]
     if WORLD.rank == 0:
         assert torch.allclose(logits[N], logits[1], rtol=1e-4, atol=1e-5)
         assert tokens[N] == tokens[1], tokens

@@ -9,6 +9,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pipeflow.layers import LayerSpec
+from pipeflow.runtime.tensor_parallel import Split, cross_entropy
 from pipeflow.models.gpt_shape import GPTConfig, flops_per_token, layer_parameters, num_parameters
 
 __all__ = ["GPTConfig", "Embedding", "AttentionCore", "Block", "Head", "gpt_layers",
@@ -28,6 +29,9 @@ class Embedding(nn.Module):
         super().__init__()
         self.seq_len = cfg.seq_len
         self.max_positions = cfg.seq_len     # learned positions: generation crops to these
+        # Tensor-parallel: the vocabulary cut over the tensor ranks (left whole where the
+        # degree does not divide it), as the head's.
+        self.tp_plan = {"tokens": Split("rowwise", optional=True)}
         self.tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.positions = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
@@ -156,6 +160,10 @@ class Head(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
+        # Tensor-parallel: logits cut along the vocabulary straight into the loss (whole
+        # logits are never built on one rank; see runtime.tensor_parallel.cross_entropy).
+        self.tp_plan = {"lm_head": Split("colwise", optional=True)}
+        self.tp_output = "vocab"
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         # With tie_embeddings this weight is the token embedding's (see gpt_layers): the two
         # usually sit on the first and last stages, and the engine keeps the copies equal.
@@ -182,5 +190,9 @@ def gpt_layers(cfg: GPTConfig) -> list[LayerSpec]:
 
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over every token of the batch: logits [B, T, V], targets [B, T]."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    """Mean cross-entropy over every token of the batch: logits [B, T, V], targets [B, T].
+    Tensor-parallel, on each rank's slice of the vocabulary (`pipeflow_vocab_parallel`)."""
+    return cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+gpt_loss.pipeflow_vocab_parallel = True

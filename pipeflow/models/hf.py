@@ -32,6 +32,7 @@ from torch.nn import functional as F
 
 from pipeflow.aux_loss import add_aux_loss
 from pipeflow.layers import LayerSpec
+from pipeflow.runtime.tensor_parallel import cross_entropy
 from pipeflow.models import hf_families, hf_moe
 from pipeflow.models.hf_families import (FAMILIES, Family, family, local_name, positions,
                                          refusal, submodule)
@@ -487,8 +488,8 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     Divide by `num_valid_tokens` of the whole batch for the token mean of the whole batch.
     """
     target = _shifted(labels).to(logits.device).reshape(-1)
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target,
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target,
+                         ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def num_valid_tokens(labels: torch.Tensor) -> int:
@@ -499,5 +500,10 @@ def num_valid_tokens(labels: torch.Tensor) -> int:
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """HF's causal LM loss (`model(ids, labels=labels).loss`): the mean over valid tokens."""
     target = _shifted(labels).to(logits.device).reshape(-1)
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target,
-                           ignore_index=IGNORE_INDEX)
+    return cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target,
+                         ignore_index=IGNORE_INDEX)
+
+
+# Both take logits cut along the vocabulary where a tensor-parallel head gives them.
+causal_lm_loss.pipeflow_vocab_parallel = True
+causal_lm_loss_sum.pipeflow_vocab_parallel = True

@@ -270,7 +270,10 @@ def tensor_plan(config: Any) -> dict[str, Any] | None:
     return {"layer.self_attn": ("gather_sequence",), "layer.self_attn.q_proj": heads, "layer.self_attn.k_proj": heads,
             "layer.self_attn.v_proj": heads, "layer.self_attn.o_proj": ("rowwise", 1, head_dim),
             "layer.mlp.gate_proj": "colwise", "layer.mlp.up_proj": "colwise",
-            "layer.mlp.down_proj": "rowwise"}
+            "layer.mlp.down_proj": "rowwise",
+            # qwen3's norms over each head of q and k see this rank's heads only
+            **({"layer.self_attn.[qk]_norm": ("partial_gradient",)}
+               if config.model_type == "qwen3" else {})}
 
 
 def tensor_refusal(config: Any) -> str:

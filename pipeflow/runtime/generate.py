@@ -37,7 +37,7 @@ from pipeflow import tree
 from pipeflow.comm import waiting
 from pipeflow.layers import layer_seed
 from pipeflow.runtime.recompute import run_layers
-from pipeflow.runtime.tensor_parallel import whole_sequence
+from pipeflow.runtime.tensor_parallel import gather_vocab, whole_sequence
 
 __all__ = ["Request", "normalise_prompts", "sample_next", "prompt_generator", "Decoding",
            "decodes", "layer_report", "choose_cache", "TAG"]
@@ -296,6 +296,8 @@ class Decoding:
         if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
             raise ValueError(f"generate: the last layer must return logits [batch, positions, "
                              f"vocabulary], found {tree.describe(tree.header_of(logits)[0].metas)}")
+        if self.stage.vocab_logits:     # cut along the vocabulary: sampled whole
+            logits = gather_vocab(logits, self.stage.tensor)
         token = sample_next(logits[0, -1], self.request, self.generators[j])
         self.results[self.indices[j]].append(token)
         if t == self.request.max_new_tokens - 1:

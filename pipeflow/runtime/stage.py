@@ -25,8 +25,9 @@ from pipeflow.layers import LayerSpec, build_layer, get_parameter, set_parameter
 from pipeflow.runtime.data_parallel import GradReducer
 from pipeflow.runtime.precision import DTYPES, LossScaler, Precision, class_matches
 from pipeflow.runtime.shard import ShardedOptimizer
-from pipeflow.runtime.tensor_parallel import (TensorGroup, check_cut_consistent, plan_of,
-                                              sequence_boundaries, shard_layer, split_of)
+from pipeflow.runtime.tensor_parallel import (TensorGroup, check_cut_consistent, in_region,
+                                              plan_of, sequence_boundaries, shard_layer,
+                                              split_of, vocab_output)
 from pipeflow.schedules.ir import Action
 from pipeflow.schedules.plan import Plan
 
@@ -127,6 +128,7 @@ class Stage:
         # Tensor parallelism: each layer built whole (above), then cut by its tp_plan.
         self.tensor = TensorGroup(topo.tensor, topo.tensor_rank, settings.sequence_parallel)
         self.sequence_params: list[nn.Parameter] = []   # summed over the tensor group
+        self.vocab_logits = False        # this stage's logits come cut along the vocabulary
         if topo.tensor > 1:
             self._cut(built)
         self.module = StageModule(built).to(self.device)
@@ -239,6 +241,7 @@ class Stage:
                     raise ConfigError(f"layer {i} ({type(layer).__name__}): {refused}")
                 planned[i] = bool(plan_of(layer))
                 shard_layer(layer, self.tensor, i)
+                planned[i] = planned[i] and (in_region(layer) or "plan only")
             for i, layer in built.items():
                 check_cut_consistent(layer, f"layer {i} ({type(layer).__name__})")
         except ConfigError as exc:
@@ -261,13 +264,20 @@ class Stage:
                     f"{self.describe()}: a weight tied across stages has shapes {shapes} "
                     f"(stage, shape) after the tp_plans cut it; give every holder the same "
                     f"tp_plan style")
+        # Whole weights on a slice of the features: their gradients summed over the group.
+        self.sequence_params = [p for layer in built.values() for p in layer.parameters()
+                                if getattr(p, "pf_partial_gradient", False)]
+        last = built.get(self.n_layers - 1)
+        self.vocab_logits = last is not None and vocab_output(last)
         if self.settings.sequence_parallel:
-            order = [flags[i] for i in range(self.n_layers)]
+            order = [flags[i] is True for i in range(self.n_layers)]
             for i, layer in built.items():
                 sequence_boundaries(layer, i, order, self.tensor)
-            self.sequence_params = [p for i, layer in built.items() if order[i]
-                                    for p in layer.parameters()
-                                    if split_of(p) is None and p.requires_grad]
+            seen = {id(p) for p in self.sequence_params}
+            self.sequence_params += [p for i, layer in built.items() if order[i]
+                                     for p in layer.parameters()
+                                     if split_of(p) is None and p.requires_grad and
+                                     id(p) not in seen]
 
     def _communicators(self) -> tuple[Communicator, Communicator | None]:
         """The pipeline's communicator and, with replicas, the stage's data group's. Only

@@ -20,6 +20,8 @@ names (fnmatch patterns, as transformers' `base_model_tp_plan`) to a style, with
 - `"gather_sequence"` on any module: under sequence parallelism its input is gathered whole
   on entry (for code that reshapes by its input's length, as transformers' attention does)
   and its column layers take it as it is; without sequence parallelism nothing.
+- `"partial_gradient"` on any module: its whole weights act on this rank's slice of the
+  features (a norm over each head of q and k), so their gradient is summed over the group.
 - `"rowwise"` on `nn.Embedding`: the vocabulary cut (a vocabulary-parallel embedding: ids
   outside a rank's rows give zeros, the group sums); `"colwise"` on `nn.Embedding`: the
   embedding width cut, the slices gathered.
@@ -35,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import functools
 import weakref
 from typing import Any, Iterator, Mapping
 
@@ -49,7 +52,7 @@ __all__ = ["TensorGroup", "Split", "plan_of", "shard_layer", "split_of", "cut", 
            "gather_whole", "check_cut_consistent",
            "copy_to", "reduce_from"]
 
-STYLES = ("colwise", "rowwise", "gather_sequence")
+STYLES = ("colwise", "rowwise", "gather_sequence", "partial_gradient")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +63,12 @@ class Split:
     style: str
     parts: int = 1
     unit: int = 1
+    optional: bool = False      # a degree that does not divide leaves the module whole
 
     @classmethod
     def parse(cls, value: Any, where: str) -> "Split":
+        if isinstance(value, Split):
+            return value
         items = (value,) if isinstance(value, str) else tuple(value) \
             if isinstance(value, (tuple, list)) else None
         ok = (items is not None and 1 <= len(items) <= 3 and items[0] in STYLES
@@ -277,25 +283,32 @@ def copy_to(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
 
 
 def reduce_from(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
-    if group.sequence_parallel:
-        return _ScatterSeq.apply(x, group, key)
     return _ReduceFrom.apply(x, group, key)
 
 
 # -- the cut layers: nn.Linear and nn.Embedding with the group's collectives around them ----
 
+def _sequence(module: nn.Module) -> bool:
+    """Whether `module` runs on sequence slices now: sequence parallelism on, and its layer
+    inside the region (`sequence_boundaries`)."""
+    return module.pf_tensor.sequence_parallel and getattr(module, "pf_in_region", False)
+
+
 class ColwiseLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pf_tensor.gathered:      # inside `gather_sequence`: the whole input is here
             return F.linear(x, self.weight, self.bias)
-        if self.pf_tensor.sequence_parallel:
+        if _sequence(self):
             return _SeqColwise.apply(x, self.weight, self.bias, self.pf_tensor, self.pf_key)
         return F.linear(copy_to(x, self.pf_tensor, self.pf_key), self.weight, self.bias)
 
 
 class RowwiseLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from(F.linear(x, self.weight), self.pf_tensor, self.pf_key)
+        if _sequence(self):
+            y = _ScatterSeq.apply(F.linear(x, self.weight), self.pf_tensor, self.pf_key)
+        else:
+            y = _ReduceFrom.apply(F.linear(x, self.weight), self.pf_tensor, self.pf_key)
         return y if self.bias is None else y + self.bias
 
 
@@ -309,7 +322,7 @@ class VocabEmbedding(nn.Embedding):
         out = F.embedding(local, self.weight, None, None, self.norm_type,
                           self.scale_grad_by_freq, self.sparse)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from(out, self.pf_tensor, self.pf_key)
+        return _ReduceFrom.apply(out, self.pf_tensor, self.pf_key)
 
 
 class ColwiseEmbedding(nn.Embedding):
@@ -374,15 +387,24 @@ def _map_activations(value: Any, fn: Any, cut_by: TensorGroup | None, key: str) 
     return value
 
 
+def in_region(layer: nn.Module) -> bool:
+    """Whether a cut layer runs on sequence slices under sequence parallelism: one with a
+    row layer (whose output is then reduce-scattered); an embedding or a head cut along the
+    vocabulary is not."""
+    return any(isinstance(m, RowwiseLinear) for m in layer.modules())
+
+
 def sequence_boundaries(layer: nn.Module, index: int, planned: list[bool],
                         group: TensorGroup) -> None:
-    """Hooks on a layer of the model's `planned` list (True: a tp_plan, so it runs on
+    """Hooks on a layer of the model's `planned` list (True: `in_region`, so it runs on
     sequence slices): entering the region slices its input, leaving it gathers its output,
-    so whole activations flow between layers without a plan and slices between those with
-    one (across stages too)."""
+    so whole activations flow between the other layers and slices between these (across
+    stages too)."""
     if not planned[index]:
         return
     layer.pf_sequence_group = group      # a layer that builds masks from the whole length
+    for module in layer.modules():
+        module.pf_in_region = True
     key = f"tensor group: layer {index} ({type(layer).__name__})"
     if index == 0 or not planned[index - 1]:
         layer.register_forward_pre_hook(
@@ -483,6 +505,10 @@ def _cut_module(module: nn.Module, split: Split, group: TensorGroup, where: str,
     if split.style == "gather_sequence":
         _gather_sequence(module, group, f"tensor group: {key} (gather_sequence)")
         return
+    if split.style == "partial_gradient":
+        for param in module.parameters():
+            param.pf_partial_gradient = True
+        return
     kind = next((k for k in (nn.Linear, nn.Embedding) if type(module) is k), None)
     if kind is None:
         raise ConfigError(
@@ -497,6 +523,8 @@ def _cut_module(module: nn.Module, split: Split, group: TensorGroup, where: str,
             f"leave it replicated (out of the plan)")
     cls, dims, field = _CUTS[(kind, split.style)]
     total = getattr(module, field)
+    if split.optional and total % (split.parts * split.unit * group.size):
+        return                  # left whole: e.g. a vocabulary of 50257 at tensor = 2
     _check_divides(total, split, group.size, where, field)
     for pname, dim in dims.items():
         param = getattr(module, pname, None)
@@ -541,3 +569,90 @@ def check_cut_consistent(module: nn.Module, where: str) -> None:
                     f"{where}: {name}.{pname} is a weight tied to one cut by a tp_plan, but "
                     f"{name} ({type(sub).__name__}) is not cut; give every holder of a tied "
                     f"weight the same tp_plan style")
+
+
+# -- the vocabulary cut: logits stay in slices into the loss --------------------------------
+
+_ACTIVE: list[TensorGroup] = []      # the group whose logits slices a loss now receives
+
+
+@contextlib.contextmanager
+def vocab_slices(group: TensorGroup) -> Iterator[None]:
+    """While it lasts, `cross_entropy` takes logits cut along the vocabulary over `group`."""
+    _ACTIVE.append(group)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+                  reduction: str = "mean") -> torch.Tensor:
+    """`F.cross_entropy` on logits [N, V] and targets [N]; inside `vocab_slices`, on this
+    rank's slice of the vocabulary (Megatron's vocabulary-parallel cross-entropy: the maxima,
+    the picked logits and the sums of exponentials crossing the group, never the logits)."""
+    if not _ACTIVE:
+        return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+    per = _VocabCrossEntropy.apply(logits.float(), target, _ACTIVE[-1], ignore_index)
+    if reduction == "none":
+        return per
+    if reduction == "sum":
+        return per.sum()
+    return per.sum() / (target != ignore_index).sum()
+
+
+class _VocabCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: TensorGroup,
+                ignore_index: int) -> torch.Tensor:
+        n, width = logits.shape
+        key = "tensor group: cross-entropy over the vocabulary"
+        local_max = logits.detach().max(-1).values.contiguous()
+        maxima = torch.empty((group.size, n), dtype=logits.dtype, device=logits.device)
+        group.wait(group.comm.iallgather_(local_max, maxima, key=f"{key} (maxima)"), key)
+        shifted = logits.detach() - maxima.max(0).values.unsqueeze(1)
+        start = group.rank * width
+        valid = target != ignore_index
+        inside = valid & (target >= start) & (target < start + width)
+        index = (target - start).clamp(0, width - 1)
+        picked = shifted.gather(1, index.unsqueeze(1)).squeeze(1) * inside
+        exp = shifted.exp()
+        both = torch.stack([picked, exp.sum(-1)])
+        group.wait(group.comm.iallreduce_(both, key=f"{key} (sums)"), key)
+        loss = (both[1].log() - both[0]) * valid
+        ctx.save_for_backward(exp.div_(both[1].unsqueeze(1)), inside, index, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        softmax, inside, index, valid = ctx.saved_tensors
+        rows = torch.arange(softmax.shape[0], device=softmax.device)
+        out = softmax.clone()
+        out[rows, index] -= inside.to(out.dtype)
+        return out * (grad * valid).unsqueeze(1), None, None, None
+
+
+def vocab_output(layer: nn.Module) -> bool:
+    """Whether a cut layer's output is logits cut along the vocabulary: it declares
+    `tp_output = "vocab"` and its column layer was cut (an optional cut may stay whole)."""
+    return getattr(layer, "tp_output", None) == "vocab" and \
+        any(isinstance(m, ColwiseLinear) for m in layer.modules())
+
+
+def gather_vocab(logits: torch.Tensor, group: TensorGroup) -> torch.Tensor:
+    """Whole logits from the slices (all-gather forward, this rank's slice backward)."""
+    return _GatherLast.apply(logits, group, "tensor group: logits gathered whole")
+
+
+def vocab_loss(loss_fn: Any, group: TensorGroup) -> Any:
+    """The loss a last stage with vocabulary-cut logits calls: a loss that says it takes
+    slices (`pipeflow_vocab_parallel = True`: the built-in ones, through `cross_entropy`)
+    gets them; any other gets the logits gathered whole first."""
+    if getattr(loss_fn, "pipeflow_vocab_parallel", False):
+        def loss(output: Any, targets: Any) -> Any:
+            with vocab_slices(group):
+                return loss_fn(output, targets)
+    else:
+        def loss(output: Any, targets: Any) -> Any:
+            return loss_fn(gather_vocab(output, group), targets)
+    return functools.wraps(loss_fn)(loss)
