@@ -73,3 +73,31 @@ def test_unknown_tracker_and_missing_package_are_named(tmp_path, monkeypatch):
         train(_run(tmp_path, 'train.trackers=["wandb"]'), log=lambda *a, **k: None)
     with pytest.raises(ConfigError, match=r"\[train\] trackers must be a list of strings"):
         _run(tmp_path, "train.trackers=[1]")
+
+
+def _curve(path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, path.read_text().splitlines())
+            if "loss" in r]
+
+
+@pytest.mark.timeout(120)
+def test_a_resumed_run_keeps_the_history_and_logs_each_point_at_its_step(tmp_path):
+    # A resumed run appends to metrics.jsonl: the file then holds the uninterrupted run's
+    # curve (each step once, in order, the same losses: the resume is exact). TensorBoard's
+    # scalars sit at the JSONL's steps, across the resume too (not all at one step).
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    quiet = dict(log=lambda *a, **k: None)
+    train(_run(tmp_path, f'train.save_dir="{tmp_path}/whole"'), **quiet)
+    save = [f'train.save_dir="{tmp_path}/ck"', 'train.trackers=["tensorboard"]']
+    train(_run(tmp_path, *save, "train.steps=2"), **quiet)
+    before = _curve(tmp_path / "ck" / "metrics.jsonl")
+    train(_run(tmp_path, *save, "train.resume=true"), **quiet)
+    whole, resumed = (_curve(tmp_path / d / "metrics.jsonl") for d in ("whole", "ck"))
+    assert len(whole) == 4 and [s for s, _ in whole] == sorted({s for s, _ in whole})
+    assert resumed == whole and resumed[:len(before)] == before
+    events = EventAccumulator(str(tmp_path / "ck" / "tensorboard"))
+    events.Reload()
+    board = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert [s for s, _ in board] == [s for s, _ in whole]
+    assert [v for _, v in board] == pytest.approx([v for _, v in whole], rel=1e-6)
