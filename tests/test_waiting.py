@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 from mpi4py import MPI
 
 from pipeflow.comm import waiting
@@ -82,7 +83,7 @@ def test_spin_never_sleeps_and_yield_naps_between_tests(wait, monkeypatch):
         comm = MpiCommunicator(MPI.COMM_SELF)
         request = _LateRequest()
         header = object()
-        got = comm.recv_posted(request, 0, 5, header, __import__("torch").device("cpu"))
+        got = comm.recv_posted(request, 0, 5, header, torch.device("cpu"))
         assert got == (header, ["arrived"]) and request.tests == 3
     finally:
         waiting.use(before)
