@@ -111,10 +111,14 @@ def _adamw_decay(params):
 
 def _one_expert_first(data: int):
     """Step 1: every sample of every replica to expert 0 (expert 1 has no gradient anywhere,
-    so torch.optim skips it: no weight decay, no momentum); step 2: replica r to r % 2."""
-    first, second = routed_batches(2, data)
-    first[0][:, 0] %= VOCAB // 2
-    return [first, second]
+    so torch.optim skips it: no weight decay, no momentum); step 2: replica r to r % 2; step
+    3: every sample to expert 0 again. A parameter is skipped in a step where it got no
+    gradient, whatever it got in the steps before: expert 1, used in step 2, keeps its
+    weights through step 3 (its momentum and weight decay wait for its next gradient)."""
+    first, second, third = routed_batches(3, data)
+    for x, _ in (first, third):
+        x[:, 0] %= VOCAB // 2
+    return [first, second, third]
 
 
 def _optimizer_cases():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 
 import pytest
 from mpi4py import MPI
@@ -203,3 +204,47 @@ def test_a_read_only_folder_is_one_line_naming_it(run, tmp_path, capsys, monkeyp
     assert err.count("\n") == 1 and f"cannot write the export folder '{tmp_path / 'out'}'" in err
     assert os.strerror(code) in err and "must be writable" in err
     assert json.dumps(os.listdir(tmp_path)) == "[]"
+
+
+def test_a_folder_beside_the_save_dir_is_an_export_folder_whatever_its_name_shares(run, capsys):
+    # Only the save_dir itself, a folder inside it or one holding it is refused, by path
+    # components: `ckpt-hf` beside `ckpt` (the name the refusal itself suggests), `ckpt2`
+    # and `ckp` are folders of their own.
+    tmp, ckpt, _ = run
+    assert main(["export", ckpt, "--hf", ckpt]) == 2
+    err = capsys.readouterr().err
+    suggested = ckpt + "-hf"
+    assert f"(e.g. {suggested!r})" in err, err
+    try:
+        assert main(["export", ckpt, "--hf", suggested]) == 0
+        assert safetensors_of(suggested)
+    finally:
+        shutil.rmtree(suggested, ignore_errors=True)
+    for beside in (suggested, ckpt + "2", ckpt[:-1], os.path.join(ckpt + "-hf", "inner")):
+        export.check_target(beside, avoid=(ckpt,))
+    for near in (ckpt, os.path.join(ckpt, "hf"), str(tmp)):
+        with pytest.raises(export.ExportError, match="the run's save_dir|checkpoint"):
+            export.check_target(near, avoid=(ckpt,))
+
+
+def test_a_sharded_export_is_pipeflows_own_to_export_over(run, tmp_path):
+    # A sharded export (its index and shards) is pipeflow's: the next export into the folder,
+    # sharded or not, needs no --overwrite, and leaves only its own weights (no stale index
+    # or shard that transformers would load instead).
+    _, ckpt, _ = run
+    from pipeflow.train.hub import weight_index
+    out = str(tmp_path / "out")
+    sharded = ["export", ckpt, "--hf", out, "--max-shard-size", "20KB"]
+    keys = None
+    for argv in (sharded, sharded, ["export", ckpt, "--hf", out], sharded):
+        assert main(argv) == 0, argv
+        files = sorted(os.listdir(out))
+        weights = [f for f in files if f.endswith((".safetensors", ".index.json"))]
+        if argv is sharded:
+            assert export.INDEX in files and "model.safetensors" not in files
+            index = json.loads((tmp_path / "out" / export.INDEX).read_text())
+            assert sorted(weights) == sorted({*index["weight_map"].values(), export.INDEX})
+        else:
+            assert weights == ["model.safetensors"]
+        keys = keys or sorted(weight_index(out))
+        assert sorted(weight_index(out)) == keys

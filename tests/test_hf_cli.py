@@ -18,7 +18,7 @@ pytest.importorskip("safetensors")
 
 from hub_run import (SEQ, VOCAB, logits_of, run_toml, safetensors_of, save_hub,  # noqa: E402
                      save_tokenizer, token_file, train_keeping_engine)
-from test_hf import MODELS, make_config                            # noqa: E402
+from test_hf import MODELS, make_config, run_layers                # noqa: E402
 import pipeflow as pf                                              # noqa: E402
 from pipeflow.models import hf                                     # noqa: E402
 from pipeflow.train import hub as hub_io                           # noqa: E402
@@ -213,13 +213,21 @@ def _keys_and_tensors(folder: str) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("kind", MODELS)
-def test_every_family_round_trips_through_the_folders_save_pretrained_writes(tmp_path, kind):
+# Twelve experts a layer: checkpoint keys in index order (expert 2 before expert 10, as
+# transformers merges them), never as strings sort them (0, 1, 10, 11, 2, ...).
+ROUND_TRIPS = [(kind, {}) for kind in MODELS] + [
+    ("mixtral", {"num_local_experts": 12}), ("qwen3_moe", {"num_experts": 12})]
+
+
+@pytest.mark.parametrize("kind,overrides", ROUND_TRIPS,
+                         ids=[k + ("-12-experts" if o else "") for k, o in ROUND_TRIPS])
+def test_every_family_round_trips_through_the_folders_save_pretrained_writes(tmp_path, kind,
+                                                                             overrides):
     # save_pretrained's folder (one file, then shards and their index) -> pipeflow's layers
-    # (transformers' conversions applied: Mixtral's experts merged, GPT-NeoX's embed_out) ->
-    # pipeflow's export: the files hold the same keys and tensors, and from_pretrained of the
-    # export gives the model's logits.
-    cfg = make_config(kind)
+    # (transformers' conversions applied: Mixtral's experts merged, GPT-NeoX's embed_out),
+    # whose logits are the model's -> pipeflow's export: the files hold the same keys and
+    # tensors, and from_pretrained of the export gives the model's logits.
+    cfg = make_config(kind, **overrides)
     torch.manual_seed(4)
     model = transformers.AutoModelForCausalLM.from_config(
         cfg, attn_implementation=hf.attention_implementation(cfg)).eval()
@@ -234,6 +242,8 @@ def test_every_family_round_trips_through_the_folders_save_pretrained_writes(tmp
         state, _ = hub_io.read_layers(src, cfg, range(len(layers)))
         seq = pf.build_sequential(layers, seed=1).eval()
         seq.load_state_dict(state, strict=True)
+        with torch.no_grad():
+            torch.testing.assert_close(run_layers(seq, ids), expected, atol=1e-5, rtol=1e-5)
         hub_io.write_folder(seq.state_dict(), cfg, out, source=src, max_shard_size=shard)
         theirs, ours = _keys_and_tensors(src), _keys_and_tensors(out)
         assert sorted(ours) == sorted(theirs)

@@ -349,6 +349,39 @@ def test_pruned_search_ranks_the_same_plans_as_the_exhaustive_one(params, gpus, 
         assert table.step_time_bound(cluster, e.grid, picks) <= e.step_time_s
 
 
+@pytest.mark.parametrize("params", [1.25e8, 1e9])
+def test_pruning_keeps_a_plan_tied_with_the_slowest_kept_one(params):
+    # On one GPU every micro-batch size takes the same time in the model: the plans tie, and
+    # the tie rule (fewer GPUs, then fewer and larger micro-batches) must pick among all of
+    # them, as the exhaustive search does. The pruned search stops only at a bound *above*
+    # the slowest kept plan; stopping at an equal one recommended 256 micro-batches of 1.
+    shape, cluster = shape_for_params(params), Cluster(H100, 1, 8)
+    full = search(shape, cluster, 256, SearchOptions(prune=False))
+    times = [float(f"{e.step_time_s:.9g}") for e in full.ranked]
+    assert len(full.ranked) > 2 and len(set(times[:2])) == 1, "no tie to keep"
+    assert full.best.grid.microbatches == min(e.grid.microbatches for e in full.ranked
+                                              if float(f"{e.step_time_s:.9g}") == times[0])
+    for rank in range(1, len(full.ranked) + 1):
+        fast = search(shape, cluster, 256, SearchOptions(rank=rank))
+        assert [_key(e) for e in fast.ranked] == [_key(e) for e in full.ranked[:rank]], rank
+
+
+@pytest.mark.parametrize("params", [1.25e8, 7e9, 13e9, 30e9])
+def test_minimum_gpus_is_the_fewest_on_which_the_search_finds_a_plan(params):
+    # The "use --gpus N" advice against a scan of every count from 1: a model that fits on
+    # one GPU is told 1, whatever the bisection's bounds.
+    shape = shape_for_params(params)
+    needed, _ = minimum_gpus(shape, Cluster(H100, 1), 256)
+    fewest = 1
+    while True:
+        try:
+            search(shape, Cluster(H100, fewest), 256)
+            break
+        except PlanError:
+            fewest += 1
+    assert needed == fewest
+
+
 @pytest.mark.parametrize("params", [5e8, 2.8e9])
 def test_more_gpus_never_make_the_best_plan_slower(params):
     shape = shape_for_params(params)

@@ -94,3 +94,46 @@ def test_a_missing_field_is_named(tmp_path):
         prep.prepare([jsonl], tmp_path / "out", "byte", 0.0)
     with pytest.raises(ValueError, match="nothing to prepare"):
         prep.prepare([], tmp_path / "out", "byte", 0.0)
+
+
+def word_tokenizer(tmp_path, vocab: int) -> str:
+    """A word-level `tokenizer.json` of `vocab` ids (`w0` ... `w{vocab-1}`), no end-of-text."""
+    tokenizers = pytest.importorskip("tokenizers")
+    words = {f"w{i}": i for i in range(vocab)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    path = tmp_path / f"words{vocab}.json"
+    tok.save(str(path))
+    return f"hf:{path}"
+
+
+@pytest.mark.parametrize("vocab", [2**16, 100_277])
+def test_every_token_id_of_the_vocabulary_reads_back_from_the_token_file(tmp_path, vocab):
+    # Token files are uint16 while every id fits (vocabularies up to 65,536), uint32 past
+    # that (GPT-4's 100k, Llama 3's 128k): ids past 65,535 must come back, not wrapped.
+    spec = word_tokenizer(tmp_path, vocab)
+    ids = [0, 1, 255, 65_535, vocab // 2, vocab - 2, vocab - 1] * 3
+    text = tmp_path / "doc.txt"
+    text.write_text(" ".join(f"w{i}" for i in ids), encoding="utf-8")
+    meta = prep.prepare([text], tmp_path / "out", spec, 0.0)
+    from pipeflow.train.data import token_file
+    assert token_file(tmp_path / "out" / "train.bin", meta["dtype"]).tolist() == ids
+    assert meta["dtype"] == ("uint16" if vocab <= 2**16 else "uint32")
+
+
+def test_workers_write_the_documents_in_input_order(tmp_path, monkeypatch):
+    # `--workers N` must write the token files one process writes, byte for byte, whatever
+    # order the workers finish in: documents of very different sizes, a batch each, so a
+    # small one sent after a large one is done first.
+    monkeypatch.setattr(prep, "BATCH_CHARS", 1)
+    docs = []
+    for i in range(4):
+        docs.append(f"large {i} " + "x" * 400_000)
+        docs += [f"small {i}.{j}" for j in range(12)]
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    prep.prepare([jsonl], tmp_path / "one", "byte", 0.1)
+    prep.prepare([jsonl], tmp_path / "two", "byte", 0.1, workers=2)
+    assert files_of(tmp_path / "two") == files_of(tmp_path / "one")
+    first = np.fromfile(tmp_path / "one" / "train.bin", np.uint16, count=7)
+    assert bytes(first.tolist()) == b"large 0"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import time
 
 import pytest
@@ -73,3 +74,36 @@ def test_unknown_tracker_and_missing_package_are_named(tmp_path, monkeypatch):
         train(_run(tmp_path, 'train.trackers=["wandb"]'), log=lambda *a, **k: None)
     with pytest.raises(ConfigError, match=r"\[train\] trackers must be a list of strings"):
         _run(tmp_path, "train.trackers=[1]")
+
+
+def _curve(path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, path.read_text().splitlines())
+            if "loss" in r]
+
+
+@pytest.mark.timeout(120)
+def test_a_resumed_run_keeps_the_history_and_logs_each_point_at_its_step(tmp_path):
+    # A run killed after its last checkpoint (step 2 of 4, save_every = 2: steps 2 and 3
+    # logged, not saved; its last line torn) and resumed: metrics.jsonl keeps the records of
+    # the steps before the resume, drops those the resumed run logs again, and appends, so it
+    # holds the uninterrupted run's curve (each step once, in order, the same losses: the
+    # resume is exact). TensorBoard's scalars sit at the JSONL's steps, its purged too.
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    quiet = dict(log=lambda *a, **k: None)
+    ck = tmp_path / "ck"
+    save = [f'train.save_dir="{ck}"', "train.save_every=2", 'train.trackers=["tensorboard"]']
+    train(_run(tmp_path, *save), **quiet)
+    whole = _curve(ck / "metrics.jsonl")
+    assert [s for s, _ in whole] == [0, 1, 2, 3]
+    shutil.rmtree(ck / "step-00000004")                  # the kill came before this save
+    (ck / "latest").write_text("step-00000002")
+    with open(ck / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "lo')
+    train(_run(tmp_path, *save, "train.resume=true"), **quiet)
+    assert _curve(ck / "metrics.jsonl") == whole
+    events = EventAccumulator(str(ck / "tensorboard"))
+    events.Reload()
+    board = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert [s for s, _ in board] == [s for s, _ in whole]
+    assert [v for _, v in board] == pytest.approx([v for _, v in whole], rel=1e-6)

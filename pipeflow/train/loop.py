@@ -465,7 +465,8 @@ def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
     if comm.rank == 0:
         if t.save_dir and os.path.exists(os.path.join(t.save_dir, STOPPED)):
             os.unlink(os.path.join(t.save_dir, STOPPED))      # this run goes on from there
-        trackers = open_trackers(t, run.tables(), append=t.resume)
+        trackers = open_trackers(t, run.tables(),
+                                 engine.stats.step if t.resume else None)
         out = MetricsLog(trackers, t.steps, engine.stats.step, t.progress, log)
         c = run.engine
         where = ", ".join(f"{type(k).__name__[:-7].lower()} {k.path}" for k in trackers)

@@ -14,6 +14,7 @@ import math
 import os
 from typing import Any, Protocol
 
+from pipeflow._io import atomic_write_bytes
 from pipeflow.config import ConfigError
 
 __all__ = ["Tracker", "TRACKERS", "check_trackers", "open_trackers", "JsonlTracker",
@@ -56,13 +57,35 @@ def strict_record(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class JsonlTracker:
-    """One JSON line a record; a resumed run appends."""
+def _records_before(path: str, step: int) -> bytes:
+    """The lines of the JSONL file `path` whose record's step is before `step` (records
+    without a step kept); a line torn by a kill mid-write is dropped."""
+    kept = []
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(record, dict):
+                continue
+            if not isinstance(record.get("step"), int) or record["step"] < step:
+                kept.append(line if line.endswith(b"\n") else line + b"\n")
+    return b"".join(kept)
 
-    def __init__(self, path: str, append: bool = False) -> None:
+
+class JsonlTracker:
+    """One JSON line a record. A run resumed at step `resumed_at` keeps the records of the
+    steps before it and appends its own: the records of later steps, which a run killed after
+    its last checkpoint had logged and the resumed run logs again, are dropped (as
+    TensorBoard's `purge_step`), so each step is in the file once."""
+
+    def __init__(self, path: str, resumed_at: int | None = None) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
-        self.file = open(path, "a" if append else "w", encoding="utf-8")
+        if resumed_at is not None and os.path.isfile(path):
+            atomic_write_bytes(path, _records_before(path, resumed_at))
+        self.file = open(path, "a" if resumed_at is not None else "w", encoding="utf-8")
 
     def log(self, record: dict[str, Any]) -> None:
         self.file.write(json.dumps(strict_record(record), allow_nan=False) + "\n")
@@ -73,12 +96,14 @@ class JsonlTracker:
 
 
 class TensorBoardTracker:
-    """TensorBoard event files (`torch.utils.tensorboard`), one scalar a number."""
+    """TensorBoard event files (`torch.utils.tensorboard`), one scalar a number at its step.
+    A run resumed at step `resumed_at` hides the events of that step and later ones that
+    earlier event files hold (`purge_step`), as the JSONL drops their records."""
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, resumed_at: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
         self.path = folder
-        self.writer = SummaryWriter(folder)
+        self.writer = SummaryWriter(folder, purge_step=resumed_at)
 
     def log(self, record: dict[str, Any]) -> None:
         for key, value in _scalars(record).items():
@@ -129,10 +154,11 @@ def check_trackers(names: list[str]) -> None:
                               f"{module}), or remove {name!r} from trackers") from None
 
 
-def open_trackers(train: Any, config: dict[str, Any], append: bool) -> list[Tracker]:
+def open_trackers(train: Any, config: dict[str, Any],
+                  resumed_at: int | None = None) -> list[Tracker]:
     """The trackers `[train]` asks for: `trackers`, plus "jsonl" where `metrics` or
     `save_dir` is set and "tensorboard" where `tensorboard` names a folder (as before
-    `trackers` existed)."""
+    `trackers` existed). `resumed_at`: the step a resumed run starts at (None: a new run)."""
     names = list(dict.fromkeys(list(train.trackers)
                                + (["jsonl"] if train.metrics or train.save_dir else [])
                                + (["tensorboard"] if train.tensorboard else [])))
@@ -141,10 +167,10 @@ def open_trackers(train: Any, config: dict[str, Any], append: bool) -> list[Trac
     for name in names:
         if name == "jsonl":
             opened.append(JsonlTracker(train.metrics or os.path.join(base, "metrics.jsonl"),
-                                       append))
+                                       resumed_at))
         elif name == "tensorboard":
             opened.append(TensorBoardTracker(train.tensorboard or
-                                             os.path.join(base, "tensorboard")))
+                                             os.path.join(base, "tensorboard"), resumed_at))
         elif name == "wandb":
             opened.append(WandbTracker(train.wandb_project, base, config))
     return opened
