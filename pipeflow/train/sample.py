@@ -49,9 +49,8 @@ def load_tokenizer(spec: str) -> Tokenizer:
             enc = tiktoken.get_encoding(name)
             return Tokenizer(spec, enc.encode_ordinary, enc.decode)
         if kind == "hf" and name:
-            from tokenizers import Tokenizer as HfTokenizer
-            tok = HfTokenizer.from_file(name) if os.path.isfile(name) else \
-                HfTokenizer.from_pretrained(name)
+            from pipeflow.train.prepare import hf_tokenizer
+            tok = hf_tokenizer(name)
             return Tokenizer(spec, lambda text: tok.encode(text).ids,
                              lambda ids: tok.decode(list(ids), skip_special_tokens=False))
     except ImportError:
@@ -102,7 +101,14 @@ def sample(args: SampleArgs, comm: MPI.Comm | None = None,
         raise ConfigError(f"{args.checkpoint!r}: no tokenizer found (no meta.json beside the "
                           f"run's [data] train, no tokenizer.json); pass --tokenizer byte, "
                           f"tiktoken:NAME or hf:FILE")
-    tokenizer = load_tokenizer(args.tokenizer or source.tokenizer)
+    try:
+        tokenizer = load_tokenizer(args.tokenizer or source.tokenizer)
+    except ValueError as exc:
+        if args.tokenizer:
+            raise ConfigError(f"--tokenizer: {exc}") from None
+        raise ConfigError(f"{exc} (the tokenizer {args.checkpoint!r} records: the run's "
+                          f"meta.json or its Hub folder); pass --tokenizer SPEC to give it "
+                          f"where it is now") from None
     prompts = [tokenizer.encode(p) for p in args.prompts]
     empty = [repr(p) for p, ids in zip(args.prompts, prompts) if not ids]
     if empty:
