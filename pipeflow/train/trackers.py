@@ -14,10 +14,11 @@ import math
 import os
 from typing import Any, Protocol
 
+from pipeflow._io import atomic_write_bytes
 from pipeflow.config import ConfigError
 
-__all__ = ["Tracker", "TRACKERS", "check_trackers", "open_trackers", "JsonlTracker",
-           "TensorBoardTracker", "WandbTracker"]
+__all__ = ["Tracker", "TRACKERS", "check_trackers", "check_tracker_paths", "open_trackers",
+           "JsonlTracker", "TensorBoardTracker", "WandbTracker"]
 
 
 class Tracker(Protocol):
@@ -56,12 +57,37 @@ def strict_record(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class JsonlTracker:
-    """One JSON line a record; a resumed run appends."""
+def _step_of(line: str) -> int | None:
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
-    def __init__(self, path: str, append: bool = False) -> None:
+
+def _drop_steps_from(path: str, first: int) -> None:
+    """Rewrite `path` (atomically) without its records of step `first` or later: what a run
+    killed after its checkpoint logged, and the resumed run logs again."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines(keepends=True)
+    def keep(line: str) -> bool:      # a line cut short by the kill goes too
+        step = _step_of(line)
+        return line.endswith("\n") and (step < first if step is not None else bool(line.strip()))
+    kept = [x for x in lines if keep(x)]
+    if kept != lines:
+        atomic_write_bytes(path, "".join(kept).encode("utf-8"))
+
+
+class JsonlTracker:
+    """One JSON line a record; a resumed run appends after the records of the steps before
+    `resume_step` (those a killed run wrote past its checkpoint are dropped: one record a
+    step, as an uninterrupted run writes)."""
+
+    def __init__(self, path: str, append: bool = False, resume_step: int | None = None) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
+        if append and resume_step is not None and os.path.isfile(path):
+            _drop_steps_from(path, resume_step)
         self.file = open(path, "a" if append else "w", encoding="utf-8")
 
     def log(self, record: dict[str, Any]) -> None:
@@ -73,12 +99,14 @@ class JsonlTracker:
 
 
 class TensorBoardTracker:
-    """TensorBoard event files (`torch.utils.tensorboard`), one scalar a number."""
+    """TensorBoard event files (`torch.utils.tensorboard`), one scalar a number. A resumed
+    run purges the events from `resume_step` on (`purge_step`): the steps a killed run logged
+    past its checkpoint are not shown beside the resumed run's."""
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, resume_step: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
         self.path = folder
-        self.writer = SummaryWriter(folder)
+        self.writer = SummaryWriter(folder, purge_step=resume_step)
 
     def log(self, record: dict[str, Any]) -> None:
         for key, value in _scalars(record).items():
@@ -129,22 +157,74 @@ def check_trackers(names: list[str]) -> None:
                               f"{module}), or remove {name!r} from trackers") from None
 
 
-def open_trackers(train: Any, config: dict[str, Any], append: bool) -> list[Tracker]:
+def _names(train: Any) -> list[str]:
+    return list(dict.fromkeys(list(train.trackers)
+                              + (["jsonl"] if train.metrics or train.save_dir else [])
+                              + (["tensorboard"] if train.tensorboard else [])))
+
+
+def _jsonl_path(train: Any) -> str:
+    return train.metrics or os.path.join(train.save_dir or ".", "metrics.jsonl")
+
+
+def _tensorboard_folder(train: Any) -> str:
+    return train.tensorboard or os.path.join(train.save_dir or ".", "tensorboard")
+
+
+def check_tracker_paths(train: Any) -> None:
+    """The trackers' files and folders can be written: TensorBoard's folder is a folder (or
+    can be made) that takes a file, the JSONL file is no folder. A ConfigError naming the
+    field, the path and what to change otherwise, found at start on every rank (not a raw
+    OSError on rank 0 once the engine is built)."""
+    names = _names(train)
+    if "tensorboard" in names:
+        folder = _tensorboard_folder(train)
+        where = "[train] tensorboard" if train.tensorboard else "[train] trackers " \
+            "\"tensorboard\" (in save_dir)"
+        problem = _unwritable_folder(folder)
+        if problem:
+            raise ConfigError(f"{where}: expected a folder TensorBoard can write its event "
+                              f"files in, {folder!r} {problem}; choose another folder with "
+                              f"[train] tensorboard = \"PATH\" or fix the path's permissions")
+    if "jsonl" in names:
+        path = _jsonl_path(train)
+        where = "[train] metrics" if train.metrics else "[train] save_dir's metrics.jsonl"
+        if os.path.isdir(path):
+            raise ConfigError(f"{where}: expected a file for the metric records, {path!r} is "
+                              f"a folder; name a file with [train] metrics = \"PATH.jsonl\"")
+        if os.path.exists(path) and not os.access(path, os.W_OK):
+            raise ConfigError(f"{where}: {path!r} is read-only; fix its permissions or name "
+                              f"another file with [train] metrics = \"PATH.jsonl\"")
+
+
+def _unwritable_folder(folder: str) -> str:
+    """Why `folder` cannot take a new file ("is a file", "is read-only ..."), "" if it can."""
+    import tempfile
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        return "is a file"
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        return f"cannot take a file ({exc.strerror or exc})"
+    return ""
+
+
+def open_trackers(train: Any, config: dict[str, Any], append: bool,
+                  resume_step: int | None = None) -> list[Tracker]:
     """The trackers `[train]` asks for: `trackers`, plus "jsonl" where `metrics` or
     `save_dir` is set and "tensorboard" where `tensorboard` names a folder (as before
-    `trackers` existed)."""
-    names = list(dict.fromkeys(list(train.trackers)
-                               + (["jsonl"] if train.metrics or train.save_dir else [])
-                               + (["tensorboard"] if train.tensorboard else [])))
+    `trackers` existed). A run resumed at `resume_step` replaces what the trackers hold from
+    that step on."""
     base = train.save_dir or "."
+    resume = resume_step if append else None
     opened: list[Tracker] = []
-    for name in names:
+    for name in _names(train):
         if name == "jsonl":
-            opened.append(JsonlTracker(train.metrics or os.path.join(base, "metrics.jsonl"),
-                                       append))
+            opened.append(JsonlTracker(_jsonl_path(train), append, resume))
         elif name == "tensorboard":
-            opened.append(TensorBoardTracker(train.tensorboard or
-                                             os.path.join(base, "tensorboard")))
+            opened.append(TensorBoardTracker(_tensorboard_folder(train), resume))
         elif name == "wandb":
             opened.append(WandbTracker(train.wandb_project, base, config))
     return opened
