@@ -540,3 +540,11 @@ def test_search_shards_only_where_that_makes_a_grid_fit():
     assert not any(e.grid.shard_optimizer for e in kept.ranked)
     forced = search(shape, roomy, 16, dataclasses.replace(one, shard_optimizer=True))
     assert all(e.grid.shard_optimizer == (e.grid.data > 1) for e in forced.ranked)
+
+
+def test_zero_gpus_per_node_is_refused_not_taken_as_unset(capsys):
+    """Issue 46 item 5: `--gpus-per-node 0` planned silently with 8 GPUs per node."""
+    code, out, err = run_cli(capsys, "--compute", "1e20", "--gpus", "16", "--gpus-per-node",
+                             "0")
+    assert code != 0 and not out
+    assert "--gpus-per-node must be a positive integer, found 0; give the GPUs a node" in err
