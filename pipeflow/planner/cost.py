@@ -358,7 +358,8 @@ def _gradient_sync_time(shape: Shape, cluster: Cluster, prec: PrecisionBytes, st
     Sharded: a reduce-scatter of the fp32 gradients (overlapped as the all-reduce's buckets,
     half its traffic) and an all-gather of the working weights after the step, counted
     whole after it (it overlaps only the step of later buckets, itself 1/d as long)."""
-    bw, lat = cluster.link([rank_of(stage, r, d) for r in range(d)])
+    # A stage's replicas are neighbouring ranks: its first and last span the group's nodes.
+    bw, lat = cluster.link([rank_of(stage, 0, d), rank_of(stage, d - 1, d)])
     nbytes = params * prec.grad_reduce_bytes
     if sharded and d > 1:
         gather = ring_half_time(params * prec.act_bytes, d, bw, lat)

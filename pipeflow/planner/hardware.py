@@ -282,7 +282,8 @@ class Cluster:
         return rank // self.gpus_per_node
 
     def same_node(self, ranks: list[int]) -> bool:
-        return len({self.node(r) for r in ranks}) <= 1
+        # Nodes hold neighbouring ranks: all share one iff the lowest and highest do.
+        return not ranks or self.node(min(ranks)) == self.node(max(ranks))
 
     def link(self, ranks: list[int]) -> tuple[float, float]:
         """(bandwidth, latency) of the slowest link joining `ranks`, efficiency applied."""
