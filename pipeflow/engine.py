@@ -278,7 +278,8 @@ class Engine:
                 problem = str(exc)
             missing, limit = gen.layer_report(self.stage)
             views = waiting.allgather(self._control, (
-                request.digest() if request else None, problem, missing, limit))
+                request.digest() if request else None, problem, missing, limit,
+                gen.vocabulary(self.stage)))
             request, cached, limit = self._agree_generate(request, views)
             topo = self.stage.topo
             mine = range(topo.replica, len(request.prompts), topo.data)
@@ -303,6 +304,8 @@ class Engine:
             raise ConfigError("generate() was called with different arguments on different "
                               "ranks (prompts, max_new_tokens, sampling, eos or seed); pass "
                               "the same on every rank")
+        vocabs = [v[4] for v in views if v[4] is not None]
+        gen.check_vocabulary(request, min(vocabs) if vocabs else None)   # alike on all ranks
         missing = sorted({m for v in views for m in v[2]})
         limits = [v[3] for v in views if v[3] is not None]
         limit = min(limits) if limits else None

@@ -117,10 +117,15 @@ def sample(args: SampleArgs, comm: MPI.Comm | None = None,
     config = _grid(args.pipeline, comm.size, source.precision)
     engine = Engine(source.model.layers, source.model.loss_fn,
                     lambda ps: torch.optim.SGD(ps, lr=0.0), config, comm=comm)
+    from pipeflow.runtime.generate import VocabularyError
     try:
         _load(engine, source, comm)
         new = engine.generate(prompts, args.max_new_tokens, args.temperature, args.top_k,
                               args.top_p, args.eos or None, args.seed)
+    except VocabularyError as exc:
+        raise ConfigError(f"{exc}: the tokenizer {tokenizer.spec!r} gives ids the model in "
+                          f"{args.checkpoint!r} does not have; pass --tokenizer with the "
+                          f"model's own tokenizer") from None
     finally:
         engine.close()
     if comm.rank == 0:
