@@ -426,6 +426,14 @@ class Engine:
                 f"{self.stage.describe()}: load_state_dict expected the keys of layers "
                 f"{module.indices[0]}..{module.indices[-1]}; missing {missing[:5]}, "
                 f"unexpected {unexpected[:5]}; use build_sequential's keys ('<layer>.<name>')")
+        wrong = [f"{k}: given {list(mine[k].shape)}, the model's {list(v.shape)}"
+                 for k, v in module.state_dict().items() if mine[k].shape != v.shape]
+        if wrong:
+            raise ConfigError(
+                f"{self.stage.describe()}: load_state_dict: {len(wrong)} tensor(s) of another "
+                f"shape than the model's ({'; '.join(wrong[:3])}"
+                f"{'; ...' if len(wrong) > 3 else ''}): the state is of another model (width, "
+                f"vocabulary, heads); build the engine from the layers that wrote it")
         self._load_params(mine)
 
     def _load_params(self, params: Mapping[str, torch.Tensor]) -> None:
