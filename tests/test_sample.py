@@ -148,3 +148,19 @@ def test_sample_of_a_save_dir_whose_latest_is_removed_while_read_takes_the_new_o
                  "--temperature", "0", "--ids"]) == 0, capsys.readouterr().err
     assert json.loads(capsys.readouterr().out) == want
     assert calls == ["step-00000003", "step-00000006"]
+
+
+def test_a_recorded_tokenizer_that_moved_is_named_with_the_fix(tmp_path, capsys, monkeypatch):
+    """Issue 46 item 10: a tokenizer.json recorded in the run's meta.json and moved since gave
+    "Repo id must be in the form 'repo_name' or 'namespace/repo_name'"."""
+    pytest.importorskip("tokenizers")
+    from pipeflow.train import sample as sample_module
+    ck = trained(tmp_path)
+    moved = tmp_path / "data" / "tokenizer.json"
+    monkeypatch.setattr(sample_module, "_data_tokenizer", lambda run: f"hf:{moved}")
+    capsys.readouterr()
+    assert main(["sample", ck, "--prompt", "x", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"tokenizer hf:{moved}: expected a tokenizer.json file, the path does not exist" \
+        in err and "pass --tokenizer SPEC to give it where it is now" in err, err
+    assert "Repo id" not in err and err.count("\n") == 1
