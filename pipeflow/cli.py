@@ -124,13 +124,24 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
     from pipeflow.train.prepare import prepare
+    if threading.current_thread() is threading.main_thread():
+        # A SIGTERM (a job's time limit, `kill`) unwinds: the temporary stream is removed.
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         meta = prepare(args.texts, args.out, args.tokenizer, args.val_fraction,
                        field=args.field, dataset=args.dataset or "", split=args.split,
                        workers=args.workers, progress=not args.no_progress)
     except (OSError, ValueError) as exc:
         return _error(exc)
+    if meta.get("cleaned"):
+        print(f"removed the leftovers of an interrupted prepare in {args.out}: "
+              f"{', '.join(meta['cleaned'])}")
+    print(f"read the inputs as UTF-8 with their newlines as written (CR and CRLF kept, as in "
+          f"JSONL and Parquet strings); {meta['documents']} document(s)")
     print(f"wrote {args.out}/train.bin ({meta['train_tokens']} tokens) and val.bin "
           f"({meta['val_tokens']}), {meta['dtype']}, vocabulary {meta['vocab_size']}; train "
           f"with [data] train = \"{args.out}/train.bin\", val = \"{args.out}/val.bin\", "

@@ -305,7 +305,8 @@ class Engine:
                 problem = str(exc)
             missing, limit = gen.layer_report(self.stage)
             views = waiting.allgather(self._control, (
-                request.digest() if request else None, problem, missing, limit))
+                request.digest() if request else None, problem, missing, limit,
+                gen.vocabulary(self.stage)))
             request, cached, limit = self._agree_generate(request, views)
             topo = self.stage.topo
             mine = range(topo.replica, len(request.prompts), topo.data)
@@ -330,6 +331,8 @@ class Engine:
             raise ConfigError("generate() was called with different arguments on different "
                               "ranks (prompts, max_new_tokens, sampling, eos or seed); pass "
                               "the same on every rank")
+        vocabs = [v[4] for v in views if v[4] is not None]
+        gen.check_vocabulary(request, min(vocabs) if vocabs else None)   # alike on all ranks
         missing = sorted({m for v in views for m in v[2]})
         limits = [v[3] for v in views if v[3] is not None]
         limit = min(limits) if limits else None
@@ -454,6 +457,14 @@ class Engine:
                 f"{self.stage.describe()}: load_state_dict expected the keys of layers "
                 f"{module.indices[0]}..{module.indices[-1]}; missing {missing[:5]}, "
                 f"unexpected {unexpected[:5]}; use build_sequential's keys ('<layer>.<name>')")
+        wrong = [f"{k}: given {list(mine[k].shape)}, the model's {list(v.shape)}"
+                 for k, v in module.state_dict().items() if mine[k].shape != v.shape]
+        if wrong:
+            raise ConfigError(
+                f"{self.stage.describe()}: load_state_dict: {len(wrong)} tensor(s) of another "
+                f"shape than the model's ({'; '.join(wrong[:3])}"
+                f"{'; ...' if len(wrong) > 3 else ''}): the state is of another model (width, "
+                f"vocabulary, heads); build the engine from the layers that wrote it")
         self._load_params(mine)
 
     def _load_params(self, params: Mapping[str, torch.Tensor]) -> None:

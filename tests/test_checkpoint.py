@@ -478,3 +478,22 @@ def _assert_step_1_still_loads(folder, saved, engine) -> None:
     assert all(torch.equal(a, b) for a, b in zip(_masters(other).values(), saved.values()))
     for e in (engine, other):
         e.close()
+
+
+def test_checkpoint_files_and_folders_follow_the_umask(tmp_path):
+    """Issue 46 item 17: a checkpoint is written with the modes `open` and `os.makedirs` give
+    (0666 / 0777 less the umask), not tempfile's 0600 / 0700, so a team can read it."""
+    old_mask = os.umask(0o022)
+    try:
+        engine = _engine()
+        x, y = batches(1, 4)[0]
+        engine.train_step(x, y)
+        folder = engine.save(tmp_path)
+        engine.close()
+    finally:
+        os.umask(old_mask)
+    found = {os.path.relpath(os.path.join(d, n), tmp_path): os.stat(os.path.join(d, n)).st_mode
+             & 0o777 for d, dirs, files in os.walk(tmp_path) for n in dirs + files
+             if not n.startswith(".")}
+    want = {path: 0o755 if os.path.isdir(tmp_path / path) else 0o644 for path in found}
+    assert os.path.basename(folder) in found and found == want

@@ -241,3 +241,20 @@ def test_deterministic_kernels_can_be_asked_for_a_whole_job(monkeypatch):
     monkeypatch.setenv("PIPEFLOW_DETERMINISTIC", "maybe")
     with pytest.raises(pf.ConfigError, match="PIPEFLOW_DETERMINISTIC must be 1 or 0"):
         pf.Config()
+
+
+@pytest.mark.parametrize("call", ["train_step", "eval_step"])
+def test_a_batch_of_sequence_length_0_is_refused_not_nan(call):
+    """Issue 46 item 4: `train_step` on a batch of sequence length 0 returned nan and raised
+    nothing (a mean over no positions)."""
+    engine = pf.Engine(toy_layers(), loss_fn, sgd, pf.Config(microbatches=2))
+    x, y = torch.zeros(4, 0, dtype=torch.long), torch.zeros(4, 0, dtype=torch.long)
+    before = {k: v.clone() for k, v in engine.stage.module.state_dict().items()}
+    with pytest.raises(pf.BatchError, match=r"inputs has a tensor of shape \(4, 0\): an empty "
+                                            r"dimension after the batch's .*pass at least one "
+                                            r"position"):
+        getattr(engine, call)(x, y)
+    assert all(torch.equal(before[k], v) for k, v in engine.stage.module.state_dict().items())
+    x, y = batches(1, 4)[0]
+    assert torch.isfinite(torch.tensor(engine.train_step(x, y)))      # and trains on after it
+    engine.close()

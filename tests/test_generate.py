@@ -186,3 +186,29 @@ def test_hf_greedy_equals_transformers_generate(kind, use_cache):
     assert len({t for e in expected for t in e}) > 1
     assert engine.generate(PROMPTS[:2], 8, use_cache=use_cache) == expected
     engine.close()
+
+
+def test_a_prompt_id_outside_the_vocabulary_names_the_vocabulary():
+    """Issue 46 item 7: an id past the vocabulary gave torch's "IndexError: index out of range
+    in self", the vocabulary never named."""
+    engine, _ = gpt_engine()
+    with pytest.raises(pf.ConfigError, match=r"generate: prompt 1 holds token id 40, outside "
+                                             r"the model's vocabulary of 40 ids \(0 to 39, "
+                                             r"the rows of layer 0's embedding\); encode"):
+        engine.generate([[1, 2], [3, 40, 41]], 2)
+    assert len(engine.generate([[1, 39]], 2)[0]) == 2          # the last id is one
+    engine.close()
+
+
+@pytest.mark.parametrize("temperature", [1e-320, 1e-30, 5e-324])
+def test_a_tiny_temperature_samples_the_most_likely_token(temperature):
+    """Issue 46 item 8: temperature = 1e-320 passed the check, then failed in sampling on an
+    inf/nan probability (logits / 1e-320 overflow; softmax of inf - inf)."""
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.9])
+    request = Request.make([[1]], 1, temperature=temperature)
+    gen = prompt_generator(0, 0)
+    assert {sample_next(logits, request, gen) for _ in range(20)} == {1}
+    engine, ref = gpt_engine()
+    assert engine.generate([[1, 2]], 3, temperature=temperature) == \
+        engine.generate([[1, 2]], 3, temperature=0.0)
+    engine.close()

@@ -21,8 +21,8 @@ from pipeflow.planner.hardware import GB, PRESETS, Cluster, Hardware, HardwareEr
 from pipeflow.planner.sizing import nice_batch, size_run
 from pipeflow.planner.scaling import (APPROACH1_G, BESIROGLU_FIT, HOFFMANN_FIT, TABLE3,
                                       allocate, allocate_for_params, compute_from_gpu_days)
-from pipeflow.planner.search import (PlanError, SearchOptions, choose_recompute, minimum_gpus,
-                                     search)
+from pipeflow.planner.search import (PlanError, SearchOptions, choose_recompute,
+                                     enumerate_grids, minimum_gpus, search)
 from pipeflow.planner.shapes import ASPECT_RANGE, Shape, ShapeError, shape_for_params
 from pipeflow.planner.table import stage_table
 from pipeflow.schedules import build_schedule, simulate
@@ -573,3 +573,71 @@ def test_search_shards_only_where_that_makes_a_grid_fit():
     assert not any(e.grid.shard_optimizer for e in kept.ranked)
     forced = search(shape, roomy, 16, dataclasses.replace(one, shard_optimizer=True))
     assert all(e.grid.shard_optimizer == (e.grid.data > 1) for e in forced.ranked)
+
+
+def test_zero_gpus_per_node_is_refused_not_taken_as_unset(capsys):
+    """Issue 46 item 5: `--gpus-per-node 0` planned silently with 8 GPUs per node."""
+    code, out, err = run_cli(capsys, "--compute", "1e20", "--gpus", "16", "--gpus-per-node",
+                             "0")
+    assert code != 0 and not out
+    assert "--gpus-per-node must be a positive integer, found 0; give the GPUs a node" in err
+
+
+def _fit_as_stage_memory(table, grid, prec, usable):
+    """`StageTable.fit` as it was written before issue 46: the Python loop over stages and
+    modes, each figure `cost.stage_memory`'s. The reference the array version must equal."""
+    per_param = prec.state_bytes_on(grid)
+    chunks = cost.schedule_chunks(grid.schedule)
+    held = cost.peak_held(grid.schedule, grid.pipeline, grid.microbatches, chunks)
+    picks, least_peak = [], 0.0
+    for st, params in enumerate(table.params):
+        state, h = params * per_param, held[st]
+        least, pick = None, None
+        for i in range(len(table.modes)):
+            need = state + h * table.per_microbatch[i][st] / chunks + table.transient[i][st]
+            least = need if least is None else min(least, need)
+            if need <= usable:
+                pick = i
+                break
+        least_peak = max(least_peak, least)
+        if pick is None:
+            picks = None
+        elif picks is not None:
+            picks.append(pick)
+    return picks, least_peak
+
+
+@pytest.mark.parametrize("params,gpus,gpu", [(2.8e9, 64, "a100-40gb"), (70e9, 1024, "h100"),
+                                             (280e9, 4096, "h100")])
+def test_the_array_fit_equals_the_per_stage_loop_bit_for_bit(params, gpus, gpu):
+    """Issue 46 item 16: `fit` on arrays (the search's hot path at 16,384 GPUs) answers as
+    the Python loop did, picks and least peak bit for bit, sharded or not, fitting or not."""
+    shape, cluster = shape_for_params(params), Cluster(PRESETS[gpu], gpus, 8)
+    prec = PRECISIONS["bf16"]
+    tables, checked, refused = {}, 0, 0
+    for n, grid in enumerate(enumerate_grids(shape, gpus, 512)):
+        if n % 7:
+            continue
+        key = (grid.pipeline, grid.micro_batch_size)
+        if key not in tables:
+            bounds = cost.time_balanced_boundaries(shape, cluster, prec, *key)
+            tables[key] = stage_table(shape, cluster, prec, bounds, key[1], cost.RECOMPUTE)
+        for g in (grid, dataclasses.replace(grid, shard_optimizer=grid.data > 1)):
+            for usable in (cluster.hardware.usable_memory, cluster.hardware.usable_memory / 8):
+                got = tables[key].fit(g, prec, usable)
+                assert got == _fit_as_stage_memory(tables[key], g, prec, usable), g
+                checked += 1
+                refused += got[0] is None
+    assert checked > 50 and 0 < refused < checked
+
+
+@pytest.mark.timeout(120)
+def test_a_plan_for_16384_gpus_takes_under_5_s_of_cpu():
+    """Issue 46 item 16: `pipeflow plan --compute 1e25 --gpus 16384` took 10.6-14.4 s of CPU
+    (4,096 GPUs: 7.1 s). CPU time, not the wall clock: a loaded machine does not fail it."""
+    import time
+    start = time.process_time()
+    sizing = size_run(compute=1e25, cluster=Cluster(H100, 16384, 8))
+    spent = time.process_time() - start
+    assert sizing.best is not None
+    assert spent < 5.0, f"planning 16384 GPUs took {spent:.1f} s of CPU, expected under 5 s"

@@ -65,3 +65,30 @@ def test_recipe_typos_are_named(tmp_path, line, match):
     path.write_text(f"[train]\n{line}\n")
     with pytest.raises(ConfigError, match=match):
         load_run_config(path)
+
+
+@pytest.mark.parametrize("line,match", [
+    # Issue 46 item 3: accepted, then every step ran at [train] lr.
+    ('optimizer_args = {lr = 0.0}', r"optimizer_args: lr = 0.0 would be overwritten at every "
+                                    r"step .*set \[train\] lr = 0.0 instead"),
+    # Item 13: TypeError "'<' not supported between 'str' and 'float'", the argument unnamed.
+    ('optimizer = "SGD"\noptimizer_args = {momentum = "high"}',
+     r"optimizer = 'SGD' refuses its arguments \(TypeError: .*\); optimizer_args = "
+     r"\{momentum = 'high'\}"),
+    ('optimizer = "Adam"\noptimizer_args = {eps = -1.0}',
+     r"optimizer = 'Adam' refuses its arguments \(ValueError: .*eps.*\)"),
+    # Item 13: listed as known, then failed at step 0 for want of a closure.
+    ('optimizer = "LBFGS"', r"optimizer = 'LBFGS': its step\(\) needs a closure .*choose one "
+                            r"of \[.*'SGD'"),
+])
+def test_optimizer_arguments_the_run_cannot_use_are_named_at_load(tmp_path, line, match):
+    path = tmp_path / "run.toml"
+    path.write_text(f"[train]\n{line}\n")
+    with pytest.raises(ConfigError, match=match):
+        load_run_config(path)
+
+
+def test_lbfgs_is_not_offered_among_the_known_optimizers():
+    with pytest.raises(ConfigError) as info:
+        optimizer_factory(run(optimizer="AdamX"))
+    assert "LBFGS" not in str(info.value) and "'SGD'" in str(info.value)

@@ -85,6 +85,25 @@ def test_replicas_given_different_batches_fail_at_once():
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
+def test_local_batches_of_different_sizes_name_the_local_fix():
+    """Issue 46 item 14: under batch = "local", replicas giving 2 and 3 rows were told to
+    pass the same global batch on every rank (the advice for "global")."""
+    comm = pair()
+    engine = pf.Engine(toy_layers(), loss_fn, adamw,
+                       pf.Config(data=2, microbatches=1, batch="local"), comm=comm)
+    x, y = batches(1, 2 if comm.rank == 0 else 3)[0]
+    with pytest.raises(pf.BatchError) as info:
+        engine.train_step(x, y)
+    said = str(info.value)
+    assert "replicas were given inputs of different shapes under Config.batch = \"local\"" \
+        in said and "(replica 0)" in said and "(replica 1)" in said
+    assert "same local batch size" in said and "global batch" not in said
+    engine.close()
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
 def test_an_optimizer_factory_returning_none_is_refused():
     comm = pair()
     with pytest.raises(pf.ConfigError, match="optimizer factory returned NoneType"):

@@ -6,6 +6,7 @@ are one clear line."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -101,3 +102,65 @@ def test_sample_of_a_hugging_face_folder_equals_transformers(tmp_path, capsys):
     assert main(["sample", str(tmp_path / "llama"), "--prompt", "hi there", "--tokenizer",
                  "byte", "--max-new-tokens", "10", "--temperature", "0", "--ids"]) == 0
     assert json.loads(capsys.readouterr().out) == want
+
+
+def test_sample_with_a_config_of_another_model_names_the_config(tmp_path, capsys):
+    """Issue 46 item 9: `--config OTHER.toml` on a checkpoint of another shape printed torch's
+    multi-line `size mismatch for 0.tokens.weight ...`, --config never named."""
+    ck = trained(tmp_path)
+    other = tmp_path / "other.toml"
+    other.write_text(RUN.replace("d_model = 32", "d_model = 64"))
+    capsys.readouterr()
+    assert main(["sample", ck, "--config", str(other), "--prompt", "x",
+                 "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "size mismatch" not in err, err
+    assert "tensor(s) of another shape than the model's (0.tokens.weight: given [256, 32], " \
+        "the model's [256, 64]" in err
+    assert f"the model comes from --config {other}, which describes another model" in err
+
+
+def test_sample_of_a_save_dir_whose_latest_is_removed_while_read_takes_the_new_one(
+        tmp_path, capsys, monkeypatch):
+    """Issue 46 item 15: sampling a save_dir a run was writing picked step-N, which the run
+    deleted while it was read: "no checkpoint in ... (the folder does not exist)"."""
+    import shutil
+
+    from pipeflow.runtime import checkpoint
+    path = tmp_path / "run.toml"
+    path.write_text(RUN.replace("log_every = 3", "log_every = 3\nsave_every = 3"))
+    assert main(["train", str(path), "--save-dir", str(tmp_path / "ck")]) == 0
+    ck = tmp_path / "ck"
+    assert (ck / "step-00000003").is_dir() and (ck / "step-00000006").is_dir()
+    (ck / "latest").write_text("step-00000003")       # the run had not published step 6 yet
+    want = greedy_ids(str(ck / "step-00000006"), "def ", 8)
+    original, calls = checkpoint.read_params, []
+
+    def read_while_the_run_moves_on(directory, layers=None):
+        calls.append(os.path.basename(str(directory)))
+        if len(calls) == 1:                             # the run publishes 6, prunes 3
+            (ck / "latest").write_text("step-00000006")
+            shutil.rmtree(ck / "step-00000003")
+        return original(directory, layers)
+    monkeypatch.setattr(checkpoint, "read_params", read_while_the_run_moves_on)
+    capsys.readouterr()
+    assert main(["sample", str(ck), "--prompt", "def ", "--max-new-tokens", "8",
+                 "--temperature", "0", "--ids"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out) == want
+    assert calls == ["step-00000003", "step-00000006"]
+
+
+def test_a_recorded_tokenizer_that_moved_is_named_with_the_fix(tmp_path, capsys, monkeypatch):
+    """Issue 46 item 10: a tokenizer.json recorded in the run's meta.json and moved since gave
+    "Repo id must be in the form 'repo_name' or 'namespace/repo_name'"."""
+    pytest.importorskip("tokenizers")
+    from pipeflow.train import sample as sample_module
+    ck = trained(tmp_path)
+    moved = tmp_path / "data" / "tokenizer.json"
+    monkeypatch.setattr(sample_module, "_data_tokenizer", lambda run: f"hf:{moved}")
+    capsys.readouterr()
+    assert main(["sample", ck, "--prompt", "x", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"tokenizer hf:{moved}: expected a tokenizer.json file, the path does not exist" \
+        in err and "pass --tokenizer SPEC to give it where it is now" in err, err
+    assert "Repo id" not in err and err.count("\n") == 1

@@ -107,3 +107,32 @@ def test_a_resumed_run_keeps_the_history_and_logs_each_point_at_its_step(tmp_pat
     board = [(e.step, e.value) for e in events.Scalars("loss")]
     assert [s for s, _ in board] == [s for s, _ in whole]
     assert [v for _, v in board] == pytest.approx([v for _, v in whole], rel=1e-6)
+
+
+def test_a_tensorboard_folder_that_is_a_file_is_refused_at_start(tmp_path):
+    """Issue 46 item 12: a TensorBoard folder that is a file (or read-only) gave a raw
+    traceback and "rank 0 raised an uncaught OSError" once the engine was built."""
+    pytest.importorskip("tensorboard")
+    (tmp_path / "tb").write_text("a file where the folder should be")
+    with pytest.raises(ConfigError, match=r"\[train\] tensorboard: expected a folder "
+                                          r"TensorBoard can write its event files in, .*tb' "
+                                          r"is a file; choose another folder"):
+        train(_run(tmp_path, f'train.tensorboard="{tmp_path}/tb"'), log=lambda *a, **k: None)
+    (tmp_path / "m").mkdir()
+    with pytest.raises(ConfigError, match=r"\[train\] metrics: expected a file for the metric "
+                                          r"records, .*m' is a folder"):
+        train(_run(tmp_path, f'train.metrics="{tmp_path}/m"'), log=lambda *a, **k: None)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder")
+def test_a_read_only_tensorboard_folder_is_refused_at_start(tmp_path):
+    pytest.importorskip("tensorboard")
+    (tmp_path / "tb").mkdir()
+    os.chmod(tmp_path / "tb", 0o555)
+    try:
+        with pytest.raises(ConfigError, match=r"\[train\] tensorboard: expected a folder .* "
+                                              r"cannot take a file"):
+            train(_run(tmp_path, f'train.tensorboard="{tmp_path}/tb"'),
+                  log=lambda *a, **k: None)
+    finally:
+        os.chmod(tmp_path / "tb", 0o755)

@@ -189,7 +189,7 @@ def _calibrated_cluster(args: argparse.Namespace,
         return None, shape
     if args.save_hardware:
         hw.save(args.save_hardware)
-    return Cluster(hw, gpus, args.gpus_per_node or gpus), shape
+    return Cluster(hw, gpus, gpus if args.gpus_per_node is None else args.gpus_per_node), shape
 
 
 def _plan(args: argparse.Namespace, rank: int) -> int:
@@ -207,7 +207,9 @@ def _plan(args: argparse.Namespace, rank: int) -> int:
             raise PlanError("--save-hardware saves what --calibrate measures: add --calibrate")
         hw = Hardware.load(args.hardware_file) if args.hardware_file else get_hardware(args.gpu)
         gpus = args.gpus if args.gpus is not None else 8
-        cluster = Cluster(hw, gpus, args.gpus_per_node or min(8, gpus) or 1)
+        # 0 is a value to refuse (Cluster names it), not "unset": only None takes the default.
+        per_node = min(8, gpus) or 1 if args.gpus_per_node is None else args.gpus_per_node
+        cluster = Cluster(hw, gpus, per_node)
     if args.efficiency is not None:
         if not 0 < args.efficiency <= 1:
             raise PlanError(f"--efficiency must be in (0, 1], found {args.efficiency}")

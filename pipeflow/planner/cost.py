@@ -358,8 +358,10 @@ def _gradient_sync_time(shape: Shape, cluster: Cluster, prec: PrecisionBytes, st
     Sharded: a reduce-scatter of the fp32 gradients (overlapped as the all-reduce's buckets,
     half its traffic) and an all-gather of the working weights after the step, counted
     whole after it (it overlaps only the step of later buckets, itself 1/d as long)."""
+    # A stage's replicas are neighbouring ranks: its first and last span the group's nodes.
     grid = RankGrid(p, d)
-    bw, lat = cluster.link(grid.group("data", grid.rank(stage)))
+    group = grid.group("data", grid.rank(stage))
+    bw, lat = cluster.link([group[0], group[-1]])
     nbytes = params * prec.grad_reduce_bytes
     if sharded and d > 1:
         gather = ring_half_time(params * prec.act_bytes, d, bw, lat)

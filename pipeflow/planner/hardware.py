@@ -275,13 +275,15 @@ class Cluster:
         if (not isinstance(self.gpus_per_node, int) or isinstance(self.gpus_per_node, bool)
                 or self.gpus_per_node < 1):
             raise HardwareError(f"--gpus-per-node must be a positive integer, found "
-                                f"{self.gpus_per_node!r}")
+                                f"{self.gpus_per_node!r}; give the GPUs a node holds "
+                                f"(e.g. --gpus-per-node 8), or leave it out for min(8, --gpus)")
 
     def node(self, rank: int) -> int:
         return rank // self.gpus_per_node
 
     def same_node(self, ranks: list[int]) -> bool:
-        return len({self.node(r) for r in ranks}) <= 1
+        # Nodes hold neighbouring ranks: all share one iff the lowest and highest do.
+        return not ranks or self.node(min(ranks)) == self.node(max(ranks))
 
     def link(self, ranks: list[int]) -> tuple[float, float]:
         """(bandwidth, latency) of the slowest link joining `ranks`, efficiency applied."""

@@ -12,9 +12,10 @@ estimated.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import functools
+from typing import Any, Sequence
 
-from pipeflow.planner.cost import (Grid, PrecisionBytes, idle_units, layer_times,
+from pipeflow.planner.cost import (Grid, PrecisionBytes, _stage_kinds, idle_units, layer_times,
                                    optimizer_time, peak_held, schedule_chunks, split_backward,
                                    stage_bytes, stage_compute)
 from pipeflow.planner.hardware import Cluster
@@ -46,6 +47,16 @@ class StageTable:
     def pipeline(self) -> int:
         return len(self.params)
 
+    def __post_init__(self) -> None:
+        import numpy as np          # not at module level: the planner imports without it
+        # The columns as arrays, for `fit`'s per-grid arithmetic on every stage at once (the
+        # search asks tens of thousands of grids on a large cluster; a loop over stages and
+        # modes in Python took most of `pipeflow plan --gpus 16384`'s 10 s).
+        arrays = (np.asarray(self.params, dtype=np.float64),
+                  np.asarray(self.per_microbatch, dtype=np.float64),
+                  np.asarray(self.transient, dtype=np.float64), np.arange(len(self.params)))
+        object.__setattr__(self, "_arrays", arrays)
+
     def fit(self, grid: Grid, precision: PrecisionBytes,
             usable: float) -> tuple[list[int] | None, float]:
         """(per stage the index in `modes` of the first recomputation whose memory fits
@@ -54,24 +65,22 @@ class StageTable:
         per_param = precision.state_bytes_on(grid)
         chunks = schedule_chunks(grid.schedule)
         held = peak_held(grid.schedule, grid.pipeline, grid.microbatches, chunks)
-        picks: list[int] | None = []
-        least_peak = 0.0
-        for st, params in enumerate(self.params):
-            state, h = params * per_param, held[st]
-            least, pick = None, None
-            for i in range(len(self.modes)):
-                # sum(cost.stage_memory(...)): the same operations in the same order.
-                need = state + h * self.per_microbatch[i][st] / chunks + self.transient[i][st]
-                least = need if least is None else min(least, need)
-                if need <= usable:
-                    pick = i
-                    break
-            least_peak = max(least_peak, least)
-            if pick is None:
-                picks = None
-            elif picks is not None:
-                picks.append(pick)
-        return picks, least_peak
+        import numpy as np
+        params, per_microbatch, transient, stages = self._arrays
+        # sum(cost.stage_memory(...)): the same operations in the same order, element-wise in
+        # float64 (IEEE arithmetic: bit for bit the Python floats), [mode][stage].
+        h = _held_column(held, len(self.params))
+        need = params * per_param + h * per_microbatch / chunks + transient
+        fits = need <= usable
+        pick = fits.argmax(axis=0)
+        # The least need among the modes tried: the one picked where one fits (those tried
+        # before it need more than `usable`), the least of all where none does.
+        least = need[pick, stages]
+        fitting = fits[pick, stages]
+        if fitting.all():
+            return pick.tolist(), max(0.0, float(least.max()))
+        least = np.where(fitting, least, need.min(axis=0))
+        return None, max(0.0, float(least.max()))
 
     def step_time_bound(self, cluster: Cluster, grid: Grid, picks: Sequence[int]) -> float:
         """A lower bound on `cost.estimate(...).step_time_s` with recomputation `picks`:
@@ -96,6 +105,15 @@ class StageTable:
         return (pipeline + tail) * (1 - _SLACK)
 
 
+@functools.lru_cache(maxsize=4096)
+def _held_column(held: tuple[int, ...], stages: int) -> Any:
+    """`peak_held`'s first `stages` counts as a float64 column (read-only: it is shared)."""
+    import numpy as np
+    column = np.asarray(held[:stages], dtype=np.float64)
+    column.flags.writeable = False
+    return column
+
+
 def stage_table(shape: Shape, cluster: Cluster, precision: PrecisionBytes,
                 boundaries: Sequence[int], micro_batch_size: int,
                 modes: Sequence[str]) -> StageTable:
@@ -103,9 +121,19 @@ def stage_table(shape: Shape, cluster: Cluster, precision: PrecisionBytes,
     b = micro_batch_size
     layers = [(boundaries[st], boundaries[st + 1]) for st in range(len(boundaries) - 1)]
     times = layer_times(shape, cluster, precision, b)
-    memory = [[stage_bytes(shape, precision, b, lay, mode) for lay in layers] for mode in modes]
-    compute = [[stage_compute(shape, cluster, precision, b, lay, mode, times) for lay in layers]
-               for mode in modes]
+    # A stage's figures depend on its layers only through how many of each kind it holds:
+    # most stages of a deep pipeline hold alike, so each kind count is computed once.
+    kinds = [tuple(_stage_kinds(shape, lay).values()) for lay in layers]
+    first_of: dict[tuple[int, ...], tuple[int, int]] = {}
+    for k, lay in zip(kinds, layers):
+        first_of.setdefault(k, lay)
+    memory, compute = [], []
+    for mode in modes:
+        by_bytes = {k: stage_bytes(shape, precision, b, lay, mode) for k, lay in first_of.items()}
+        by_time = {k: stage_compute(shape, cluster, precision, b, lay, mode, times)
+                   for k, lay in first_of.items()}
+        memory.append([by_bytes[k] for k in kinds])
+        compute.append([by_time[k] for k in kinds])
     first = compute[0]
 
     def column(rows: list[list[tuple]], i: int) -> tuple[tuple, ...]:

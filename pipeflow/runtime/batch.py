@@ -78,6 +78,12 @@ def split(what: str, batch: Any, m: int, d: int, replica: int, device: torch.dev
     if any(t.dim() == 0 or t.shape[0] != n for t in ts):
         raise BatchError(f"{where}: every tensor of {what} needs the same batch dimension "
                          f"first; found shapes {[tuple(t.shape) for t in ts]}")
+    empty = next((t for t in ts if t.numel() == 0 and n > 0), None)
+    if empty is not None:               # a mean over no positions is NaN, not a loss
+        raise BatchError(f"{where}: {what} has a tensor of shape {tuple(empty.shape)}: an "
+                         f"empty dimension after the batch's (a sequence of length 0?) leaves "
+                         f"nothing to compute, and a mean-reduced loss would be NaN; pass at "
+                         f"least one position in every dimension")
     if local:                           # this replica's own rows: nothing to slice
         d, replica = 1, 0
     if n == 0 or n % (m * d):
@@ -142,7 +148,7 @@ def split_step(call: str, step: int, inputs: Any, targets: Any, side: Mapping[st
             "inputs": _signature(inputs) if holds_first else None,
             "targets": _signature(targets) if holds_last else None,
             "side": sorted((k, _signature(v)) for k, v in side.items()),
-            "replica": topo.replica,
+            "replica": topo.replica, "local": local,
             "values": None if local or d == 1 or problem else _values(
                 inputs if holds_first else None,
                 targets if holds_last else None, side, first=step == 0)}
@@ -243,10 +249,20 @@ def _disagreement(views: list[dict]) -> str | None:
     for key in ("inputs", "targets", "side"):
         seen = [v for v in views if key == "side" or v[key] is not None]
         for v in seen[1:]:
+            if v[key] != seen[0][key] and v.get("local") and \
+                    v["replica"] != seen[0]["replica"]:
+                return (f"replicas were given {key} of different shapes under Config.batch = "
+                        f"\"local\": rank {seen[0]['rank']} (replica {seen[0]['replica']}) "
+                        f"has {seen[0][key]}, rank {v['rank']} (replica {v['replica']}) has "
+                        f"{v[key]}; each replica passes its own rows, but every replica the "
+                        f"same number of them (and the same shapes and dtypes): give each the "
+                        f"same local batch size (pad or drop the rows left over)")
             if v[key] != seen[0][key]:
+                which = "replica's batch (shapes, dtypes, structure) on every rank of the " \
+                    "replica" if v.get("local") else \
+                    "global batch (shapes, dtypes, structure) on every rank"
                 return (f"ranks were given different {key}: rank {seen[0]['rank']} has "
-                        f"{seen[0][key]}, rank {v['rank']} has {v[key]}; pass the same global "
-                        f"batch (shapes, dtypes, structure) on every rank")
+                        f"{seen[0][key]}, rank {v['rank']} has {v[key]}; pass the same {which}")
     return _local_batches(views)
 
 

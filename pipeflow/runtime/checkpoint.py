@@ -28,14 +28,13 @@ import io
 import json
 import os
 import shutil
-import tempfile
 import warnings
 from typing import Any, Callable, Sequence
 
 import torch
 
 from pipeflow.comm import waiting
-from pipeflow._io import atomic_write_bytes, fsync_dir
+from pipeflow._io import atomic_write_bytes, fsync_dir, make_temp_dir
 from pipeflow.logs import get_logger
 from pipeflow.runtime.rng import get_rng_state, set_rng_state
 from pipeflow.comm.topology import Topology
@@ -168,7 +167,7 @@ def _make_staging(directory: str, name: str, where: str) -> str:
     check_save_dir(directory, where)
     try:
         os.makedirs(directory, exist_ok=True)
-        return os.path.basename(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=directory))
+        return os.path.basename(make_temp_dir(f".{name}.tmp-", directory))
     except OSError as exc:
         raise CheckpointError(f"{where}: cannot start a checkpoint in {directory!r}: {exc}; "
                               f"free space or choose another save directory") from None
@@ -186,7 +185,7 @@ def _publish(state: CheckpointState, directory: str, staging: str, name: str,
         _write_meta(state, directory, staging, {n: digest for n, (digest, _) in files.items()})
         _verify(staging, files)
         if os.path.lexists(final):    # the same step saved again: replaced only now
-            old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=directory)
+            old = make_temp_dir(f".{name}.old-", directory)
             os.replace(final, os.path.join(old, name))
         os.replace(staging, final)
         atomic_write_bytes(os.path.join(directory, "latest"), name.encode())

@@ -35,12 +35,14 @@ from mpi4py import MPI
 
 from pipeflow import tree
 from pipeflow.comm import waiting
+from pipeflow.config import ConfigError
 from pipeflow.layers import layer_seed
 from pipeflow.runtime.recompute import run_layers
 from pipeflow.runtime.tensor_parallel import gather_vocab, whole_sequence
 
 __all__ = ["Request", "normalise_prompts", "sample_next", "prompt_generator", "Decoding",
-           "decodes", "layer_report", "choose_cache", "TAG"]
+           "decodes", "layer_report", "choose_cache", "TAG", "VocabularyError", "vocabulary",
+           "check_vocabulary"]
 
 TAG = 16000      # generation's messages on the pipeline's links (the runner's tags are lower)
 
@@ -139,7 +141,10 @@ def sample_next(logits: torch.Tensor, request: Request, generator: torch.Generat
     to the smallest set whose probability reaches `top_p` (nucleus sampling)."""
     if request.temperature == 0:
         return int(torch.argmax(logits))
-    scores = logits.detach().to("cpu", torch.float64) / request.temperature
+    # The largest score made 0 before dividing: with a tiny temperature (1e-320) the others
+    # fall to -inf and the most likely token keeps probability 1, never inf - inf = NaN.
+    scores = logits.detach().to("cpu", torch.float64)
+    scores = (scores - scores.max()) / request.temperature
     if request.top_k is not None and request.top_k < scores.numel():
         kth = torch.topk(scores, request.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -152,6 +157,36 @@ def sample_next(logits: torch.Tensor, request: Request, generator: torch.Generat
         scores[order[drop]] = float("-inf")
     probs = torch.softmax(scores, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class VocabularyError(ConfigError):
+    """A prompt holds a token id the model's first layer has no row for."""
+
+
+def vocabulary(stage: Any) -> int | None:
+    """The model's vocabulary size, from the first `nn.Embedding` of layer 0 (its input
+    embedding), on the rank that holds it; None elsewhere or where layer 0 has none."""
+    for chunk, indices in zip(stage.chunk_layers, stage.plan.layer_ranges(stage.index)):
+        for layer, i in zip(chunk, indices):
+            if i == 0:
+                embedding = next((m for m in layer.modules()
+                                  if isinstance(m, torch.nn.Embedding)), None)
+                return None if embedding is None else int(embedding.num_embeddings)
+    return None
+
+
+def check_vocabulary(request: Request, vocab: int | None) -> None:
+    """A VocabularyError naming the prompt, the id and the vocabulary where a prompt holds an
+    id the model's embedding has no row for (torch's "index out of range in self" before)."""
+    if vocab is None:
+        return
+    for i, prompt in enumerate(request.prompts):
+        bad = [t for t in prompt if t >= vocab]
+        if bad:
+            raise VocabularyError(
+                f"generate: prompt {i} holds token id {bad[0]}, outside the model's vocabulary "
+                f"of {vocab} ids (0 to {vocab - 1}, the rows of layer 0's embedding); encode "
+                f"the prompts with the model's own tokenizer")
 
 
 def decodes(layer: torch.nn.Module) -> bool:

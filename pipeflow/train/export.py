@@ -27,7 +27,7 @@ import shutil
 import tempfile
 from typing import Callable
 
-from pipeflow._io import fsync_dir
+from pipeflow._io import fsync_dir, make_temp_dir
 
 __all__ = ["ExportError", "Export", "check_target", "publish", "MARK", "OWN"]
 
@@ -263,7 +263,7 @@ def publish(out: str, write: Callable[[str], None], overwrite: bool = False,
         os.makedirs(parent, exist_ok=True)
         result.cleaned = _clean(out)
         check_target(out, overwrite, avoid)        # a restored folder is checked too
-        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.{STAGE}-", dir=parent)
+        staging = make_temp_dir(f".{os.path.basename(out)}.{STAGE}-", parent)
         write(staging)
         if os.path.isdir(out):
             for entry in sorted(os.listdir(out)):

@@ -32,7 +32,7 @@ from pipeflow.runtime.failure import report_and_abort, say
 from pipeflow.train.metrics import (MetricsLog, clock_text, count_parameters, devices_in_use,
                                     memory_reports, peak_flops, stage_stats)
 from pipeflow.train.recipe import lr_at, optimizer_factory, weight_decay_groups
-from pipeflow.train.trackers import check_trackers, open_trackers
+from pipeflow.train.trackers import check_tracker_paths, check_trackers, open_trackers
 from pipeflow.train.model_table import Model, build_model
 from pipeflow.train.run_config import DataConfig, RunConfig, TrainConfig, load_run_config
 from pipeflow.train.trace import write_trace
@@ -61,6 +61,7 @@ def _check_paths(run: TrainConfig) -> None:
                               f"'tensorboard' package: pip install tensorboard (or "
                               f"\"pipeflow[monitor]\"), or set tensorboard = \"\"") from None
     check_trackers(run.trackers)
+    check_tracker_paths(run)
     if run.save_dir:              # found now, not at the first save after hours of training
         try:
             check_save_dir(run.save_dir, where="[train] save_dir")

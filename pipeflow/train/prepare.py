@@ -12,6 +12,13 @@ disk as they come, a progress bar on stderr. Writes `DIR/train.bin`, `DIR/val.bi
 `val_fraction` of the tokens) and `DIR/meta.json` (tokenizer, vocabulary size, dtype, eot).
 `tiktoken:NAME` and `hf:NAME_OR_tokenizer.json` are optional extras (`pipeflow[tokenizers]`);
 Parquet and `--dataset` need `pipeflow[data]`.
+
+Every input kind gives a document's text as written: a text file is read without newline
+translation, so its CR and CRLF reach the tokenizer as a JSONL or Parquet string holding the
+same characters does (the same document, the same tokens, whatever its container). Inputs
+must be UTF-8: a file with bytes that are not is refused, naming the file and the byte's
+offset (nothing is replaced behind the user's back). Hidden temporary files an interrupted
+prepare left in `--out` are removed, and named, by the next prepare there.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ import numpy as np
 
 from pipeflow._io import atomic_write, atomic_write_bytes
 
-__all__ = ["load_tokenizer", "prepare", "end_of_text", "documents"]
+__all__ = ["load_tokenizer", "prepare", "end_of_text", "documents", "hf_tokenizer",
+           "clean_leftovers"]
 
 Encode = Callable[[str], list[int]]
 TEXT_BLOCK = 1 << 20          # a text file is read and tokenized this many bytes at a time
@@ -43,9 +51,42 @@ def _tiktoken(name: str) -> tuple[Encode, int, int | None]:
     return enc.encode_ordinary, enc.n_vocab, int(enc.eot_token)
 
 
-def _hf_tokenizers(name: str) -> tuple[Encode, int, int | None]:
+def _names_a_file(name: str) -> bool:
+    """Whether `hf:NAME` names a tokenizer.json rather than a Hub repository: a path that
+    exists, ends in .json, or starts as a path does (/, ./, ../, ~)."""
+    return os.path.exists(name) or name.lower().endswith(".json") or \
+        name.startswith(("/", "./", "../", "~", "." + os.sep))
+
+
+def hf_tokenizer(name: str) -> Any:
+    """The `tokenizers.Tokenizer` of `hf:NAME`: a tokenizer.json file, or a Hub repository
+    (downloaded once, then cached); a ValueError naming the file or repository and what to do
+    where neither loads (a moved file, no network)."""
     from tokenizers import Tokenizer
-    tok = Tokenizer.from_file(name) if os.path.isfile(name) else Tokenizer.from_pretrained(name)
+    if _names_a_file(name):
+        path = os.path.expanduser(name)
+        if not os.path.isfile(path):
+            what = "is a folder" if os.path.isdir(path) else "does not exist"
+            raise ValueError(f"tokenizer hf:{name}: expected a tokenizer.json file, the path "
+                             f"{what}; give the file's path (hf:/path/to/tokenizer.json)")
+        try:
+            return Tokenizer.from_file(path)
+        except Exception as exc:      # tokenizers raises a bare Exception for a bad file
+            raise ValueError(f"tokenizer hf:{name}: not a readable tokenizer.json "
+                             f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+                             f"; give a tokenizer.json that the tokenizers library wrote")
+    try:
+        return Tokenizer.from_pretrained(name)
+    except Exception as exc:          # offline, a private or unknown repository
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValueError(f"tokenizer hf:{name}: could not load it from the Hugging Face Hub "
+                         f"({first}); where this machine is offline, download the "
+                         f"repository's tokenizer.json elsewhere and pass "
+                         f"hf:/path/to/tokenizer.json") from None
+
+
+def _hf_tokenizers(name: str) -> tuple[Encode, int, int | None]:
+    tok = hf_tokenizer(name)
     ids = [tok.token_to_id(t) for t in ("<|endoftext|>", "</s>", "<|end_of_text|>")]
     eot = next((int(i) for i in ids if i is not None), None)
     return (lambda text: tok.encode(text, add_special_tokens=False).ids), \
@@ -106,17 +147,37 @@ def documents(inputs: Sequence[str | os.PathLike], field: str = "text",
         yield from ((t, True) for t in _dataset(dataset, field, split))
 
 
-def _text_blocks(path: str) -> Iterator[tuple[str, bool]]:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        block: list[str] = []
-        size = 0
+def _decoded(line: bytes, path: str, offset: int) -> str:
+    """`line` (found at byte `offset` of `path`) as UTF-8; a ValueError naming the file and
+    the first byte that is not UTF-8 otherwise."""
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        bad = line[exc.start:exc.start + 4]
+        raise ValueError(f"{path}: expected UTF-8 text, found the bytes {bad!r} at byte offset "
+                         f"{offset + exc.start} ({exc.reason}); convert the file to UTF-8 "
+                         f"(e.g. iconv -f LATIN1 -t UTF-8) or remove the bytes") from None
+
+
+def _lines(path: str) -> Iterator[str]:
+    """The lines of `path` as written (CR and CRLF kept: no newline translation), UTF-8."""
+    with open(path, "rb") as f:
+        offset = 0
         for line in f:
-            block.append(line)
-            size += len(line)
-            if size >= TEXT_BLOCK:
-                yield "".join(block), False
-                block, size = [], 0
-        yield "".join(block), True
+            yield _decoded(line, path, offset)
+            offset += len(line)
+
+
+def _text_blocks(path: str) -> Iterator[tuple[str, bool]]:
+    block: list[str] = []
+    size = 0
+    for line in _lines(path):
+        block.append(line)
+        size += len(line)
+        if size >= TEXT_BLOCK:
+            yield "".join(block), False
+            block, size = [], 0
+    yield "".join(block), True
 
 
 def _field_of(record: Any, field: str, where: str) -> str:
@@ -132,15 +193,14 @@ def _field_of(record: Any, field: str, where: str) -> str:
 
 
 def _jsonl(path: str, field: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as exc:
-                raise ValueError(f"{path}, line {n}: not JSON ({exc})") from None
-            yield _field_of(record, field, f"{path}, line {n}")
+    for n, line in enumerate(_lines(path), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            raise ValueError(f"{path}, line {n}: not JSON ({exc})") from None
+        yield _field_of(record, field, f"{path}, line {n}")
 
 
 def _parquet(path: str, field: str) -> Iterator[str]:
@@ -149,13 +209,29 @@ def _parquet(path: str, field: str) -> Iterator[str]:
     except ImportError:
         raise ValueError(f"{path}: reading Parquet needs the 'pyarrow' package: pip install "
                          f"'pipeflow[data]'") from None
-    table = pq.ParquetFile(path)
-    if field not in table.schema_arrow.names:
-        raise ValueError(f"{path}: no column {field!r} (found {table.schema_arrow.names}); "
+    import pyarrow as pa
+    try:
+        table = pq.ParquetFile(path)
+        names = table.schema_arrow.names
+    except (pa.ArrowException, OSError) as exc:
+        raise ValueError(f"{path}: expected a Parquet file, could not read it ({exc}); check "
+                         f"the file (a copy cut short?) or convert it again") from None
+    if field not in names:
+        raise ValueError(f"{path}: no column {field!r} (found {names}); "
                          f"choose the text's column with --field NAME")
-    for batch in table.iter_batches(columns=[field], batch_size=1024):
-        for i, value in enumerate(batch.column(0).to_pylist()):
-            yield _field_of({field: value}, field, f"{path}, row {i}")
+    row = 0
+    batches = table.iter_batches(columns=[field], batch_size=1024)
+    while True:
+        try:
+            batch = next(batches, None)
+        except (pa.ArrowException, OSError) as exc:
+            raise ValueError(f"{path}: expected a Parquet file, could not read it past row "
+                             f"{row} ({exc}); check the file or convert it again") from None
+        if batch is None:
+            return
+        for value in batch.column(0).to_pylist():
+            yield _field_of({field: value}, field, f"{path}, row {row}")
+            row += 1
 
 
 def _dataset(name: str, field: str, split: str) -> Iterator[str]:
@@ -249,6 +325,7 @@ def prepare(texts: Sequence[str | os.PathLike], out: str | os.PathLike,
     _, vocab, eot = _codec(tokenizer)
     dtype = np.uint16 if vocab <= 2**16 else np.uint32
     os.makedirs(out, exist_ok=True)
+    cleaned = clean_leftovers(out)
     fd, stream = tempfile.mkstemp(prefix=".tokens.", suffix=".tmp", dir=os.fspath(out))
     counter, total, bar = [0], 0, None
     try:
@@ -272,8 +349,27 @@ def prepare(texts: Sequence[str | os.PathLike], out: str | os.PathLike,
                  "sources": [os.fspath(p) for p in texts] + ([dataset] if dataset else [])})
     if eot is not None:
         meta["eot"] = eot
+    meta["newlines"] = "as written"
     atomic_write_bytes(os.path.join(out, "meta.json"), json.dumps(meta, indent=1).encode())
-    return meta
+    return {**meta, "cleaned": cleaned} if cleaned else meta
+
+
+_OUTPUTS = ("train.bin", "val.bin", "meta.json")
+
+
+def clean_leftovers(out: str | os.PathLike) -> list[str]:
+    """Remove the hidden temporary files an interrupted prepare left in `out` (the token
+    stream `.tokens.*.tmp`, and each output's `NAME.*.tmp` of an atomic write); their names."""
+    names = []
+    for entry in sorted(os.listdir(out)):
+        if entry.endswith(".tmp") and (entry.startswith(".tokens.") or
+                                       any(entry.startswith(o + ".") for o in _OUTPUTS)):
+            try:
+                os.unlink(os.path.join(out, entry))
+            except FileNotFoundError:
+                continue
+            names.append(entry)
+    return names
 
 
 def _split(stream: str, out: str | os.PathLike, dtype: Any, total: int, val_fraction: float,

@@ -11,7 +11,12 @@ last `decay_fraction` of the steps, then decays linearly to `min_lr_ratio x lr`.
 
 The optimizer gets `lr`, and where its class takes them, `betas = (beta1, beta2)` and
 `weight_decay` on matrices only (nanoGPT's groups); `optimizer_args` adds or overrides
-arguments. An unknown class or argument is a ConfigError naming the closest known one.
+arguments, except `lr`: the schedule sets every step's rate from `[train] lr`, so an `lr`
+there would be overwritten at the first step, and it is refused, naming `[train] lr`. An
+unknown class or argument is a ConfigError naming the closest known one; the optimizer is
+built once on a probe parameter when the run is loaded, so an argument of the wrong type
+or range (`momentum = "high"`) is named then, with the class's own complaint. Classes whose
+`step` needs a closure (LBFGS) are not offered: the engine steps without one.
 """
 
 from __future__ import annotations
@@ -60,10 +65,16 @@ def weight_decay_groups(params, weight_decay: float) -> list[dict[str, Any]]:
     return [g for g in groups if g["params"]]
 
 
+def _needs_closure(cls: type) -> bool:
+    """Whether `cls.step` takes a closure it cannot do without (LBFGS re-evaluates the loss)."""
+    closure = inspect.signature(cls.step).parameters.get("closure")
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
 def _optimizers() -> dict[str, type]:
     return {name: cls for name, cls in vars(torch.optim).items()
             if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
-            and cls is not torch.optim.Optimizer}
+            and cls is not torch.optim.Optimizer and not _needs_closure(cls)}
 
 
 def optimizer_class(name: str) -> type:
@@ -71,6 +82,13 @@ def optimizer_class(name: str) -> type:
     the closest name otherwise."""
     known = _optimizers()
     found = known.get(name) or {k.lower(): v for k, v in known.items()}.get(str(name).lower())
+    every = {k.lower(): v for k, v in vars(torch.optim).items() if isinstance(v, type)}
+    if found is None and str(name).lower() in every and \
+            issubclass(every[str(name).lower()], torch.optim.Optimizer):
+        raise ConfigError(f"[train] optimizer = {name!r}: its step() needs a closure that "
+                          f"evaluates the loss again, and the pipeline steps once after "
+                          f"accumulating every micro-batch's gradient; choose one of "
+                          f"{sorted(known)}")
     if found is None:
         close = difflib.get_close_matches(str(name), list(known), n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
@@ -87,6 +105,11 @@ def _arguments(train: Any, cls: type) -> dict[str, Any]:
     if "betas" in accepted:
         args["betas"] = (train.beta1, train.beta2)
     for key, value in dict(train.optimizer_args).items():
+        if key == "lr":
+            raise ConfigError(f"[train] optimizer_args: lr = {value!r} would be overwritten "
+                              f"at every step by the learning-rate schedule, which starts "
+                              f"from [train] lr = {train.lr!r}; set [train] lr = {value!r} "
+                              f"instead and remove lr from optimizer_args")
         if key not in accepted:
             close = difflib.get_close_matches(key, sorted(accepted), n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
@@ -103,7 +126,17 @@ def check_recipe(train: Any) -> None:
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ConfigError(f"[train] lr_schedule = {train.lr_schedule!r} is unknown; {hint}"
                           f"known: {list(SCHEDULES)}")
-    _arguments(train, optimizer_class(train.optimizer))
+    cls = optimizer_class(train.optimizer)
+    _arguments(train, cls)
+    probe = torch.nn.Parameter(torch.zeros(2, 2))
+    try:
+        optimizer_factory(train)([probe])
+    except (TypeError, ValueError, RuntimeError) as exc:
+        given = ", ".join(f"{k} = {v!r}" for k, v in dict(train.optimizer_args).items())
+        raise ConfigError(f"[train] optimizer = {train.optimizer!r} refuses its arguments "
+                          f"({type(exc).__name__}: {exc}); optimizer_args = {{{given}}}: "
+                          f"give each the type and range {cls.__name__} documents "
+                          f"(e.g. momentum = 0.9)") from None
 
 
 def optimizer_factory(train: Any) -> Callable[[list], torch.optim.Optimizer]:

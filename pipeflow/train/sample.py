@@ -49,9 +49,8 @@ def load_tokenizer(spec: str) -> Tokenizer:
             enc = tiktoken.get_encoding(name)
             return Tokenizer(spec, enc.encode_ordinary, enc.decode)
         if kind == "hf" and name:
-            from tokenizers import Tokenizer as HfTokenizer
-            tok = HfTokenizer.from_file(name) if os.path.isfile(name) else \
-                HfTokenizer.from_pretrained(name)
+            from pipeflow.train.prepare import hf_tokenizer
+            tok = hf_tokenizer(name)
             return Tokenizer(spec, lambda text: tok.encode(text).ids,
                              lambda ids: tok.decode(list(ids), skip_special_tokens=False))
     except ImportError:
@@ -88,6 +87,7 @@ class _Source:
     precision: str
     tokenizer: str
     read: Callable[[list[int]], dict[str, torch.Tensor]]    # layers -> their tensors
+    folder: str | None = None     # the checkpoint read (None: a Hugging Face folder)
 
 
 def sample(args: SampleArgs, comm: MPI.Comm | None = None,
@@ -97,12 +97,19 @@ def sample(args: SampleArgs, comm: MPI.Comm | None = None,
     from pipeflow.engine import Engine
 
     comm = comm if comm is not None else MPI.COMM_WORLD
-    source = _source(args)
+    source = _source(args, comm)
     if not (args.tokenizer or source.tokenizer):
         raise ConfigError(f"{args.checkpoint!r}: no tokenizer found (no meta.json beside the "
                           f"run's [data] train, no tokenizer.json); pass --tokenizer byte, "
                           f"tiktoken:NAME or hf:FILE")
-    tokenizer = load_tokenizer(args.tokenizer or source.tokenizer)
+    try:
+        tokenizer = load_tokenizer(args.tokenizer or source.tokenizer)
+    except ValueError as exc:
+        if args.tokenizer:
+            raise ConfigError(f"--tokenizer: {exc}") from None
+        raise ConfigError(f"{exc} (the tokenizer {args.checkpoint!r} records: the run's "
+                          f"meta.json or its Hub folder); pass --tokenizer SPEC to give it "
+                          f"where it is now") from None
     prompts = [tokenizer.encode(p) for p in args.prompts]
     empty = [repr(p) for p, ids in zip(args.prompts, prompts) if not ids]
     if empty:
@@ -111,10 +118,23 @@ def sample(args: SampleArgs, comm: MPI.Comm | None = None,
     config = _grid(args.pipeline, comm.size, source.precision)
     engine = Engine(source.model.layers, source.model.loss_fn,
                     lambda ps: torch.optim.SGD(ps, lr=0.0), config, comm=comm)
+    from pipeflow.runtime.generate import VocabularyError
     try:
-        _load(engine, source, comm)
+        for attempt in range(_ATTEMPTS):
+            if not _load(engine, source, comm, args):
+                break
+            if attempt + 1 == _ATTEMPTS:
+                raise ConfigError(
+                    f"{args.checkpoint!r}: the latest checkpoint was removed while it was read, "
+                    f"{_ATTEMPTS} times over (a run writing there keeps only its newest "
+                    f"checkpoints); try again, or sample from a copy of a checkpoint folder")
+            source = _source(args, comm)          # the run's newer latest
         new = engine.generate(prompts, args.max_new_tokens, args.temperature, args.top_k,
                               args.top_p, args.eos or None, args.seed)
+    except VocabularyError as exc:
+        raise ConfigError(f"{exc}: the tokenizer {tokenizer.spec!r} gives ids the model in "
+                          f"{args.checkpoint!r} does not have; pass --tokenizer with the "
+                          f"model's own tokenizer") from None
     finally:
         engine.close()
     if comm.rank == 0:
@@ -133,24 +153,75 @@ def _grid(pipeline: int, ranks: int, precision: str) -> Config:
     return Config(pipeline=p, data=ranks // p, microbatches=1, precision=precision)
 
 
-def _load(engine: Any, source: _Source, comm: MPI.Comm) -> None:
-    """Each rank reads its own layers' tensors; a problem on any rank raised on all."""
-    problem = None
+_ATTEMPTS = 4    # reads of a save_dir's latest checkpoint, where a run removes it meanwhile
+
+
+def _load(engine: Any, source: _Source, comm: MPI.Comm, args: SampleArgs) -> bool:
+    """Each rank reads its own layers' tensors; a problem on any rank raised on all. True
+    (on every rank) where the checkpoint's folder vanished while it was read (a run writing
+    the save_dir removed it): read the new latest then."""
+    problem, vanished = None, False
     try:
         engine.load_state_dict(source.read(list(engine.stage.module.indices)))
     except (ConfigError, OSError, ValueError, KeyError, RuntimeError) as exc:
         problem = f"rank {comm.rank}: {exc}"
-    problems = [p for p in waiting.allgather(comm, problem) if p]
+        vanished = source.folder is not None and not os.path.isdir(source.folder)
+    views = waiting.allgather(comm, (problem, vanished))
+    if any(v for _, v in views):
+        return True
+    problems = [p for p, _ in views if p]
     if problems:
-        raise ConfigError(f"cannot load the weights ({problems[0]})")
+        hint = ""
+        if args.config and "another shape" in problems[0]:
+            hint = (f"; the model comes from --config {args.config}, which describes another "
+                    f"model than the checkpoint's: pass the TOML of the run that wrote it, or "
+                    f"leave --config out where the checkpoint records its run")
+        raise ConfigError(f"cannot load the weights of {source.folder or args.checkpoint!r} "
+                          f"({problems[0]}){hint}")
+    return False
 
 
-def _source(args: SampleArgs) -> _Source:
+def _source(args: SampleArgs, comm: MPI.Comm) -> _Source:
+    """The model, weights and tokenizer of `args.checkpoint`: a Hugging Face folder, or the
+    checkpoint it names, resolved once on rank 0 (a save_dir's `latest` moves while a run
+    writes there: every rank reads the same one), read again where a run removed it first."""
     from pipeflow.train import hub
     path = args.checkpoint
     if os.path.isfile(os.path.join(path, "config.json")) and hub.has_weights(path):
         return _hub_source(path)
-    return _checkpoint_source(path, args.config)
+    for _ in range(_ATTEMPTS):
+        folder, problem = None, None
+        if comm.rank == 0:
+            try:
+                folder = _resolve(path)
+            except ConfigError as exc:
+                problem = str(exc)
+        folder, problem = waiting.bcast(comm, (folder, problem), 0)
+        if problem:
+            raise ConfigError(problem)
+        source, vanished = None, False
+        try:
+            source = _checkpoint_source(folder, args.config)
+        except (ConfigError, OSError) as exc:
+            problem, vanished = str(exc), not os.path.isdir(folder)
+        views = waiting.allgather(comm, (problem, vanished))
+        if not any(v for _, v in views):
+            problems = [p for p, _ in views if p]
+            if problems:
+                raise ConfigError(problems[0])
+            return source
+    raise ConfigError(f"{path!r}: the latest checkpoint was removed while it was read, "
+                      f"{_ATTEMPTS} times over (a run writing there keeps only its newest "
+                      f"checkpoints); try again, or sample from a copy of a checkpoint folder")
+
+
+def _resolve(path: str) -> str:
+    from pipeflow.runtime.checkpoint import CheckpointError, resolve_checkpoint
+    try:
+        return resolve_checkpoint(path)
+    except CheckpointError as exc:
+        raise ConfigError(f"{exc}; or give a Hugging Face folder (config.json and "
+                          f"model.safetensors)") from None
 
 
 def _hub_source(folder: str) -> _Source:
@@ -166,19 +237,15 @@ def _hub_source(folder: str) -> _Source:
 def _checkpoint_source(path: str, run_toml: str) -> _Source:
     """A checkpoint of `pipeflow train`: the run's tables from its data.json (or
     `--config RUN.toml`), its layers' shards, the run's data's tokenizer."""
-    from pipeflow.runtime.checkpoint import CheckpointError, read_params, resolve_checkpoint
+    from pipeflow.runtime.checkpoint import read_params
     from pipeflow.train.model_table import build_model
-    try:
-        folder = resolve_checkpoint(path)
-    except CheckpointError as exc:
-        raise ConfigError(f"{exc}; or give a Hugging Face folder (config.json and "
-                          f"model.safetensors)") from None
+    folder = _resolve(path)
     run = _run_of(folder, run_toml)
     model = build_model(run.model, run.source)
 
     def read(layers: list[int]) -> dict[str, torch.Tensor]:
         return read_params(folder, layers)[0]
-    return _Source(model, run.engine.precision, _data_tokenizer(run), read)
+    return _Source(model, run.engine.precision, _data_tokenizer(run), read, folder)
 
 
 def _run_of(folder: str, run_toml: str) -> Any:

@@ -17,8 +17,8 @@ from typing import Any, Protocol
 from pipeflow._io import atomic_write_bytes
 from pipeflow.config import ConfigError
 
-__all__ = ["Tracker", "TRACKERS", "check_trackers", "open_trackers", "JsonlTracker",
-           "TensorBoardTracker", "WandbTracker"]
+__all__ = ["Tracker", "TRACKERS", "check_trackers", "check_tracker_paths", "open_trackers",
+           "JsonlTracker", "TensorBoardTracker", "WandbTracker"]
 
 
 class Tracker(Protocol):
@@ -163,8 +163,9 @@ def open_trackers(train: Any, config: dict[str, Any],
                                + (["jsonl"] if train.metrics or train.save_dir else [])
                                + (["tensorboard"] if train.tensorboard else [])))
     base = train.save_dir or "."
+    resume = resume_step if append else None
     opened: list[Tracker] = []
-    for name in names:
+    for name in _names(train):
         if name == "jsonl":
             opened.append(JsonlTracker(train.metrics or os.path.join(base, "metrics.jsonl"),
                                        resumed_at))
