@@ -154,24 +154,72 @@ def check_trackers(names: list[str]) -> None:
                               f"{module}), or remove {name!r} from trackers") from None
 
 
+def check_tracker_paths(train: Any) -> None:
+    """The trackers' files and folders can be written: TensorBoard's folder is a folder (or
+    can be made) that takes a file, the JSONL file is no folder. A ConfigError naming the
+    field, the path and what to change otherwise, found at start on every rank (not a raw
+    OSError on rank 0 once the engine is built)."""
+    names = _names(train)
+    if "tensorboard" in names:
+        folder = _tensorboard_folder(train)
+        where = "[train] tensorboard" if train.tensorboard else "[train] trackers " \
+            "\"tensorboard\" (in save_dir)"
+        problem = _unwritable_folder(folder)
+        if problem:
+            raise ConfigError(f"{where}: expected a folder TensorBoard can write its event "
+                              f"files in, {folder!r} {problem}; choose another folder with "
+                              f"[train] tensorboard = \"PATH\" or fix the path's permissions")
+    if "jsonl" in names:
+        path = _jsonl_path(train)
+        where = "[train] metrics" if train.metrics else "[train] save_dir's metrics.jsonl"
+        if os.path.isdir(path):
+            raise ConfigError(f"{where}: expected a file for the metric records, {path!r} is "
+                              f"a folder; name a file with [train] metrics = \"PATH.jsonl\"")
+        if os.path.exists(path) and not os.access(path, os.W_OK):
+            raise ConfigError(f"{where}: {path!r} is read-only; fix its permissions or name "
+                              f"another file with [train] metrics = \"PATH.jsonl\"")
+
+
+def _unwritable_folder(folder: str) -> str:
+    """Why `folder` cannot take a new file ("is a file", "is read-only ..."), "" if it can."""
+    import tempfile
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        return "is a file"
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        return f"cannot take a file ({exc.strerror or exc})"
+    return ""
+
+
 def open_trackers(train: Any, config: dict[str, Any],
                   resumed_at: int | None = None) -> list[Tracker]:
     """The trackers `[train]` asks for: `trackers`, plus "jsonl" where `metrics` or
     `save_dir` is set and "tensorboard" where `tensorboard` names a folder (as before
     `trackers` existed). `resumed_at`: the step a resumed run starts at (None: a new run)."""
-    names = list(dict.fromkeys(list(train.trackers)
-                               + (["jsonl"] if train.metrics or train.save_dir else [])
-                               + (["tensorboard"] if train.tensorboard else [])))
     base = train.save_dir or "."
-    resume = resume_step if append else None
     opened: list[Tracker] = []
     for name in _names(train):
         if name == "jsonl":
-            opened.append(JsonlTracker(train.metrics or os.path.join(base, "metrics.jsonl"),
-                                       resumed_at))
+            opened.append(JsonlTracker(_jsonl_path(train), resumed_at))
         elif name == "tensorboard":
-            opened.append(TensorBoardTracker(train.tensorboard or
-                                             os.path.join(base, "tensorboard"), resumed_at))
+            opened.append(TensorBoardTracker(_tensorboard_folder(train), resumed_at))
         elif name == "wandb":
             opened.append(WandbTracker(train.wandb_project, base, config))
     return opened
+
+
+def _names(train: Any) -> list[str]:
+    return list(dict.fromkeys(list(train.trackers)
+                              + (["jsonl"] if train.metrics or train.save_dir else [])
+                              + (["tensorboard"] if train.tensorboard else [])))
+
+
+def _jsonl_path(train: Any) -> str:
+    return train.metrics or os.path.join(train.save_dir or ".", "metrics.jsonl")
+
+
+def _tensorboard_folder(train: Any) -> str:
+    return train.tensorboard or os.path.join(train.save_dir or ".", "tensorboard")
