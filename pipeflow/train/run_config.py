@@ -10,7 +10,7 @@ from typing import Any, Mapping, Sequence
 
 import tomli_w
 
-from pipeflow.config import Config, ConfigError, read_toml
+from pipeflow.config import Config, ConfigError, read_toml, refuse_renamed
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -156,7 +156,12 @@ def _allowed(annotation: str) -> tuple[tuple[type, ...], str] | None:
 
 
 def _check_engine_types(table: Mapping[str, Any]) -> None:
-    """`[engine]` values of the wrong TOML type, named before `Config` sees them."""
+    """`[engine]` values of the wrong TOML type, and renamed keys, named before `Config`
+    sees them."""
+    try:
+        refuse_renamed(table, toml=True)
+    except ConfigError as exc:
+        raise ConfigError(f"[engine] {exc}") from None
     fields = {f.name: _allowed(str(f.type)) for f in dataclasses.fields(Config)}
     for key, value in table.items():
         if fields.get(key) is None:
