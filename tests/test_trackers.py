@@ -73,3 +73,40 @@ def test_unknown_tracker_and_missing_package_are_named(tmp_path, monkeypatch):
         train(_run(tmp_path, 'train.trackers=["wandb"]'), log=lambda *a, **k: None)
     with pytest.raises(ConfigError, match=r"\[train\] trackers must be a list of strings"):
         _run(tmp_path, "train.trackers=[1]")
+
+
+class _Memory:
+    """A tracker written as a user would add one: a class (and a row in TRACKERS)."""
+
+    opened: list["_Memory"] = []
+
+    def __init__(self, train, config, append):
+        self.records, self.closed, self.path = [], False, f"memory of {config['train']['steps']}"
+        self.append = append
+        _Memory.opened.append(self)
+
+    def log(self, record):
+        self.records.append(record)
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_tracker_is_a_class_and_a_row(tmp_path, monkeypatch):
+    from pipeflow.train import trackers
+    monkeypatch.setitem(trackers.TRACKERS, "memory", trackers.TrackerKind(_Memory))
+    monkeypatch.setattr(_Memory, "opened", [])
+    lines = []
+    train(_run(tmp_path, 'train.trackers=["memory"]', f'train.metrics="{tmp_path}/m.jsonl"'),
+          log=lambda text, **k: lines.append(text))
+    (memory,) = _Memory.opened
+    jsonl = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert memory.records == jsonl and len([r for r in jsonl if "loss" in r]) == 4
+    assert memory.closed and memory.append is False
+    assert "metrics to memory memory of 4, jsonl " in lines[0]
+    # A row's package is checked before the run, named with its extra.
+    monkeypatch.setitem(trackers.TRACKERS, "memory",
+                        trackers.TrackerKind(_Memory, "no_such_package_x", "memory"))
+    with pytest.raises(ConfigError, match=r"needs the 'no_such_package_x' package: pip install "
+                                          r"\"pipeflow\[memory\]\""):
+        check_trackers(["memory"])

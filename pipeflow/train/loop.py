@@ -466,9 +466,10 @@ def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
         if t.save_dir and os.path.exists(os.path.join(t.save_dir, STOPPED)):
             os.unlink(os.path.join(t.save_dir, STOPPED))      # this run goes on from there
         trackers = open_trackers(t, run.tables(), append=t.resume)
-        out = MetricsLog(trackers, t.steps, engine.stats.step, t.progress, log)
+        out = MetricsLog(list(trackers.values()), t.steps, engine.stats.step, t.progress, log)
         c = run.engine
-        where = ", ".join(f"{type(k).__name__[:-7].lower()} {k.path}" for k in trackers)
+        where = ", ".join(f"{name} {getattr(k, 'path', '')}".strip()
+                          for name, k in trackers.items())
         out.line(f"pipeflow: {model.name} on {source}; grid pipeline={c.pipeline} x "
                  f"data={c.data}, {c.microbatches} micro-batches, {engine.schedule}, stages "
                  f"{list(engine.plan.boundaries)}; MFU against {peak[0] / 1e12:.3g} TFLOP/s a "
