@@ -165,7 +165,7 @@ def _export_options(folder: str, args: argparse.Namespace) -> dict:
     read from --config RUN.toml), each overridden by its flag."""
     from pipeflow.runtime.checkpoint import read_sealed_json
     from pipeflow.train import hub
-    from pipeflow.train.loop import DATA_STATE
+    from pipeflow.train.run_config import DATA_STATE
     path = os.path.join(folder, DATA_STATE)
     saved = read_sealed_json(path) if os.path.isfile(path) else {}
     source, dtype = saved.get("hf_source", ""), saved.get("hf_export_dtype", "")
@@ -189,7 +189,7 @@ def _checkpoint_hf_config(folder: str, run_toml: str | None):
 
     from pipeflow.config import ConfigError
     from pipeflow.runtime.checkpoint import read_sealed_json
-    from pipeflow.train.loop import DATA_STATE
+    from pipeflow.train.run_config import DATA_STATE
     saved = None
     path = os.path.join(folder, DATA_STATE)
     if os.path.isfile(path):
