@@ -120,7 +120,10 @@ def _trace(args: argparse.Namespace) -> int:
 
 def _plot(args: argparse.Namespace) -> int:
     from pipeflow.train import plot
-    return _picture(lambda: plot.metrics_png(args.metrics, args.png), args.png)
+    if not 0 <= args.smooth < 1:
+        return _error(f"--smooth must be a weight 0 <= w < 1 (0: no smoothing), found "
+                      f"{args.smooth:g}")
+    return _picture(lambda: plot.metrics_png(args.metrics, args.png, args.smooth), args.png)
 
 
 def _prepare(args: argparse.Namespace) -> int:
@@ -313,9 +316,12 @@ def _add_pictures(sub) -> None:
     trace.add_argument("trace", help="trace JSON written by pipeflow train --trace")
     trace.add_argument("--png", metavar="OUT.png", required=True)
     trace.set_defaults(func=_trace)
-    plot = sub.add_parser("plot", help="draw loss and tokens/s from a metrics JSONL file")
+    plot = sub.add_parser("plot", help="draw a run's loss (raw, smoothed, validation), learning "
+                          "rate, tokens/s, gradient norm and loss scale from its metrics JSONL")
     plot.add_argument("metrics", help="metrics JSONL written by pipeflow train")
     plot.add_argument("--png", metavar="OUT.png", required=True)
+    plot.add_argument("--smooth", type=float, default=0.8, metavar="W",
+                      help="the smoothed loss's moving-average weight, 0 <= W < 1 (default 0.8)")
     plot.set_defaults(func=_plot)
 
 
