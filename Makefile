@@ -40,13 +40,14 @@ timings: $(STAMP)
 
 install: $(STAMP)
 
-# The README's pictures: a schedule, a measured step, a run's loss (matplotlib, in [test]).
+# The README's pictures: a schedule, a measured step (each with its legend), a run's panels
+# (loss raw, smoothed and validation, lr, tokens/s, grad norm) (matplotlib, in [test]).
 IMG := docs/img
 pictures: $(STAMP)
 	mkdir -p $(IMG) runs/pictures
 	$(BIN)/pipeflow schedule -p 4 -m 8 --png $(IMG)/schedule.png > /dev/null
 	OMP_NUM_THREADS=1 PATH="$(CURDIR)/$(BIN):$$PATH" mpirun -n $(NP) pipeflow train $(CONFIG) \
-	  --set 'train.metrics="runs/pictures/metrics.jsonl"' --set train.log_every=5 \
+	  --save-dir runs/pictures --set train.log_every=5 --set train.eval_every=50 \
 	  --trace runs/pictures/trace.json
 	$(BIN)/pipeflow trace runs/pictures/trace.json --png $(IMG)/trace.png
 	$(BIN)/pipeflow plot runs/pictures/metrics.jsonl --png $(IMG)/loss.png

@@ -396,6 +396,7 @@ class _Loop:
     hf_config: Any = None            # [model] kind "hf": saved with checkpoints, exported
     hf_source: str = ""              # [model] kind "hf": the folder whose other files exports carry
     tokenizer: Any = None            # [train] sample_prompt: the run's data's tokenizer
+    trace: str | None = None         # --trace: where the last training step's timeline goes
 
     @property
     def rank0(self) -> bool:
@@ -636,6 +637,8 @@ def _step(loop: _Loop, step: int) -> float:
     if first:
         _report_recompute(loop)
     loop.losses.append(loss)
+    if loop.trace is not None and step == t.steps - 1:
+        _write_trace(loop)       # now: a validation's forwards would replace the timeline
     if loop.rank0:
         loop.out.advance(loss)
     if step % t.log_every == 0 or step == t.steps - 1:
@@ -669,13 +672,16 @@ def _stop_early(loop: _Loop, signum: int) -> None:
         loop.out.line(f"pipeflow: {name} received: stopped at step {step}; {what}")
 
 
-def _finish(loop: _Loop, elapsed: float, trace: str | None) -> None:
+def _write_trace(loop: _Loop) -> None:
+    """The last training step's instruction timeline of every rank (a collective)."""
+    write_trace(loop.engine, loop.trace)
+    if loop.rank0:
+        loop.out.line(f"pipeflow: wrote the last step's timeline to {loop.trace} (open it in "
+                      f"https://ui.perfetto.dev, or `pipeflow trace {loop.trace} --png t.png`)")
+
+
+def _finish(loop: _Loop, elapsed: float) -> None:
     engine, t = loop.engine, loop.run.train
-    if trace is not None:
-        write_trace(engine, trace)
-        if loop.rank0:
-            loop.out.line(f"pipeflow: wrote the last step's timeline to {trace} (open it in "
-                          f"https://ui.perfetto.dev, or `pipeflow trace {trace} --png t.png`)")
     val_loss = _evaluate(loop)
     if t.save_dir and engine.stats.step and (not t.save_every or engine.stats.step % t.save_every):
         _save(engine, loop.run, loop.position, loop.hf_config, loop.hf_source)
@@ -734,6 +740,7 @@ def train(run: RunConfig, comm: MPI.Comm | None = None, log: Callable = print,
 def _loop(loop: _Loop, comm: MPI.Comm, preemption: Preemption, trace: str | None,
           on_step: Callable[[int], None] | None) -> list[float]:
     start = time.perf_counter()
+    loop.trace = trace
     for step in range(loop.engine.stats.step, loop.run.train.steps):
         _step(loop, step)
         if on_step is not None:
@@ -743,5 +750,5 @@ def _loop(loop: _Loop, comm: MPI.Comm, preemption: Preemption, trace: str | None
         if signum:
             _stop_early(loop, signum)
             return loop.losses
-    _finish(loop, time.perf_counter() - start, trace)
+    _finish(loop, time.perf_counter() - start)
     return loop.losses
