@@ -264,3 +264,13 @@ def test_an_empty_token_file_is_named(tmp_path, capsys):
     data = _token_file(tmp_path, [], "uint16")
     _expect_error(["train", _config(tmp_path, ""), "--set", f'data.train="{data}"'],
                   f"token file '{data}' is empty", capsys)
+
+
+@pytest.mark.timeout(30)
+def test_a_sample_prompt_without_the_datas_tokenizer_is_refused_at_start(tmp_path, capsys):
+    # [train] sample_prompt needs the run's data's tokenizer: a token file with no meta.json
+    # naming one is refused before the engine is built, not after the run.
+    data = _token_file(tmp_path, list(range(200)) * 10, "uint16")
+    _expect_error(["train", _config(tmp_path, ""), "--set", f'data.train="{data}"',
+                   "--set", 'train.sample_prompt="def "'],
+                  "[train] sample_prompt = 'def ' needs the tokenizer of the run's data", capsys)
