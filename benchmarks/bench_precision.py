@@ -54,7 +54,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--precisions", default="fp32,bf16,fp16")
-    p.add_argument("--loss-scale", type=float, default=pf.Config().loss_scale,
+    p.add_argument("--loss-scale", type=float, default=pf.Config().initial_loss_scale,
                    help="fp16: pipeflow's initial dynamic scale and the plain loop's fixed one")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per system, after the "
                    "first (checked) step")
@@ -250,7 +250,7 @@ class System:
 
 def make_engine(layers, precision: str, pipeline: int, args, comm: MPI.Comm) -> pf.Engine:
     config = pf.Config(pipeline=pipeline, microbatches=args.microbatches, schedule="1f1b",
-                       precision=precision, loss_scale=args.loss_scale, seed=0)
+                       precision=precision, initial_loss_scale=args.loss_scale, seed=0)
     return pf.Engine(layers, gpt_loss, lambda ps: torch.optim.AdamW(ps, lr=args.lr), config,
                      comm=comm)
 

@@ -120,7 +120,10 @@ def _trace(args: argparse.Namespace) -> int:
 
 def _plot(args: argparse.Namespace) -> int:
     from pipeflow.train import plot
-    return _picture(lambda: plot.metrics_png(args.metrics, args.png), args.png)
+    if not 0 <= args.smooth < 1:
+        return _error(f"--smooth must be a weight 0 <= w < 1 (0: no smoothing), found "
+                      f"{args.smooth:g}")
+    return _picture(lambda: plot.metrics_png(args.metrics, args.png, args.smooth), args.png)
 
 
 def _prepare(args: argparse.Namespace) -> int:
@@ -176,7 +179,7 @@ def _export_options(folder: str, args: argparse.Namespace) -> dict:
     read from --config RUN.toml), each overridden by its flag."""
     from pipeflow.runtime.checkpoint import read_sealed_json
     from pipeflow.train import hub
-    from pipeflow.train.loop import DATA_STATE
+    from pipeflow.train.run_config import DATA_STATE
     path = os.path.join(folder, DATA_STATE)
     saved = read_sealed_json(path) if os.path.isfile(path) else {}
     source, dtype = saved.get("hf_source", ""), saved.get("hf_export_dtype", "")
@@ -200,7 +203,7 @@ def _checkpoint_hf_config(folder: str, run_toml: str | None):
 
     from pipeflow.config import ConfigError
     from pipeflow.runtime.checkpoint import read_sealed_json
-    from pipeflow.train.loop import DATA_STATE
+    from pipeflow.train.run_config import DATA_STATE
     saved = None
     path = os.path.join(folder, DATA_STATE)
     if os.path.isfile(path):
@@ -324,9 +327,12 @@ def _add_pictures(sub) -> None:
     trace.add_argument("trace", help="trace JSON written by pipeflow train --trace")
     trace.add_argument("--png", metavar="OUT.png", required=True)
     trace.set_defaults(func=_trace)
-    plot = sub.add_parser("plot", help="draw loss and tokens/s from a metrics JSONL file")
+    plot = sub.add_parser("plot", help="draw a run's loss (raw, smoothed, validation), learning "
+                          "rate, tokens/s, gradient norm and loss scale from its metrics JSONL")
     plot.add_argument("metrics", help="metrics JSONL written by pipeflow train")
     plot.add_argument("--png", metavar="OUT.png", required=True)
+    plot.add_argument("--smooth", type=float, default=0.8, metavar="W",
+                      help="the smoothed loss's moving-average weight, 0 <= W < 1 (default 0.8)")
     plot.set_defaults(func=_plot)
 
 

@@ -94,7 +94,9 @@ class Config:
     # LlamaRMSNorm) or, from Python, by type; their buffers (rotary inv_freq) stay fp32 too.
     fp32_modules: list[str] = dataclasses.field(
         default_factory=lambda: ["LayerNorm", "RMSNorm", "RotaryEmbedding"])
-    loss_scale: float = 65536.0          # fp16 only: initial dynamic loss scale
+    # fp16 only: the dynamic loss scale the run starts from (the current one, which moves
+    # with overflows and good steps, is `Engine.loss_scale`)
+    initial_loss_scale: float = 65536.0
     loss_scale_growth: float = 2.0       # x this after `loss_scale_interval` good steps
     loss_scale_backoff: float = 0.5      # x this after an overflow (the step is skipped)
     loss_scale_interval: int = 2000
@@ -238,7 +240,7 @@ class Config:
 
     def _check_loss_scale(self) -> None:
         _number("loss_scale_min", self.loss_scale_min, 0.0, strict=True)
-        _number("loss_scale", self.loss_scale, self.loss_scale_min,
+        _number("initial_loss_scale", self.initial_loss_scale, self.loss_scale_min,
                 hint="at least loss_scale_min")
         _number("loss_scale_growth", self.loss_scale_growth, 1.0)
         _number("loss_scale_backoff", self.loss_scale_backoff, 0.0, strict=True)
@@ -279,6 +281,7 @@ class Config:
         if not isinstance(values, Mapping):
             raise ConfigError(f"engine settings must be a table of name = value, found "
                               f"{type(values).__name__}: {values!r}")
+        refuse_renamed(values, toml=True)
         known = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(values) - set(known), key=str)
         if unknown:
@@ -306,6 +309,37 @@ class Config:
         """
         doc = read_toml(path)
         return cls.from_dict(doc.get("engine", doc), source=os.fspath(path))
+
+
+# Fields that were renamed: old name -> (new name, why). The old name is refused, named, in
+# `Config(...)`, `dataclasses.replace`, an `[engine]` table and `--set engine.NAME=...`.
+RENAMED = {"loss_scale": ("initial_loss_scale", "it is the scale fp16 training starts from; "
+                          "the current one is `engine.loss_scale`")}
+
+
+def refuse_renamed(values: Mapping[str, Any], toml: bool) -> None:
+    """A ConfigError for the first old name among `values` (an `[engine]` table's keys, or
+    `Config`'s keyword arguments), naming the new one."""
+    for old in values:
+        if old in RENAMED:
+            new, why = RENAMED[old]
+            value = values[old]
+            write = f"{new} = {tomli_w.dumps({new: value}).split('=', 1)[1].strip()}" if toml \
+                else f"Config({new}={value!r})"
+            where = "" if toml else f"Config({old}=...): "
+            raise ConfigError(f"{where}{old!r} was renamed {new!r} ({why}); write {write}")
+
+
+_dataclass_init = Config.__init__
+
+
+def _init(self: Config, *args: Any, **kwargs: Any) -> None:
+    refuse_renamed(kwargs, toml=False)
+    _dataclass_init(self, *args, **kwargs)
+
+
+_init.__doc__, _init.__wrapped__ = _dataclass_init.__doc__, _dataclass_init  # type: ignore
+Config.__init__ = _init  # type: ignore[method-assign]
 
 
 def read_toml(path: str | os.PathLike) -> dict[str, Any]:

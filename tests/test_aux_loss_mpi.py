@@ -119,7 +119,7 @@ def test_aux_losses_weigh_alike_under_every_precision_and_loss_normalisation(pre
     loss_fn(plain(x), y).backward()
     without = {k: -0.5 * p.grad for k, p in plain.named_parameters()}
     engine = pf.Engine(layers, _summed if counted else loss_fn, sgd,
-                       pf.Config(microbatches=2, precision=precision, loss_scale=1024.0),
+                       pf.Config(microbatches=2, precision=precision, initial_loss_scale=1024.0),
                        count_items=(lambda t: t.numel()) if counted else None)
     update = update_of(engine, x, y)
     assert engine.stats.skipped_steps == 0

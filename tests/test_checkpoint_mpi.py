@@ -26,7 +26,7 @@ def _engine(comm: MPI.Comm, pipeline: int, data: int, schedule: str = "1f1b",
     return pf.Engine(dropout_layers(), loss_fn, adamw,
                      pf.Config(pipeline=pipeline, data=data, microbatches=2, schedule=schedule,
                                virtual_stages=2 if schedule == "zbv" else 1,
-                               precision=precision, loss_scale=2.0 ** 10), comm=comm)
+                               precision=precision, initial_loss_scale=2.0 ** 10), comm=comm)
 
 
 def _masters(engine: pf.Engine) -> dict[str, torch.Tensor]:

@@ -23,7 +23,7 @@ from toy import batches, loss_fn, sgd, toy_layers
 def test_skipped_is_the_verdict_of_each_step_not_of_the_last_overflow():
     # A loss scale of 2^40 overflows fp16 at once; the backoff brings it to 2^10 for step 2.
     engine = pf.Engine(toy_layers(), loss_fn, sgd,
-                       pf.Config(microbatches=2, precision="fp16", loss_scale=2.0 ** 40,
+                       pf.Config(microbatches=2, precision="fp16", initial_loss_scale=2.0 ** 40,
                                  loss_scale_backoff=2.0 ** -30))
     seen = []
     for x, y in batches(3, 8):

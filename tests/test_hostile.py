@@ -49,9 +49,21 @@ CONFIG = [
     Hostile("schedule-int", config(schedule=3),
             (f"Config.schedule must be a string, one of {[*names(), 'auto']}",
              "found 3 (int)", 'set schedule = "1f1b"'), pf.ConfigError),
-    Hostile("loss-scale-str", config(loss_scale="big"),
-            ("Config.loss_scale must be a finite number >= 1", "found 'big' (str)",
-             "set loss_scale to a number"), pf.ConfigError),
+    Hostile("loss-scale-str", config(initial_loss_scale="big"),
+            ("Config.initial_loss_scale must be a finite number >= 1", "found 'big' (str)",
+             "set initial_loss_scale to a number"), pf.ConfigError),
+    # The old name of the initial scale (the current one is engine.loss_scale), refused
+    # with the new one, from Python and through dataclasses.replace.
+    Hostile("loss-scale-renamed", config(loss_scale=1024.0),
+            ("Config(loss_scale=...): 'loss_scale' was renamed 'initial_loss_scale'",
+             "the current one is `engine.loss_scale`", "write Config(initial_loss_scale=1024.0)"),
+            pf.ConfigError),
+    Hostile("loss-scale-renamed-replace",
+            lambda tmp: dataclasses.replace(pf.Config(), loss_scale=8.0),
+            "write Config(initial_loss_scale=8.0)", pf.ConfigError),
+    Hostile("loss-scale-renamed-toml", toml("[engine]\nloss_scale = 1024.0\n"),
+            ("run.toml: [engine] 'loss_scale' was renamed 'initial_loss_scale'",
+             "write initial_loss_scale = 1024.0"), pf.ConfigError),
     Hostile("pipeline-zero", config(pipeline=0),
             ("Config.pipeline must be a positive integer, found 0 (int)",
              "set pipeline to a whole number >= 1"), pf.ConfigError),
@@ -96,8 +108,8 @@ CONFIG = [
     Hostile("fp32-modules-str", config(fp32_modules="LayerNorm"),
             ("Config.fp32_modules must be a list of module class names",
              "found 'LayerNorm' (str)"), pf.ConfigError),
-    Hostile("loss-scale-below-min", config(loss_scale=0.5),
-            "Config.loss_scale must be a finite number >= 1 (at least loss_scale_min), "
+    Hostile("loss-scale-below-min", config(initial_loss_scale=0.5),
+            "Config.initial_loss_scale must be a finite number >= 1 (at least loss_scale_min), "
             "found 0.5", pf.ConfigError),
     Hostile("loss-scale-min-zero", config(loss_scale_min=0),
             "Config.loss_scale_min must be a finite number > 0, found 0", pf.ConfigError),
@@ -330,7 +342,7 @@ def test_the_table_is_distinct():
 def test_limits_at_their_edge_are_accepted(monkeypatch):
     monkeypatch.delenv("PIPEFLOW_WATCHDOG_S", raising=False)     # the suite sets its own
     config = pf.Config(watchdog_s=0, max_nonfinite_steps=0, clip=0, seed=-3,
-                       partition=[0, 7], schedule="GPipe", loss_scale=1)
+                       partition=[0, 7], schedule="GPipe", initial_loss_scale=1)
     assert (config.watchdog_s, config.max_nonfinite_steps, config.schedule) == (0, 0, "gpipe")
     assert pf.Config().watchdog_s == 300.0 and pf.Config().max_nonfinite_steps == 3
     assert pf.Config(schedule="interleaved", virtual_stages=2, pipeline=2,

@@ -83,8 +83,13 @@ TRAIN_ROWS = [
     ("gpt key unknown", "[model]\nn_layer = 2", [], "[model] (kind \"gpt\")"),
     ("engine schedule is a number", "[engine]\nschedule = 3", [],
      "[engine] schedule must be a string, found 3 (int)"),
-    ("engine loss_scale is a word", "[engine]\nloss_scale = 'big'", [],
-     "[engine] loss_scale must be a number, found 'big' (str)"),
+    ("engine initial_loss_scale is a word", "[engine]\ninitial_loss_scale = 'big'", [],
+     "[engine] initial_loss_scale must be a number, found 'big' (str)"),
+    ("engine loss_scale renamed", "[engine]\nloss_scale = 1024.0", [],
+     "[engine] 'loss_scale' was renamed 'initial_loss_scale' (it is the scale fp16 training "
+     "starts from; the current one is `engine.loss_scale`); write initial_loss_scale = 1024.0"),
+    ("engine loss_scale renamed, --set", "", ["--set", "engine.loss_scale=512"],
+     "[engine] 'loss_scale' was renamed 'initial_loss_scale'"),
     ("engine pipeline is a string", "", ["--set", "engine.pipeline='2'"],
      "[engine] pipeline must be an integer, found '2' (str)"),
     ("engine clip is a bool", "[engine]\nclip = true", [],
@@ -259,3 +264,13 @@ def test_an_empty_token_file_is_named(tmp_path, capsys):
     data = _token_file(tmp_path, [], "uint16")
     _expect_error(["train", _config(tmp_path, ""), "--set", f'data.train="{data}"'],
                   f"token file '{data}' is empty", capsys)
+
+
+@pytest.mark.timeout(30)
+def test_a_sample_prompt_without_the_datas_tokenizer_is_refused_at_start(tmp_path, capsys):
+    # [train] sample_prompt needs the run's data's tokenizer: a token file with no meta.json
+    # naming one is refused before the engine is built, not after the run.
+    data = _token_file(tmp_path, list(range(200)) * 10, "uint16")
+    _expect_error(["train", _config(tmp_path, ""), "--set", f'data.train="{data}"',
+                   "--set", 'train.sample_prompt="def "'],
+                  "[train] sample_prompt = 'def ' needs the tokenizer of the run's data", capsys)

@@ -26,7 +26,7 @@ def test_loss_scaler_backs_off_on_overflow_and_grows_after_the_interval():
 @pytest.mark.parametrize("precision,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
 def test_masters_stay_fp32_and_working_weights_are_the_masters_cast_down(precision, dtype):
     engine = pf.Engine(toy_layers(), loss_fn, adamw,
-                       pf.Config(microbatches=2, precision=precision, loss_scale=256.0))
+                       pf.Config(microbatches=2, precision=precision, initial_loss_scale=256.0))
     for x, y in batches(3, 8):
         engine.train_step(x, y)
     for name, p in engine.stage.module.named_parameters():
@@ -44,7 +44,7 @@ def test_masters_stay_fp32_and_working_weights_are_the_masters_cast_down(precisi
 
 
 def test_fp16_checkpoint_keeps_masters_and_loss_scale(tmp_path):
-    config = pf.Config(microbatches=2, precision="fp16", loss_scale=512.0,
+    config = pf.Config(microbatches=2, precision="fp16", initial_loss_scale=512.0,
                        loss_scale_interval=1)
     engine = pf.Engine(toy_layers(), loss_fn, adamw, config)
     engine.train_step(*batches(1, 8)[0])
@@ -110,7 +110,8 @@ def test_fp16_sgd_update_at_a_large_loss_scale_is_the_fp32_update():
     updates = {}
     for precision in ("fp32", "fp16"):
         engine = pf.Engine(toy_layers(), loss_fn, sgd,
-                           pf.Config(microbatches=2, precision=precision, loss_scale=1024.0))
+                           pf.Config(microbatches=2, precision=precision,
+                                     initial_loss_scale=1024.0))
         updates[precision] = update_of(engine, x, y)
         assert engine.stats.skipped_steps == 0
         assert engine.loss_scale == (1024.0 if precision == "fp16" else 1.0)
@@ -126,7 +127,7 @@ def test_fp16_clipping_uses_the_unscaled_gradient_norm():
     updates, norms = {}, {}
     for precision in ("fp32", "fp16"):
         engine = pf.Engine(toy_layers(), loss_fn, sgd,
-                           pf.Config(microbatches=2, precision=precision, loss_scale=1024.0,
+                           pf.Config(microbatches=2, precision=precision, initial_loss_scale=1024.0,
                                      clip=0.05))
         updates[precision] = update_of(engine, x, y)
         norms[precision] = engine.stats.grad_norm

@@ -45,7 +45,7 @@ def test_overflow_on_one_stage_of_one_replica_skips_the_step_everywhere():
     layers.insert(1, pf.LayerSpec(Injector))           # on stage 0
     engine = pf.Engine(layers, loss_fn, adamw,
                        pf.Config(pipeline=pipeline, data=data, microbatches=2, precision="fp16",
-                                 loss_scale=1024.0, loss_scale_interval=2))
+                                 initial_loss_scale=1024.0, loss_scale_interval=2))
     target = engine.stage.topo.rank_of(stage=0, replica=data - 1)
     steps = batches(4, 8)
     engine.train_step(*steps[0])                        # a good step
@@ -79,7 +79,7 @@ def test_fp16_sgd_update_on_the_grid_at_a_large_loss_scale_is_the_fp32_update(sc
     engine = pf.Engine(layers, loss_fn, sgd,
                        pf.Config(pipeline=WORLD.size // data, data=data, microbatches=2,
                                  schedule=schedule, virtual_stages=2 if schedule == "zbv" else 1,
-                                 precision="fp16", loss_scale=1024.0))
+                                 precision="fp16", initial_loss_scale=1024.0))
     x, y = batches(1, 16)[0]
     update = update_of(engine, x, y)
     assert engine.stats.skipped_steps == 0
@@ -97,7 +97,7 @@ def _gpt_run(precision: str, comm: MPI.Comm, steps: int):
     cfg = GPTConfig(n_layers=2, d_model=64, n_heads=4, seq_len=32)
     engine = pf.Engine(gpt_layers(cfg), gpt_loss, lambda ps: torch.optim.AdamW(ps, lr=3e-3),
                        pf.Config(pipeline=2, microbatches=4, precision=precision,
-                                 loss_scale=2.0 ** 12), comm=comm)
+                                 initial_loss_scale=2.0 ** 12), comm=comm)
     data = Batches(load_corpus(), 8, cfg.seq_len, seed=0)
     losses = [engine.train_step(*data.batch(i)) for i in range(steps)]
     sent = sum(allgather(comm, engine.stage.pipe_comm.bytes_sent))

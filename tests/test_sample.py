@@ -157,10 +157,65 @@ def test_a_recorded_tokenizer_that_moved_is_named_with_the_fix(tmp_path, capsys,
     from pipeflow.train import sample as sample_module
     ck = trained(tmp_path)
     moved = tmp_path / "data" / "tokenizer.json"
-    monkeypatch.setattr(sample_module, "_data_tokenizer", lambda run: f"hf:{moved}")
+    monkeypatch.setattr(sample_module, "data_tokenizer", lambda run: f"hf:{moved}")
     capsys.readouterr()
     assert main(["sample", ck, "--prompt", "x", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert f"tokenizer hf:{moved}: expected a tokenizer.json file, the path does not exist" \
         in err and "pass --tokenizer SPEC to give it where it is now" in err, err
     assert "Repo id" not in err and err.count("\n") == 1
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+def _make_variable(name: str) -> str:
+    import re
+    (value,) = re.findall(rf"^{name} \?= (.*)$", (ROOT / "Makefile").read_text(), re.M)
+    return value.strip()
+
+
+@pytest.mark.timeout(240)
+def test_make_trains_a_checkpoint_the_readme_sample_command_reads(tmp_path):
+    # The first hour: `make train`'s config keeps a checkpoint and its metrics where the
+    # README's sample command (and `make sample`'s RUN) reads them, prints the trained
+    # model's greedy continuation with its prompt, and that command then writes text.
+    import os
+    import re
+    import shlex
+    import shutil
+    import subprocess
+    import sys
+
+    mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
+    if mpirun is None:
+        pytest.skip("needs mpirun on PATH")
+    config, ranks, run_dir = (_make_variable(n) for n in ("CONFIG", "NP", "RUN"))
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    (command,) = re.findall(r"`make sample` is `([^`]*)`", readme)
+    argv = shlex.split(command)
+    assert argv[:6] == ["mpirun", "-n", ranks, "pipeflow", "sample", run_dir], argv
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    python = [sys.executable, "-m", "pipeflow"]
+    trained = subprocess.run([mpirun, "-n", ranks, *python, "train", str(ROOT / config),
+                              "--steps", "3", "--set", "train.sample_tokens=12"],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    lines = trained.stdout.splitlines()
+    said = next(i for i, line in enumerate(lines) if "greedy continuation of 'def '" in line)
+    more = next(i for i, line in enumerate(lines) if line.startswith("pipeflow: more with"))
+    text = "\n".join(lines[said + 1:more])
+    assert text.startswith("def ") and len(text) > len("def ")
+    assert f"pipeflow sample {run_dir} --prompt" in lines[more]
+    assert os.path.isfile(tmp_path / run_dir / "latest")
+    records = [json.loads(x) for x in (tmp_path / run_dir / "metrics.jsonl").read_text()
+               .splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [0, 2]
+    sampled = subprocess.run([mpirun, *argv[1:3], *python, *argv[4:], "--max-new-tokens", "8",
+                              "--temperature", "0"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=200)
+    assert sampled.returncode == 0, sampled.stderr[-3000:]
+    # The same model, the same greedy tokens: the sample command continues as the trainer did.
+    assert sampled.stdout.startswith(argv[argv.index("--prompt") + 1])
+    assert text.startswith(sampled.stdout.removesuffix("\n")), (text, sampled.stdout)

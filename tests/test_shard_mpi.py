@@ -135,7 +135,7 @@ def test_fp16_overflow_skips_on_every_rank_alike(pipeline, data):
     # the scale backs off alike, and the weights follow the unsharded run's.
     layers = toy_layers()
     steps = batches(4, BATCH)
-    grid = dict(pipeline=pipeline, data=data, precision="fp16", loss_scale=2.0 ** 30)
+    grid = dict(pipeline=pipeline, data=data, precision="fp16", initial_loss_scale=2.0 ** 30)
     plain = _run(layers, sgd, steps, **grid)
     sharded = _run(layers, sgd, steps, shard_optimizer=True, **grid)
     views = allgather(WORLD, (sharded[4], sharded[5]))

@@ -136,3 +136,115 @@ def test_a_read_only_tensorboard_folder_is_refused_at_start(tmp_path):
                   log=lambda *a, **k: None)
     finally:
         os.chmod(tmp_path / "tb", 0o755)
+
+
+class _Memory:
+    """A tracker written as a user would add one: a class (and a row in TRACKERS)."""
+
+    opened: list["_Memory"] = []
+
+    def __init__(self, train, config, append):
+        self.records, self.closed, self.path = [], False, f"memory of {config['train']['steps']}"
+        self.append = append
+        _Memory.opened.append(self)
+
+    def log(self, record):
+        self.records.append(record)
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_tracker_is_a_class_and_a_row(tmp_path, monkeypatch):
+    from pipeflow.train import trackers
+    monkeypatch.setitem(trackers.TRACKERS, "memory", trackers.TrackerKind(_Memory))
+    monkeypatch.setattr(_Memory, "opened", [])
+    lines = []
+    train(_run(tmp_path, 'train.trackers=["memory"]', f'train.metrics="{tmp_path}/m.jsonl"'),
+          log=lambda text, **k: lines.append(text))
+    (memory,) = _Memory.opened
+    jsonl = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert memory.records == jsonl and len([r for r in jsonl if "loss" in r]) == 4
+    assert memory.closed and memory.append is False
+    assert "metrics to memory memory of 4, jsonl " in lines[0]
+    # A row's package is checked before the run, named with its extra.
+    monkeypatch.setitem(trackers.TRACKERS, "memory",
+                        trackers.TrackerKind(_Memory, "no_such_package_x", "memory"))
+    with pytest.raises(ConfigError, match=r"needs the 'no_such_package_x' package: pip install "
+                                          r"\"pipeflow\[memory\]\""):
+        check_trackers(["memory"])
+
+
+_SMALL_RUN = """
+[engine]
+pipeline = 2
+microbatches = 2
+[model]
+n_layers = 2
+d_model = 32
+n_heads = 2
+seq_len = 16
+[train]
+steps = 6
+batch_size = 4
+log_every = 2
+eval_batches = 1
+"""
+
+
+def _launch(tmp_path, terminal: bool) -> str:
+    """`mpirun -n 2 pipeflow train` with mpirun's stdout a terminal (a pseudo-terminal, as a
+    person's) or a pipe; everything it wrote."""
+    import pty
+    import select
+    import shutil
+    import subprocess
+    import sys
+
+    mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
+    if mpirun is None:
+        pytest.skip("needs mpirun on PATH")
+    (tmp_path / "run.toml").write_text(_SMALL_RUN)
+    argv = [mpirun, "-n", "2", sys.executable, "-m", "pipeflow", "train",
+            str(tmp_path / "run.toml")]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    if not terminal:
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+    pid, fd = pty.fork()
+    if pid == 0:                                    # the child: mpirun on the terminal
+        os.execvpe(argv[0], argv, env)
+    out, deadline = b"", time.monotonic() + 120
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 1.0)
+        if not ready:
+            continue
+        try:
+            data = os.read(fd, 65536)
+        except OSError:                             # the terminal closed: mpirun ended
+            break
+        if not data:
+            break
+        out += data
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, out.decode(errors="replace")[-3000:]
+    return out.decode(errors="replace")
+
+
+@pytest.mark.timeout(300)
+def test_progress_updates_in_place_under_mpirun_on_a_terminal_and_not_on_a_pipe(tmp_path):
+    pytest.importorskip("tqdm")
+    import re
+    shown = _launch(tmp_path, terminal=True)
+    # tqdm's bar, redrawn in place (a carriage return, no new line) as the steps go by, on
+    # rank 0 alone (one bar: its count never goes back); the log lines still each whole.
+    counts = [int(n) for n in re.findall(r"\r[ \d]{3}%[^\r\n]*? (\d)/6 \[", shown)]
+    assert len(set(counts)) >= 3 and counts[-1] == 6 and counts == sorted(counts), shown
+    assert all(f"step     {s}/6  loss" in shown for s in (0, 2, 4, 5))
+    piped = _launch(tmp_path, terminal=False)
+    assert "\r" not in piped and "/6 [" not in piped
+    assert [line[:18] for line in piped.splitlines() if line.startswith("step ")] == \
+        [f"step     {s}/6  loss" for s in (0, 2, 4, 5)]

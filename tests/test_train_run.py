@@ -216,14 +216,92 @@ def test_pictures_of_a_schedule_a_trace_and_a_run(tmp_path):
     path.write_text(FACTORY)
     trace, metrics = tmp_path / "t.json", tmp_path / "m.jsonl"
     assert main(["train", str(path), "--trace", str(trace),
-                 "--set", f'train.metrics="{metrics}"']) == 0
+                 "--set", f'train.metrics="{metrics}"', "--set", "train.eval_every=1"]) == 0
+    # The last training step's, not the validation's forwards after it (eval_every = 1).
     categories = {e["cat"] for e in json.loads(trace.read_text())["traceEvents"] if "cat" in e}
     assert categories == {"F", "B", "optimizer step"}
     assert main(["trace", str(trace), "--png", str(tmp_path / "t.png")]) == 0
     assert main(["plot", str(metrics), "--png", str(tmp_path / "l.png")]) == 0
+    assert _png_size(tmp_path / "t.png") == (1200, 400)
+    assert _png_size(tmp_path / "l.png") == (1200, 640)      # 2 x 2 panels (no loss scale)
     for name in ("t.png", "l.png"):
-        assert _png_size(tmp_path / name) == (1200, 400)
         assert (tmp_path / name).stat().st_size > 10_000     # drawn, not blank
+
+
+def test_run_panels_plot_each_recorded_figure_against_the_shared_step():
+    # Each panel draws the JSONL's own values at their steps: the loss raw, its smoothed
+    # curve (a bias-corrected moving average, written out here) and the validation points;
+    # the learning rate; tokens/s; the grad norm; the loss scale of an fp16 run (log scale).
+    pytest.importorskip("matplotlib")
+    from pipeflow.train import plot
+    records = [{"step": s, "loss": 5.0 - s / 10 if s != 30 else None, "lr": 1e-3 * (s + 1),
+                "tokens_per_s": 1000.0 + s, "grad_norm": 2.0 / (s + 1),
+                "loss_scale": 2.0 ** 16 / (2 if s >= 20 else 1)} for s in range(0, 50, 10)]
+    records.insert(3, {"step": 20, "eval_loss": 3.5})
+    records.append({"step": 40, "eval_loss": 1.5})
+    fig = plot.metrics_figure(records, smoothing=0.5)
+    axes = {ax.get_ylabel(): ax for ax in fig.axes}
+    assert list(axes) == ["loss (nats/token)", "learning rate", "tokens/s",
+                          "gradient norm (L2, whole grid)", "loss scale (fp16)"]
+    train = [r for r in records if "loss" in r]
+    steps = [r["step"] for r in train]
+    expected = {"learning rate": [r["lr"] for r in train],
+                "tokens/s": [r["tokens_per_s"] for r in train],
+                "gradient norm (L2, whole grid)": [r["grad_norm"] for r in train],
+                "loss scale (fp16)": [r["loss_scale"] for r in train]}
+    for label, values in expected.items():
+        (line,) = axes[label].get_lines()
+        assert list(line.get_xdata()) == steps and list(line.get_ydata()) == values, label
+    assert axes["loss scale (fp16)"].get_yscale() == "log"
+    raw, smooth, val = axes["loss (nats/token)"].get_lines()
+    assert list(raw.get_xdata()) == steps
+    assert [None if v != v else v for v in raw.get_ydata()] == [r["loss"] for r in train]
+    m, w, want = 0.0, 0.0, []            # weights 0.5 ** age over the finite losses so far
+    for r in train:
+        if r["loss"] is None:
+            want.append(None)
+            continue
+        m, w = 0.5 * m + 0.5 * r["loss"], 0.5 * w + 0.5
+        want.append(m / w)
+    got = [None if v != v else v for v in smooth.get_ydata()]
+    assert [g is None for g in got] == [x is None for x in want] == [False] * 3 + [True, False]
+    assert [g for g in got if g is not None] == pytest.approx([x for x in want if x is not None])
+    assert list(val.get_xdata()) == [20, 40] and list(val.get_ydata()) == [3.5, 1.5]
+    # One step axis for every panel, each labelled.
+    shared = axes["loss (nats/token)"].get_shared_x_axes()
+    assert all(shared.joined(axes["loss (nats/token)"], ax) for ax in fig.axes)
+    assert {ax.get_xlabel() for ax in fig.axes} == {"step"}
+    # Without scaling (loss_scale 1.0 throughout) or a grad norm, those panels are left out.
+    plain = [{k: v for k, v in r.items() if k != "grad_norm"} | {"loss_scale": 1.0}
+             for r in train]
+    assert [ax.get_ylabel() for ax in plot.metrics_figure(plain).axes] == \
+        ["loss (nats/token)", "learning rate", "tokens/s"]
+
+
+def test_the_lanes_legend_names_every_kind_drawn_and_idle_time():
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from pipeflow.train import plot
+    lanes = [[("F0", 0, 1), ("SA0", 1, 1.2), ("RG0", 1.2, 3), ("B0", 3, 4), ("W0", 4, 5),
+              ("optimizer step", 5, 6)],
+             [("RA0", 0, 1.2), ("F0", 1.2, 2), ("B0", 2, 3), ("SG0", 3, 3.1)]]
+    fig, ax = plt.subplots()
+    plot.draw_lanes(ax, lanes, ["rank 0", "rank 1"], "ms")
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "F forward (colour: micro-batch)", "B backward (input gradient)", "W weight gradient",
+        "send (SA, SG)", "receive (RA, RG); long: a wait", "optimizer step",
+        "idle: the bubble"]
+    # Sends and receives are told apart in the picture as in the legend.
+    thin = {tuple(c.get_facecolor()[0]) for c in ax.collections
+            if c.get_paths()[0].get_extents().height < 0.5}
+    assert len(thin) == 2
+    plt.close(fig)
+    fig, ax = plt.subplots()
+    plot.draw_lanes(ax, [[("F0", 0, 1)]], ["rank 0"], "ms")     # only what is drawn, and idle
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == [
+        "F forward (colour: micro-batch)", "idle: the bubble"]
+    plt.close(fig)
 
 
 def test_overrides_reach_every_table_and_print_config_shows_them(tmp_path, capsys):

@@ -40,7 +40,7 @@ schedule = "{schedule}"
 virtual_stages = {virtual}
 partition = "{partition}"
 precision = "{precision}"
-loss_scale = 1024.0
+initial_loss_scale = 1024.0
 loss_scale_interval = 2
 clip = 0.5
 [model]

@@ -32,8 +32,8 @@ from torch.nn import functional as F
 
 from pipeflow.aux_loss import add_aux_loss
 from pipeflow.layers import LayerSpec
+from pipeflow.models import hf_checkpoint, hf_families, hf_moe
 from pipeflow.runtime.tensor_parallel import cross_entropy
-from pipeflow.models import hf_families, hf_moe
 from pipeflow.models.hf_families import (FAMILIES, Family, family, local_name, positions,
                                          refusal, submodule)
 
@@ -459,7 +459,6 @@ def pipeflow_keys(state: dict[str, Any], config: Any) -> dict[str, Any]:
 def memory_layout(state: dict[str, Any], config: Any) -> dict[str, Any]:
     """`state` keyed and shaped as the transformers model holds it: a checkpoint's tensors
     converted as `from_pretrained` converts them, a model's own state unchanged."""
-    from pipeflow.models import hf_checkpoint
     return hf_checkpoint.to_memory_layout(state, config)
 
 

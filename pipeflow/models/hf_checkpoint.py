@@ -40,11 +40,17 @@ class Source:
 
 
 def _meta_model(config: Any) -> nn.Module:
-    """The causal LM of `config` on the meta device: its conversions and its key set."""
-    from pipeflow.models.hf import arch
-    parts = arch(config)
+    """The causal LM of `config` on the meta device: its conversions and its key set. Its
+    class comes from transformers' auto mapping, as `from_pretrained` finds it (this module
+    needs nothing of `pipeflow.models.hf`, which imports it)."""
+    from transformers import AutoModelForCausalLM
+    causal_lm = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    if causal_lm is None:
+        raise ValueError(f"{type(config).__name__} (model_type "
+                         f"{getattr(config, 'model_type', '?')!r}) has no causal LM in "
+                         f"transformers' auto mappings")
     with torch.device("meta"):
-        return parts.causal_lm(copy.deepcopy(config))
+        return causal_lm(copy.deepcopy(config))
 
 
 def _split(conversions: list) -> tuple[list, list]:

@@ -43,7 +43,7 @@ class StageSettings:
     seed: int                           # layer i is built under (seed, i)
     precision: str
     fp32_modules: Sequence[Any]
-    loss_scale: float                   # fp16's dynamic loss scale, from here ...
+    initial_loss_scale: float           # fp16's dynamic loss scale, from here ...
     loss_scale_growth: float
     loss_scale_backoff: float
     loss_scale_interval: int
@@ -345,7 +345,7 @@ def mark_selective(module: nn.Module, names: Sequence[Any], policy: str, where: 
 def _scaler(settings: StageSettings) -> LossScaler | None:
     if settings.precision != "fp16":
         return None
-    return LossScaler(settings.loss_scale, settings.loss_scale_growth,
+    return LossScaler(settings.initial_loss_scale, settings.loss_scale_growth,
                       settings.loss_scale_backoff, settings.loss_scale_interval,
                       settings.loss_scale_min)
 

@@ -34,13 +34,14 @@ from pipeflow.train.metrics import (MetricsLog, clock_text, count_parameters, de
 from pipeflow.train.recipe import lr_at, optimizer_factory, weight_decay_groups
 from pipeflow.train.trackers import check_tracker_paths, check_trackers, open_trackers
 from pipeflow.train.model_table import Model, build_model
-from pipeflow.train.run_config import DataConfig, RunConfig, TrainConfig, load_run_config
+from pipeflow.train.run_config import (DATA_STATE, DataConfig, RunConfig, TrainConfig,
+                                       load_run_config)
+from pipeflow.train.sample import data_tokenizer, load_tokenizer
 from pipeflow.train.trace import write_trace
 
 __all__ = ["TrainConfig", "DataConfig", "RunConfig", "lr_at", "load_run_config",
            "weight_decay_groups", "train", "DATA_STATE"]
 
-DATA_STATE = "data.json"     # beside the engine's shards in each checkpoint folder
 BYTE_CORPUS_LIMIT = 10**9    # tokens: a run this long on the built-in corpus is a mistake
 STOPPED = "STOPPED"          # in save_dir while a run stopped by a signal has steps to go
 
@@ -395,6 +396,8 @@ class _Loop:
     started: float = dataclasses.field(default_factory=time.perf_counter)
     hf_config: Any = None            # [model] kind "hf": saved with checkpoints, exported
     hf_source: str = ""              # [model] kind "hf": the folder whose other files exports carry
+    tokenizer: Any = None            # [train] sample_prompt: the run's data's tokenizer
+    trace: str | None = None         # --trace: where the last training step's timeline goes
 
     @property
     def rank0(self) -> bool:
@@ -439,8 +442,47 @@ def _build_engine(run: RunConfig, model: Model, batches: Batches, comm: MPI.Comm
                   trace=True, sample=sample)
 
 
+def _sample_tokenizer(run: RunConfig) -> Any:
+    """`[train] sample_prompt`'s tokenizer: the run's data's (bytes on the byte corpus, the
+    token file's meta.json), found at start, not after the run; None without a prompt."""
+    prompt = run.train.sample_prompt
+    if not prompt:
+        return None
+    spec = data_tokenizer(run)
+    if not spec:
+        raise ConfigError(f"[train] sample_prompt = {prompt!r} needs the tokenizer of the run's "
+                          f"data, and [data] train = {run.data.train!r} has no meta.json "
+                          f"beside it naming one (`pipeflow prepare` writes it); remove "
+                          f"sample_prompt, or sample afterwards with `pipeflow sample CKPT "
+                          f"--tokenizer SPEC`")
+    try:
+        tokenizer = load_tokenizer(spec)
+    except ValueError as exc:
+        raise ConfigError(f"[train] sample_prompt: {exc}") from None
+    if not tokenizer.encode(prompt):
+        raise ConfigError(f"[train] sample_prompt = {prompt!r} is no token with tokenizer "
+                          f"{spec!r}; give at least one character, or \"\" for no sample")
+    return tokenizer
+
+
+def _sample(loop: _Loop) -> None:
+    """The trained model's greedy continuation of `[train] sample_prompt`, on every rank (a
+    collective), printed on rank 0 with the prompt."""
+    t = loop.run.train
+    prompt = loop.tokenizer.encode(t.sample_prompt)
+    new = loop.engine.generate([prompt], t.sample_tokens, temperature=0.0)[0]
+    if loop.rank0:
+        loop.out.line(f"pipeflow: the trained model's greedy continuation of "
+                      f"{t.sample_prompt!r} ({len(new)} tokens):")
+        loop.out.line(loop.tokenizer.decode(prompt + new))
+        if t.save_dir:
+            loop.out.line(f"pipeflow: more with `mpirun -n {loop.engine.stage.topo.world.size} "
+                          f"pipeflow sample {t.save_dir} --prompt TEXT`")
+
+
 def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
     t = run.train
+    tokenizer = _sample_tokenizer(run)
     pinned = _pin_measured_plan(run) if t.resume else ""
     model = build_model(run.model, run.source)
     eot = _packing_eot(run.data)
@@ -468,9 +510,10 @@ def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
             os.unlink(os.path.join(t.save_dir, STOPPED))      # this run goes on from there
         trackers = open_trackers(t, run.tables(),
                                  engine.stats.step if t.resume else None)
-        out = MetricsLog(trackers, t.steps, engine.stats.step, t.progress, log)
+        out = MetricsLog(list(trackers.values()), t.steps, engine.stats.step, t.progress, log)
         c = run.engine
-        where = ", ".join(f"{type(k).__name__[:-7].lower()} {k.path}" for k in trackers)
+        where = ", ".join(f"{name} {getattr(k, 'path', '')}".strip()
+                          for name, k in trackers.items())
         out.line(f"pipeflow: {model.name} on {source}; grid {_grid_words(c)}, "
                  f"{c.microbatches} micro-batches, {engine.schedule}, stages "
                  f"{list(engine.plan.boundaries)}; MFU against {peak[0] / 1e12:.3g} TFLOP/s a "
@@ -484,7 +527,7 @@ def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
             out.line(f"pipeflow: packed rows: position_ids restart after token {eot}")
     return _Loop(run, engine, batches, val, out, position, t.batch_size * batches.seq_len,
                  flops, peak[0] * devices, first_step=engine.stats.step, eot=eot,
-                 hf_config=model.hf_config, hf_source=model.hf_source)
+                 hf_config=model.hf_config, hf_source=model.hf_source, tokenizer=tokenizer)
 
 
 def _load_pretrained(engine: Engine, model: Model) -> None:
@@ -596,6 +639,8 @@ def _step(loop: _Loop, step: int) -> float:
     if first:
         _report_recompute(loop)
     loop.losses.append(loss)
+    if loop.trace is not None and step == t.steps - 1:
+        _write_trace(loop)       # now: a validation's forwards would replace the timeline
     if loop.rank0:
         loop.out.advance(loss)
     if step % t.log_every == 0 or step == t.steps - 1:
@@ -629,13 +674,16 @@ def _stop_early(loop: _Loop, signum: int) -> None:
         loop.out.line(f"pipeflow: {name} received: stopped at step {step}; {what}")
 
 
-def _finish(loop: _Loop, elapsed: float, trace: str | None) -> None:
+def _write_trace(loop: _Loop) -> None:
+    """The last training step's instruction timeline of every rank (a collective)."""
+    write_trace(loop.engine, loop.trace)
+    if loop.rank0:
+        loop.out.line(f"pipeflow: wrote the last step's timeline to {loop.trace} (open it in "
+                      f"https://ui.perfetto.dev, or `pipeflow trace {loop.trace} --png t.png`)")
+
+
+def _finish(loop: _Loop, elapsed: float) -> None:
     engine, t = loop.engine, loop.run.train
-    if trace is not None:
-        write_trace(engine, trace)
-        if loop.rank0:
-            loop.out.line(f"pipeflow: wrote the last step's timeline to {trace} (open it in "
-                          f"https://ui.perfetto.dev, or `pipeflow trace {trace} --png t.png`)")
     val_loss = _evaluate(loop)
     if t.save_dir and engine.stats.step and (not t.save_every or engine.stats.step % t.save_every):
         _save(engine, loop.run, loop.position, loop.hf_config, loop.hf_source)
@@ -648,7 +696,10 @@ def _finish(loop: _Loop, elapsed: float, trace: str | None) -> None:
         loop.out.line(f"pipeflow: {done} steps in {elapsed:.1f} s "
                       f"({done * loop.tokens / elapsed:.0f} tok/s); loss {loop.losses[0]:.3f}"
                       f" -> {loop.losses[-1]:.3f}" + (f", validation loss {val_loss:.3f}"
-                                                       if val_loss is not None else ""))
+                                                       if val_loss is not None else "")
+                      + (f"; checkpoint and metrics in {t.save_dir}" if t.save_dir else ""))
+    if loop.tokenizer is not None:
+        _sample(loop)
 
 
 def train(run: RunConfig, comm: MPI.Comm | None = None, log: Callable = print,
@@ -691,6 +742,7 @@ def train(run: RunConfig, comm: MPI.Comm | None = None, log: Callable = print,
 def _loop(loop: _Loop, comm: MPI.Comm, preemption: Preemption, trace: str | None,
           on_step: Callable[[int], None] | None) -> list[float]:
     start = time.perf_counter()
+    loop.trace = trace
     for step in range(loop.engine.stats.step, loop.run.train.steps):
         _step(loop, step)
         if on_step is not None:
@@ -700,7 +752,7 @@ def _loop(loop: _Loop, comm: MPI.Comm, preemption: Preemption, trace: str | None
         if signum:
             _stop_early(loop, signum)
             return loop.losses
-    _finish(loop, time.perf_counter() - start, trace)
+    _finish(loop, time.perf_counter() - start)
     return loop.losses
 
 

@@ -3,6 +3,7 @@ figures behind them (tokens/s, MFU, each stage's peak memory and measured bubble
 
 from __future__ import annotations
 
+import os
 import resource
 import socket
 import sys
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from pipeflow.engine import Engine
 
 __all__ = ["strict_record", "bubble_fraction", "peak_flops", "count_parameters", "stage_stats",
-           "memory_reports", "MetricsLog", "clock_text", "devices_in_use"]
+           "memory_reports", "MetricsLog", "clock_text", "devices_in_use", "launcher_terminal"]
 
 # Dense bf16 peaks (FLOP/s) of common accelerators, from their data sheets (no sparsity).
 GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
@@ -141,25 +142,87 @@ def memory_reports(engine: "Engine") -> list[dict[str, Any]] | None:
     return waiting.gather(engine.stage.topo.world, engine.memory_report(), 0)
 
 
+# Processes of MPI launchers and their per-node daemons: a rank's stdout is a pipe to one of
+# them, and what reaches the person is the stdout of the outermost (mpirun's own).
+LAUNCHERS = ("mpirun", "mpiexec", "mpiexec.hydra", "hydra_pmi_proxy", "orterun", "prterun",
+             "prte", "prted", "orted", "srun", "slurmstepd")
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:     # "pid (comm) state ppid ...": comm may hold ")"
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def launcher_terminal(pid: int | None = None) -> str | None:
+    """The terminal this process's output reaches through its MPI launcher, or None.
+
+    Under `mpirun` a rank's stdout is a pipe to the launcher, which copies it to its own
+    stdout as it comes: when that is a terminal (a person watching `mpirun -n N pipeflow
+    train`), a progress bar drawn in place on the pipe shows in place there. Walks up from the
+    parent through launcher processes only (Linux `/proc`): `mpirun ... > log` or `| tee`
+    find no terminal, and neither does a shell above the launcher.
+    """
+    try:
+        pid = os.getppid() if pid is None else pid
+        for _ in range(8):
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() not in LAUNCHERS:
+                    return None
+            out = os.readlink(f"/proc/{pid}/fd/1")
+            if out.startswith(("/dev/pts/", "/dev/tty")):
+                return out
+            pid = _parent(pid)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _columns(terminal: str) -> int | None:
+    """The width of the terminal at `terminal` (a path), or None."""
+    try:
+        fd = os.open(terminal, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        return os.get_terminal_size(fd).columns or None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 class MetricsLog:
-    """Rank 0's outputs: the trackers (`pipeflow.train.trackers`), progress bar or lines."""
+    """Rank 0's outputs: the trackers (`pipeflow.train.trackers`), progress bar or lines.
+
+    The bar (tqdm, on stdout with the lines) is drawn where a person sees it update in place:
+    stdout a terminal, or a pipe to an MPI launcher whose own stdout is one
+    (`launcher_terminal`). Elsewhere (a file, a pipe to another program, a caller's own `log`)
+    plain lines only.
+    """
 
     def __init__(self, trackers: Sequence[Any], total: int, first: int, progress: bool,
                  log: Callable[..., None] = print) -> None:
         self.log = log
         self.trackers = list(trackers)
         self.bar = None
-        if progress and sys.stdout.isatty():
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                pass
-            else:
-                self.bar = tqdm(total=total, initial=first, unit="step", dynamic_ncols=True)
+        # Only where the lines go to the process's own stdout: a caller's `log` (or a test's
+        # capture of stdout) gets every line as it is, never a bar.
+        if not progress or log is not print or sys.stdout is not sys.__stdout__:
+            return
+        terminal = "" if sys.stdout.isatty() else launcher_terminal()
+        if terminal is None:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return
+        # Through a pipe tqdm cannot ask the width: the launcher's terminal's, read once.
+        width = {"dynamic_ncols": True} if not terminal else {"ncols": _columns(terminal)}
+        self.bar = tqdm(total=total, initial=first, unit="step", file=sys.stdout, **width)
 
     def line(self, text: str) -> None:
         if self.bar is not None:
-            self.bar.write(text)
+            self.bar.write(text, file=sys.stdout)
         else:
             self.log(text, flush=True)
 

@@ -10,7 +10,7 @@ from typing import Any, Mapping, Sequence
 
 import tomli_w
 
-from pipeflow.config import Config, ConfigError, read_toml
+from pipeflow.config import Config, ConfigError, read_toml, refuse_renamed
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -19,9 +19,11 @@ else:  # pragma: no cover
 
 __all__ = ["TrainConfig", "DataConfig", "RunConfig", "load_run_config", "run_config_from",
            "apply_overrides",
-           "check_fields", "TABLES"]
+           "check_fields", "TABLES", "DATA_STATE"]
 
 TABLES = ("engine", "model", "train", "data")
+DATA_STATE = "data.json"     # beside the engine's shards in each checkpoint folder: the data
+                             # position and the run's tables (`pipeflow sample` reads them)
 
 
 @dataclasses.dataclass
@@ -55,6 +57,8 @@ class TrainConfig:
     wandb_project: str = "pipeflow"   # the W&B project of "wandb" (WANDB_MODE=offline: local)
     peak_tflops: float = 0.0      # per rank, for MFU; 0: a known GPU's bf16 peak, or measured
     progress: bool = True         # a progress bar on rank 0 when stdout is a terminal (tqdm)
+    sample_prompt: str = ""       # at the end, rank 0 prints this prompt's greedy continuation
+    sample_tokens: int = 64       # ... of this many tokens
     export_hf: str = ""           # [model] kind "hf": a Hub folder written at the end of the run
     export_overwrite: bool = False  # export_hf may replace weights pipeflow did not write there
     export_dtype: str = ""        # "float32" | "bfloat16" | "float16"; "": the run's precision
@@ -79,7 +83,7 @@ _BOUNDS: dict[str, dict[str, Any]] = {
               "decay_fraction": (0.0, 1.0000001),
               "warmup": 0, "weight_decay": 0.0, "beta1": (0.0, 1.0), "beta2": (0.0, 1.0),
               "log_every": 1, "eval_every": 0, "eval_batches": 1, "threads": 1,
-              "save_every": 0, "peak_tflops": 0.0},
+              "save_every": 0, "peak_tflops": 0.0, "sample_tokens": 1},
     "data": {"seq_len": 0, "eot": -1},
 }
 _STRICT = {("train", "lr")}       # must be > the bound, not >=
@@ -156,7 +160,12 @@ def _allowed(annotation: str) -> tuple[tuple[type, ...], str] | None:
 
 
 def _check_engine_types(table: Mapping[str, Any]) -> None:
-    """`[engine]` values of the wrong TOML type, named before `Config` sees them."""
+    """`[engine]` values of the wrong TOML type, and renamed keys, named before `Config`
+    sees them."""
+    try:
+        refuse_renamed(table, toml=True)
+    except ConfigError as exc:
+        raise ConfigError(f"[engine] {exc}") from None
     fields = {f.name: _allowed(str(f.type)) for f in dataclasses.fields(Config)}
     for key, value in table.items():
         if fields.get(key) is None:

@@ -23,7 +23,7 @@ from mpi4py import MPI
 from pipeflow.comm import waiting
 from pipeflow.config import Config, ConfigError
 
-__all__ = ["Tokenizer", "load_tokenizer", "SampleArgs", "sample"]
+__all__ = ["Tokenizer", "load_tokenizer", "data_tokenizer", "SampleArgs", "sample"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,13 +245,12 @@ def _checkpoint_source(path: str, run_toml: str) -> _Source:
 
     def read(layers: list[int]) -> dict[str, torch.Tensor]:
         return read_params(folder, layers)[0]
-    return _Source(model, run.engine.precision, _data_tokenizer(run), read, folder)
+    return _Source(model, run.engine.precision, data_tokenizer(run), read, folder)
 
 
 def _run_of(folder: str, run_toml: str) -> Any:
     from pipeflow.runtime.checkpoint import read_sealed_json
-    from pipeflow.train.loop import DATA_STATE
-    from pipeflow.train.run_config import load_run_config, run_config_from
+    from pipeflow.train.run_config import DATA_STATE, load_run_config, run_config_from
     if run_toml:
         return load_run_config(run_toml)
     path = os.path.join(folder, DATA_STATE)
@@ -272,7 +271,7 @@ def _toml_loads(text: str) -> dict[str, Any]:
     return tomllib.loads(text)
 
 
-def _data_tokenizer(run: Any) -> str:
+def data_tokenizer(run: Any) -> str:
     """The tokenizer of the run's data: `meta.json` beside `[data] train`, the pretrained
     folder's tokenizer.json, or bytes for the byte corpus."""
     if run.data.train:

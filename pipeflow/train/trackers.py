@@ -1,23 +1,28 @@
 """Where a run's metrics go, rank 0 only: `[train] trackers = ["jsonl", "tensorboard", "wandb"]`.
 
 One small interface (`Tracker`: `log(record)` with the record's `"step"`, `close()`), one
-class a backend. Each gets every record the JSONL file holds; TensorBoard and W&B take its
-numbers as scalars (nested tables such as `stages` and `memory` stay in the JSONL). A
-tracker whose package is missing is refused before the engine is built, naming the extra.
+class a backend, and one row a backend in `TRACKERS`: its constructor from the run's `[train]`
+table, and the package and extra it needs. Adding a tracker is a class and a row. Each gets
+every record the JSONL file holds; TensorBoard and W&B take its numbers as scalars (nested
+tables such as `stages` and `memory` stay in the JSONL). A tracker whose package is missing is
+refused before the engine is built, naming the extra.
 """
 
 from __future__ import annotations
 
 import difflib
+import importlib
 import json
 import math
 import os
-from typing import Any, Protocol
+import dataclasses
+from typing import Any, Callable, Protocol
 
 from pipeflow._io import atomic_write_bytes
 from pipeflow.config import ConfigError
 
-__all__ = ["Tracker", "TRACKERS", "check_trackers", "check_tracker_paths", "open_trackers",
+__all__ = ["Tracker", "TrackerKind", "TRACKERS", "check_trackers", "check_tracker_paths",
+           "open_trackers",
            "JsonlTracker", "TensorBoardTracker", "WandbTracker"]
 
 
@@ -80,6 +85,11 @@ class JsonlTracker:
     its last checkpoint had logged and the resumed run logs again, are dropped (as
     TensorBoard's `purge_step`), so each step is in the file once."""
 
+    @classmethod
+    def for_run(cls, train: Any, config: dict[str, Any],
+                resumed_at: int | None) -> "JsonlTracker":
+        return cls(_jsonl_path(train), resumed_at)
+
     def __init__(self, path: str, resumed_at: int | None = None) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
@@ -100,6 +110,11 @@ class TensorBoardTracker:
     A run resumed at step `resumed_at` hides the events of that step and later ones that
     earlier event files hold (`purge_step`), as the JSONL drops their records."""
 
+    @classmethod
+    def for_run(cls, train: Any, config: dict[str, Any],
+                resumed_at: int | None) -> "TensorBoardTracker":
+        return cls(_tensorboard_folder(train), resumed_at)
+
     def __init__(self, folder: str, resumed_at: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
         self.path = folder
@@ -116,6 +131,11 @@ class TensorBoardTracker:
 class WandbTracker:
     """A Weights & Biases run (`WANDB_MODE=offline` writes it locally, for `wandb sync`)."""
 
+    @classmethod
+    def for_run(cls, train: Any, config: dict[str, Any],
+                resumed_at: int | None) -> "WandbTracker":
+        return cls(train.wandb_project, _folder(train), config)
+
     def __init__(self, project: str, folder: str, config: dict[str, Any]) -> None:
         import wandb
         os.makedirs(folder, exist_ok=True)
@@ -129,29 +149,69 @@ class WandbTracker:
         self.run.finish()
 
 
-# name -> (module to import, the extra that installs it)
-TRACKERS = {"jsonl": (None, None), "tensorboard": ("tensorboard", "monitor"),
-            "wandb": ("wandb", "wandb")}
+def _folder(train: Any) -> str:
+    """Where a tracker writes unless told: the run's save_dir, else the working folder."""
+    return train.save_dir or "."
+
+
+@dataclasses.dataclass(frozen=True)
+class TrackerKind:
+    """A row of `TRACKERS`: how to open the tracker for a run, and what it needs."""
+
+    # (the run's [train] table, every table as plain values, the step a resumed run starts
+    # at or None) -> Tracker
+    open: Callable[[Any, dict[str, Any], int | None], Tracker]
+    module: str | None = None     # the package it imports, checked before the run starts
+    extra: str | None = None      # the pipeflow extra that installs it
+
+
+TRACKERS: dict[str, TrackerKind] = {
+    "jsonl": TrackerKind(JsonlTracker.for_run),
+    "tensorboard": TrackerKind(TensorBoardTracker.for_run, "tensorboard", "monitor"),
+    "wandb": TrackerKind(WandbTracker.for_run, "wandb", "wandb"),
+}
 
 
 def check_trackers(names: list[str]) -> None:
     """Known names with their packages installed; a ConfigError naming the fix otherwise."""
-    import importlib
     for name in names:
         if name not in TRACKERS:
             close = difflib.get_close_matches(str(name), list(TRACKERS), n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise ConfigError(f"[train] trackers: unknown tracker {name!r}; {hint}known: "
                               f"{sorted(TRACKERS)}")
-        module, extra = TRACKERS[name]
-        if module is None:
+        kind = TRACKERS[name]
+        if kind.module is None:
             continue
         try:
-            importlib.import_module(module)
+            importlib.import_module(kind.module)
         except ImportError:
-            raise ConfigError(f"[train] trackers = [..., {name!r}] needs the {module!r} "
-                              f"package: pip install \"pipeflow[{extra}]\" (or pip install "
-                              f"{module}), or remove {name!r} from trackers") from None
+            install = f"pip install \"pipeflow[{kind.extra}]\" (or pip install " \
+                f"{kind.module})" if kind.extra else f"pip install {kind.module}"
+            raise ConfigError(f"[train] trackers = [..., {name!r}] needs the {kind.module!r} "
+                              f"package: {install}, or remove {name!r} from trackers") from None
+
+
+def open_trackers(train: Any, config: dict[str, Any],
+                  resumed_at: int | None = None) -> dict[str, Tracker]:
+    """The trackers `[train]` asks for, by name: `trackers`, plus "jsonl" where `metrics` or
+    `save_dir` is set and "tensorboard" where `tensorboard` names a folder (as before
+    `trackers` existed). `resumed_at`: the step a resumed run starts at (None: a new run)."""
+    return {name: TRACKERS[name].open(train, config, resumed_at) for name in _names(train)}
+
+
+def _names(train: Any) -> list[str]:
+    return list(dict.fromkeys(list(train.trackers)
+                              + (["jsonl"] if train.metrics or train.save_dir else [])
+                              + (["tensorboard"] if train.tensorboard else [])))
+
+
+def _jsonl_path(train: Any) -> str:
+    return train.metrics or os.path.join(_folder(train), "metrics.jsonl")
+
+
+def _tensorboard_folder(train: Any) -> str:
+    return train.tensorboard or os.path.join(_folder(train), "tensorboard")
 
 
 def check_tracker_paths(train: Any) -> None:
@@ -192,34 +252,3 @@ def _unwritable_folder(folder: str) -> str:
     except OSError as exc:
         return f"cannot take a file ({exc.strerror or exc})"
     return ""
-
-
-def open_trackers(train: Any, config: dict[str, Any],
-                  resumed_at: int | None = None) -> list[Tracker]:
-    """The trackers `[train]` asks for: `trackers`, plus "jsonl" where `metrics` or
-    `save_dir` is set and "tensorboard" where `tensorboard` names a folder (as before
-    `trackers` existed). `resumed_at`: the step a resumed run starts at (None: a new run)."""
-    base = train.save_dir or "."
-    opened: list[Tracker] = []
-    for name in _names(train):
-        if name == "jsonl":
-            opened.append(JsonlTracker(_jsonl_path(train), resumed_at))
-        elif name == "tensorboard":
-            opened.append(TensorBoardTracker(_tensorboard_folder(train), resumed_at))
-        elif name == "wandb":
-            opened.append(WandbTracker(train.wandb_project, base, config))
-    return opened
-
-
-def _names(train: Any) -> list[str]:
-    return list(dict.fromkeys(list(train.trackers)
-                              + (["jsonl"] if train.metrics or train.save_dir else [])
-                              + (["tensorboard"] if train.tensorboard else [])))
-
-
-def _jsonl_path(train: Any) -> str:
-    return train.metrics or os.path.join(train.save_dir or ".", "metrics.jsonl")
-
-
-def _tensorboard_folder(train: Any) -> str:
-    return train.tensorboard or os.path.join(train.save_dir or ".", "tensorboard")

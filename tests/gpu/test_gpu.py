@@ -96,7 +96,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():
     layers.insert(1, pf.LayerSpec(Injector))            # on stage 0
     engine = pf.Engine(layers, loss_fn, adamw,
                        pf.Config(pipeline=WORLD.size, microbatches=2, precision="fp16",
-                                 loss_scale=1024.0, clip=1.0), device=_device())
+                                 initial_loss_scale=1024.0, clip=1.0), device=_device())
     steps = batches(3, 8)
     engine.train_step(*steps[0])
     before = [m.detach().clone() for m in engine.stage.precision.masters]
