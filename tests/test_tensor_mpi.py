@@ -279,7 +279,7 @@ def test_fp16_overflow_on_one_tensor_rank_skips_the_step_on_every_rank(sp):
     layers = gpt()
     layers.insert(1, pf.LayerSpec(Injector))
     engine = pf.Engine(layers, gpt_loss, sgd,
-                       pf.Config(tensor=N, precision="fp16", loss_scale=1024.0,
+                       pf.Config(tensor=N, precision="fp16", initial_loss_scale=1024.0,
                                  loss_scale_interval=2, sequence_parallel=sp))
     steps = data(4)
     engine.train_step(*steps[0])
