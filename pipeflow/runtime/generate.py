@@ -38,7 +38,7 @@ from pipeflow.comm import waiting
 from pipeflow.config import ConfigError
 from pipeflow.layers import layer_seed
 from pipeflow.runtime.recompute import run_layers
-from pipeflow.runtime.tensor_parallel import gather_vocab, whole_sequence
+from pipeflow.runtime.tensor_parallel import VocabEmbedding, gather_vocab, whole_sequence
 
 __all__ = ["Request", "normalise_prompts", "sample_next", "prompt_generator", "Decoding",
            "decodes", "layer_report", "choose_cache", "TAG", "VocabularyError", "vocabulary",
@@ -171,7 +171,11 @@ def vocabulary(stage: Any) -> int | None:
             if i == 0:
                 embedding = next((m for m in layer.modules()
                                   if isinstance(m, torch.nn.Embedding)), None)
-                return None if embedding is None else int(embedding.num_embeddings)
+                if embedding is None:
+                    return None
+                # Cut along the vocabulary over the tensor group: this rank's rows of it.
+                whole = stage.tensor.size if isinstance(embedding, VocabEmbedding) else 1
+                return int(embedding.num_embeddings) * whole
     return None
 
 
