@@ -167,8 +167,9 @@ CONFIG = [
     Hostile("toml-syntax", toml("[engine]\npipeline = = 2\n"),
             ("run.toml' is not valid TOML", "line 2"), pf.ConfigError),
     Hostile("table-from-a-named-file",
-            lambda tmp: pf.Config.from_dict({"loss_scale": "big"}, source="run.toml"),
-            "run.toml: [engine] Config.loss_scale must be a finite number", pf.ConfigError),
+            lambda tmp: pf.Config.from_dict({"initial_loss_scale": "big"}, source="run.toml"),
+            "run.toml: [engine] Config.initial_loss_scale must be a finite number",
+            pf.ConfigError),
     Hostile("toml-missing-file", lambda tmp: pf.Config.load(tmp / "absent.toml"),
             ("absent.toml", "not found"), pf.ConfigError),
 ]

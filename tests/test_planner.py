@@ -632,12 +632,14 @@ def test_the_array_fit_equals_the_per_stage_loop_bit_for_bit(params, gpus, gpu):
 
 
 @pytest.mark.timeout(120)
-def test_a_plan_for_16384_gpus_takes_under_5_s_of_cpu():
+def test_a_plan_for_16384_gpus_takes_under_8_s_of_cpu():
     """Issue 46 item 16: `pipeflow plan --compute 1e25 --gpus 16384` took 10.6-14.4 s of CPU
-    (4,096 GPUs: 7.1 s). CPU time, not the wall clock: a loaded machine does not fail it."""
+    (4,096 GPUs: 7.1 s); 2.7 s since. CPU time, not the wall clock; the bound leaves room for
+    a loaded machine's slower caches (5.2 s measured once beside other jobs) and still fails
+    the old code."""
     import time
     start = time.process_time()
     sizing = size_run(compute=1e25, cluster=Cluster(H100, 16384, 8))
     spent = time.process_time() - start
     assert sizing.best is not None
-    assert spent < 5.0, f"planning 16384 GPUs took {spent:.1f} s of CPU, expected under 5 s"
+    assert spent < 8.0, f"planning 16384 GPUs took {spent:.1f} s of CPU, expected under 8 s"
