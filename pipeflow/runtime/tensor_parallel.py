@@ -154,10 +154,7 @@ class _GatherLast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
         ctx.group = group
-        shard = x.detach().contiguous()
-        out = torch.empty((group.size, *shard.shape), dtype=shard.dtype, device=shard.device)
-        group.wait(group.comm.iallgather_(shard, out, key=key), key)
-        return torch.cat(out.unbind(0), dim=-1)
+        return torch.cat(_allgather(x.detach(), group, key).unbind(0), dim=-1)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -172,11 +169,18 @@ def _wide(x: torch.Tensor, group: TensorGroup) -> torch.Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) and not native else x
 
 
-def _seq_gather(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
-    """Every rank's slice of the sequence, whole (in rank order)."""
-    shard = _wide(x.detach(), group).transpose(0, SEQ).contiguous()
+def _allgather(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
+    """Every rank's `x` stacked in rank order: [size, *x.shape]."""
+    shard = x.contiguous()
     out = torch.empty((group.size, *shard.shape), dtype=shard.dtype, device=shard.device)
     group.wait(group.comm.iallgather_(shard, out, key=key), key)
+    return out
+
+
+def _seq_gather(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
+    """Every rank's slice of the sequence, whole (in rank order)."""
+    shard = _wide(x.detach(), group).transpose(0, SEQ)
+    out = _allgather(shard, group, key)
     whole = out.reshape(group.size * shard.shape[0], *shard.shape[1:])
     return whole.transpose(0, SEQ).to(x.dtype)
 
@@ -279,10 +283,12 @@ class _LeaveSeq(torch.autograd.Function):
 
 
 def copy_to(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
+    """Identity forward, the gradient summed over the group backward (once per input)."""
     return group.copy(x, key)
 
 
 def reduce_from(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
+    """Partial results summed over the group (all-reduce forward, identity backward)."""
     return _ReduceFrom.apply(x, group, key)
 
 
@@ -308,7 +314,7 @@ class RowwiseLinear(nn.Linear):
         if _sequence(self):
             y = _ScatterSeq.apply(F.linear(x, self.weight), self.pf_tensor, self.pf_key)
         else:
-            y = _ReduceFrom.apply(F.linear(x, self.weight), self.pf_tensor, self.pf_key)
+            y = reduce_from(F.linear(x, self.weight), self.pf_tensor, self.pf_key)
         return y if self.bias is None else y + self.bias
 
 
@@ -322,7 +328,7 @@ class VocabEmbedding(nn.Embedding):
         out = F.embedding(local, self.weight, None, None, self.norm_type,
                           self.scale_grad_by_freq, self.sparse)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return _ReduceFrom.apply(out, self.pf_tensor, self.pf_key)
+        return reduce_from(out, self.pf_tensor, self.pf_key)
 
 
 class ColwiseEmbedding(nn.Embedding):
@@ -449,10 +455,8 @@ def whole_shape(shape: torch.Size, dim: int, size: int) -> torch.Size:
 def gather_whole(group: TensorGroup, value: torch.Tensor, dim: int, parts: int,
                  key: str) -> torch.Tensor:
     """The whole tensor from this rank's slice `value` and the group's (every rank calls it)."""
-    shard = value.detach().contiguous()
-    out = torch.empty((group.size, *shard.shape), dtype=shard.dtype, device=shard.device)
-    group.wait(group.comm.iallgather_(shard, out, key=f"tensor group: {key}"), key)
-    return join(list(out.unbind(0)), dim, parts)
+    return join(list(_allgather(value.detach(), group, f"tensor group: {key}").unbind(0)),
+                dim, parts)
 
 
 def shard_layer(layer: nn.Module, group: TensorGroup, index: int) -> None:
@@ -605,11 +609,9 @@ class _VocabCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: TensorGroup,
                 ignore_index: int) -> torch.Tensor:
-        n, width = logits.shape
+        width = logits.shape[1]
         key = "tensor group: cross-entropy over the vocabulary"
-        local_max = logits.detach().max(-1).values.contiguous()
-        maxima = torch.empty((group.size, n), dtype=logits.dtype, device=logits.device)
-        group.wait(group.comm.iallgather_(local_max, maxima, key=f"{key} (maxima)"), key)
+        maxima = _allgather(logits.detach().max(-1).values, group, f"{key} (maxima)")
         shifted = logits.detach() - maxima.max(0).values.unsqueeze(1)
         start = group.rank * width
         valid = target != ignore_index
