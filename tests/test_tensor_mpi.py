@@ -15,6 +15,7 @@ from torch import nn
 
 import pipeflow as pf
 from pipeflow.models.gpt import GPTConfig, gpt_layers, gpt_loss
+from pipeflow.schedules.registry import names as schedule_names
 
 from toy import allgather, assert_same_parameters, bcast, sgd
 
@@ -110,15 +111,21 @@ def test_tensor_grid_trains_like_one_process(grid, optimizer, rtol, tied, sp):
 FOUR = N == 4
 
 
+# Every registered schedule, each with a recompute policy (all five over the seven), and
+# 1F1B with full recomputation besides.
+POLICIES = ["none", "full", "every:2", "selective", "auto"]
+SCHEDULE_CASES = [(name, POLICIES[i % len(POLICIES)])
+                  for i, name in enumerate(schedule_names())] + [("1f1b", "full")]
+
+
 @pytest.mark.mpi(min_size=4)
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1", "interleaved"])
-@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("schedule,recompute", SCHEDULE_CASES)
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
 def test_pipeline_by_tensor_every_schedule(schedule, recompute, sp):
     v = 2 if schedule == "interleaved" else 1
     check(gpt(tied=True, n_layers=6), (2, 1, 2), sgd, 1e-5, microbatches=4,
           schedule=schedule, virtual_stages=v, recompute=recompute, clip=0.05,
-          sequence_parallel=sp)
+          sequence_parallel=sp, activation_budget_mb=0.05)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -421,6 +428,25 @@ def test_eval_and_generation_at_tensor_degree_match_one_process(sp):
         assert len({tok for row in tokens[1] for tok in row}) > 1, "degenerate: proves little"
     for e in engines.values():
         e.close()
+
+
+class FrozenUp(UserMLP):
+    """A cut layer whose column weight is frozen: its slices stay put on every rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up.requires_grad_(False)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_frozen_cut_weight_stays_put_and_the_rest_trains_like_one_process():
+    layers = [pf.LayerSpec(UserEmbed), pf.LayerSpec(FrozenUp), pf.LayerSpec(UserMLP),
+              pf.LayerSpec(UserHead)]
+    engine = check(layers, GRIDS[0], adamw, 1e-4)
+    start = pf.build_sequential(layers, 0).state_dict()
+    full = engine.gather_state_dict()
+    if WORLD.rank == 0:
+        assert torch.equal(full["1.up.weight"], start["1.up.weight"])
 
 if not FOUR:       # not collected at all (a skip under mpirun is an error)
     del (test_pipeline_by_tensor_every_schedule,
