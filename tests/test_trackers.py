@@ -143,9 +143,9 @@ class _Memory:
 
     opened: list["_Memory"] = []
 
-    def __init__(self, train, config, append):
+    def __init__(self, train, config, resumed_at):
         self.records, self.closed, self.path = [], False, f"memory of {config['train']['steps']}"
-        self.append = append
+        self.resumed_at = resumed_at
         _Memory.opened.append(self)
 
     def log(self, record):
@@ -165,7 +165,7 @@ def test_a_tracker_is_a_class_and_a_row(tmp_path, monkeypatch):
     (memory,) = _Memory.opened
     jsonl = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert memory.records == jsonl and len([r for r in jsonl if "loss" in r]) == 4
-    assert memory.closed and memory.append is False
+    assert memory.closed and memory.resumed_at is None      # a new run, not a resumed one
     assert "metrics to memory memory of 4, jsonl " in lines[0]
     # A row's package is checked before the run, named with its extra.
     monkeypatch.setitem(trackers.TRACKERS, "memory",

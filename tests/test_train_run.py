@@ -3,6 +3,7 @@ token files read by memmap, resume continuing the data stream, metrics, pictures
 
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -339,6 +340,8 @@ def test_progress_bar_on_a_terminal(monkeypatch):
     pytest.importorskip("tqdm")
     from pipeflow.train.metrics import MetricsLog
     monkeypatch.setattr("sys.stdout.isatty", lambda: True)
+    # The process's own stdout (a test's capture of it otherwise draws no bar, by design).
+    monkeypatch.setattr("sys.__stdout__", sys.stdout)
     out = MetricsLog([], total=10, first=3, progress=True)
     assert out.bar is not None and out.bar.n == 3
     out.advance(2.0)
