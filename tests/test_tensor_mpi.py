@@ -143,6 +143,15 @@ def test_clip_bites_and_counts_each_slice_once():
     assert len(set(norms)) == 1
 
 
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_torch_distributed_backend_trains_like_one_process(sp):
+    """The tensor group's collectives over torch.distributed (gloo here, NCCL on GPUs): the
+    all-gathers and reduce-scatters of sequence parallelism and the vocabulary included."""
+    check(gpt(tied=True), GRIDS[0], sgd, 1e-5, microbatches=2, sequence_parallel=sp,
+          backend="gloo")
+
 class UserMLP(nn.Module):
     """A model of the user's own: only the tp_plan says how it splits."""
 

@@ -172,9 +172,10 @@ def _wide(x: torch.Tensor, group: TensorGroup) -> torch.Tensor:
 def _allgather(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
     """Every rank's `x` stacked in rank order: [size, *x.shape]."""
     shard = x.contiguous()
-    out = torch.empty((group.size, *shard.shape), dtype=shard.dtype, device=shard.device)
-    group.wait(group.comm.iallgather_(shard, out, key=key), key)
-    return out
+    # Flat, as every backend's all-gather takes it: `size` blocks of the shard's elements.
+    out = torch.empty(group.size * shard.numel(), dtype=shard.dtype, device=shard.device)
+    group.wait(group.comm.iallgather_(shard.view(-1), out, key=key), key)
+    return out.view(group.size, *shard.shape)
 
 
 def _seq_gather(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
@@ -190,7 +191,7 @@ def _seq_reduce_scatter(x: torch.Tensor, group: TensorGroup, key: str) -> torch.
     whole = _wide(x.detach(), group).transpose(0, SEQ).contiguous()
     out = torch.empty((whole.shape[0] // group.size, *whole.shape[1:]), dtype=whole.dtype,
                       device=whole.device)
-    group.wait(group.comm.ireduce_scatter_(whole, out, key=key), key)
+    group.wait(group.comm.ireduce_scatter_(whole.view(-1), out.view(-1), key=key), key)
     return out.transpose(0, SEQ).to(x.dtype)
 
 
