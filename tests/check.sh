@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make check`: the quick tier, at most 3 minutes on 2 cores, for use before each commit. It
 # touches every module of the package: equivalence with one process on one grid per schedule
-# family (2 ranks, uniform split), data parallelism plain and sharded with unrouted experts,
+# family (2 ranks, uniform split), data parallelism plain and sharded with unrouted experts, the
+# tensor axis at t2 (with and without sequence parallelism) and its refusals,
 # strict mode's refusals, the planner, the CLI and a hostile row per class of error, with the
 # sweeps marked `slow` (whole schedule grids, the planner against full simulations) left to
 # `make test` (tests/run_all.sh), the whole suite, which CI runs.
@@ -29,7 +30,7 @@ python -m pytest -q -p no:cacheprovider -m "not mpi and not slow" -n 2 --dist lo
   tests/test_schedule.py tests/test_v_schedules.py tests/test_data.py tests/test_logs.py \
   tests/test_checkpoint.py tests/test_recompute.py tests/test_auto_schedule.py \
   tests/test_gpt.py tests/test_layers_rng.py tests/test_waiting.py tests/test_comm.py \
-  tests/test_hostmem.py tests/test_planner_calibrate.py \
+  tests/test_hostmem.py tests/test_planner_calibrate.py tests/test_grid.py \
   "tests/test_hf.py::test_logits_match_transformers[llama-none]" \
   "tests/test_hf.py::test_logits_match_transformers[mixtral-none]" \
   "tests/test_hf.py::test_state_dict_round_trip_and_ties[llama-False]" \
@@ -42,8 +43,8 @@ timeout -k 10 150 "$MPIRUN" $OVERSUB -n 2 python -m pytest -q -p no:cacheprovide
   --capture=sys --with-mpi -m "mpi and not gpu and not slow" "$@" \
   tests/test_engine_mpi.py tests/test_collective_order_mpi.py tests/test_strict_mpi.py \
   tests/test_shard_mpi.py tests/test_data_parallel_mpi.py tests/test_aux_loss_mpi.py \
-  tests/test_generate_mpi.py \
-  -k "(pipeline_trains and uniform) or (unrouted and 1f1b) or equal_size \
+  tests/test_generate_mpi.py tests/test_tensor_mpi.py \
+  -k "(tensor_grid and untied and sgd) or refused_on_every_rank or (pipeline_trains and uniform) or (unrouted and 1f1b) or equal_size \
       or (sharded_trains and 1f1b) or (grid_trains and 1f1b and untied and noclip) \
       or different_grid or aux or greedy" || failed+=("mpirun -n 2")
 echo "== check: done in $(( $(date +%s) - start )) s"
