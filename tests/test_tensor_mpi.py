@@ -206,6 +206,15 @@ def test_a_width_the_degree_does_not_divide_is_refused_on_every_rank():
     assert "tensor degrees that would" in text, text
 
 
+
+@pytest.mark.mpi(min_size=2)
+def test_a_sequence_the_degree_does_not_divide_is_refused_under_sequence_parallelism():
+    engine = pf.Engine(gpt(), gpt_loss, sgd, pf.Config(tensor=N, sequence_parallel=True))
+    x = torch.randint(0, VOCAB, (4, N + 1))
+    with pytest.raises(pf.ConfigError, match=rf"cuts the sequence \({N + 1} positions.* over "
+                                             rf"tensor = {N}, which does not divide it"):
+        engine.train_step(x, x)
+
 @pytest.mark.mpi(min_size=2)
 def test_a_model_without_any_tp_plan_is_refused():
     from toy import loss_fn, toy_layers
