@@ -455,3 +455,53 @@ def test_mfu_counts_a_gpu_that_ranks_share_once(monkeypatch):
     views["all"] = [("node1", "GPU-0"), ("node1", "GPU-1"), ("node2", "GPU-0"),
                     ("node2", "GPU-0")]
     assert metrics.devices_in_use(engine) == 3
+
+
+class _FakeNccl:
+    """torch.distributed as ProcessGroupNCCL behaves for point-to-point: a batched operation
+    runs on its group's own communicator; a plain `isend`/`irecv` makes (lazily, once per
+    pair) a two-rank communicator of its own (pytorch#129140)."""
+
+    class Work:
+        def is_completed(self):
+            return True
+
+        def wait(self):
+            return True
+
+    def __init__(self, groups) -> None:
+        self.communicators = {("group", g) for g in groups}
+        self.batched: list = []
+
+    def P2POp(self, op, tensor, peer, group, tag):
+        return (op, tensor, peer, group)
+
+    def isend(self, tensor, peer, group=None, tag=0):
+        self.communicators.add(("pair", group, peer))
+        return self.Work()
+
+    def irecv(self, tensor, peer, group=None, tag=0):
+        return self.isend(tensor, peer, group, tag)
+
+    def batch_isend_irecv(self, ops):
+        self.batched.append([(op.__name__, peer, group) for op, _, peer, group in ops])
+        return [self.Work() for _ in ops]
+
+
+@pytest.mark.parametrize("tensors", [1, 3])
+def test_nccl_messages_go_through_batch_isend_irecv_and_make_no_second_communicator(tensors):
+    # A one-tensor message once went through a plain isend/irecv: ProcessGroupNCCL gave every
+    # link a second communicator, whose first send blocks the host until the peer arrives.
+    from mpi4py import MPI
+    from pipeflow.comm.torch_dist import TorchDistCommunicator
+    forward, backward = "link 0->0", "link 0<-0"
+    comm = TorchDistCommunicator(MPI.COMM_SELF, "pipeline",
+                                 {(0, 0): forward}, device="cuda")
+    fake = _FakeNccl(["pipeline", forward, backward])
+    comm._dist, comm._check = fake, lambda op, ts: None
+    assert comm.batch_p2p
+    comm.isend([torch.ones(2)] * tensors, 0, tag=5).wait()
+    comm.irecv([((2,), torch.float32)] * tensors, 0, tag=5, device=torch.device("cpu")).wait()
+    assert len(fake.communicators) == 3, sorted(fake.communicators, key=str)
+    assert fake.batched == [[("isend", 0, forward)] * tensors, [("irecv", 0, forward)] * tensors]
+    comm.free()

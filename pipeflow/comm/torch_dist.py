@@ -182,6 +182,8 @@ class TorchDistCommunicator(HeadersFirst, Communicator):
         self.links = links or {}
         # NCCL on a GPU: buckets launch from autograd's hooks, on the side stream.
         self.launch_from_any_thread = self.device.type == "cuda"
+        # NCCL: every message one batch on its link's group (see `_p2p`).
+        self.batch_p2p = self.device.type == "cuda"
         self._flight: list[tuple[str, list, float]] = []    # (what, works, issued at)
 
     def isend(self, tensors: Sequence[torch.Tensor], dest: int, tag: int) -> Request:
@@ -201,12 +203,17 @@ class TorchDistCommunicator(HeadersFirst, Communicator):
                             _DistWork(self._p2p(self._dist.irecv, ts, source, group, tag), ts))
 
     def _p2p(self, op: Any, ts: list[torch.Tensor], peer: int, group: Any, tag: int) -> list:
-        """A message's tensors to or from `peer`: one tensor by itself (half the host time of
-        a batch of one under gloo), several as one batch, which NCCL runs as one grouped
-        operation. A batch holds one group's operations only (`batch_isend_irecv`), so a
-        send and a receive of two links (a group per direction) are never batched."""
+        """A message's tensors to or from `peer` as one batch on the link's group
+        (`batch_isend_irecv`), which NCCL runs as one grouped operation on the group's own
+        communicator. Never a plain `isend`/`irecv` on NCCL: ProcessGroupNCCL gives a plain
+        point-to-point operation a two-rank communicator of its own per pair, made lazily (a
+        second communicator per link, its buffers, a first send that blocks the host until
+        the peer arrives, and one- and several-tensor messages of a link on two streams).
+        gloo has no such communicators, and a lone tensor by itself takes half the host
+        time of a batch of one there. A batch holds one group's operations only, so a send
+        and a receive of two links (a group per direction) are never batched."""
         rank = self.global_ranks[peer]
-        if len(ts) == 1:
+        if len(ts) == 1 and not self.batch_p2p:
             return [op(ts[0], rank, group=group, tag=tag)]
         return self._dist.batch_isend_irecv(
             [self._dist.P2POp(op, t, rank, group, tag) for t in ts])
