@@ -505,3 +505,16 @@ def test_nccl_messages_go_through_batch_isend_irecv_and_make_no_second_communica
     assert len(fake.communicators) == 3, sorted(fake.communicators, key=str)
     assert fake.batched == [[("isend", 0, forward)] * tensors, [("irecv", 0, forward)] * tensors]
     comm.free()
+
+
+def test_one_cuda_connection_posts_nothing_ahead_and_refuses_a_schedule_that_stalls(monkeypatch):
+    # CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's recipes) runs one NCCL kernel at a time:
+    # posting ahead is off, and 1F1B, which would deadlock even so, is refused with a reason.
+    from pipeflow.comm.torch_dist import nccl_post_ahead
+    from pipeflow.schedules import build_schedule
+    assert nccl_post_ahead(build_schedule("1f1b", 4, 8), "rank 0", reductions=True) == 1
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    assert nccl_post_ahead(build_schedule("gpipe", 4, 8), "rank 0", reductions=True) == 0
+    with pytest.raises(pf.ConfigError, match=r"rank 0: CUDA_DEVICE_MAX_CONNECTIONS=1 puts "
+                                              r".* would deadlock .*schedule 'gpipe'"):
+        nccl_post_ahead(build_schedule("1f1b", 4, 8), "rank 0", reductions=True)
