@@ -30,8 +30,9 @@ from pipeflow.config import Config, ConfigError
 from pipeflow.layers import LayerSpec, _check_layers, fingerprint
 from pipeflow.runtime.batch import BatchError, SummedLossCheck, agree_call, split_step
 from pipeflow.runtime.checkpoint import CheckpointState, load_checkpoint, save_checkpoint
-from pipeflow.runtime.failure import (CollectiveError, Watchdog, abort_world, install_excepthook,
-                              report_and_abort, say)
+from pipeflow.runtime.failure import (CollectiveError, Watchdog, abort_world,
+                                     check_failure_mode, install_excepthook, report_and_abort,
+                                     say)
 from pipeflow.runtime.hostmem import keep_freed_memory
 from pipeflow.runtime.optim_step import close_step
 from pipeflow.runtime.arrange import ArrangeSettings, arrange_pipeline
@@ -128,6 +129,7 @@ class Engine:
                            fields_of(StepSettings, config), topo, arranged.plan, optimizer, dev)
         self.plan = self.stage.plan
         self._where = self.stage.describe()
+        check_failure_mode(self.stage.backend, topo.pipeline, self.abort_on_error, self._where)
         self.loss_fn = loss_fn
         # With count_items the first training step checks that the loss is a sum.
         self._loss_check = SummedLossCheck(loss_fn)

@@ -518,3 +518,15 @@ def test_one_cuda_connection_posts_nothing_ahead_and_refuses_a_schedule_that_sta
     with pytest.raises(pf.ConfigError, match=r"rank 0: CUDA_DEVICE_MAX_CONNECTIONS=1 puts "
                                               r".* would deadlock .*schedule 'gpipe'"):
         nccl_post_ahead(build_schedule("1f1b", 4, 8), "rank 0", reductions=True)
+
+
+def test_surviving_a_failed_step_is_refused_for_a_pipeline_on_nccl():
+    # A failed step leaves receives posted ahead that NCCL cannot withdraw, on cached link
+    # groups: the next engine would read each message one late.
+    from pipeflow.runtime.failure import check_failure_mode
+    with pytest.raises(pf.ConfigError, match=r"rank 3: abort_on_error=False with a pipeline on "
+                                              r"NCCL: .* cannot withdraw"):
+        check_failure_mode("nccl", 2, False, "rank 3")
+    check_failure_mode("nccl", 2, True, "rank 3")
+    check_failure_mode("nccl", 1, False, "rank 3")        # replicas only: nothing posted
+    check_failure_mode("mpi", 2, False, "rank 3")         # MPI cancels a posted receive
