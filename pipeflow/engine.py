@@ -59,6 +59,8 @@ class StepStats:
     skipped: bool = False
     skipped_steps: int = 0             # in the whole run (fp16 overflow or non-finite)
     nonfinite_in_row: int = 0
+    # The host's time for the step: on a GPU up to the optimizer's launch (the step's last
+    # host sync is the gradient norm's read; traced steps synchronize and time the device)
     step_time: float = 0.0
     peak_stash: int = 0                # most micro-batches stashed at once
     peak_activation_bytes: int = 0     # saved for backward (with measure_activations)
@@ -218,7 +220,7 @@ class Engine:
                 self._loss_checked = True
                 self._guarded("loss contract", self._agree_loss_contract)
             self._guarded("optimizer step", lambda: close_step(stage, loss, self.stats))
-            if cuda:     # device time, not the host's enqueue time; watched: a stuck link
+            if cuda and self.runner.trace:   # device time for the trace: a host sync more
                 self._guarded("device synchronize", lambda: torch.cuda.synchronize(stage.device))
         if cuda:
             self.stats.peak_memory_bytes = torch.cuda.max_memory_allocated(stage.device)
