@@ -157,27 +157,44 @@ def test_reductions_of_gpu_tensors_go_through_the_host_even_on_a_cuda_aware_mpi(
     assert t.data.tolist() == [0.0, 2.0, 4.0]
 
 
-def test_a_cuda_aware_receive_drains_the_stream_before_mpi_writes(monkeypatch):
+def test_a_cuda_aware_receive_takes_a_block_no_queued_kernel_uses_without_a_sync(monkeypatch):
     # The caching allocator may hand a receive a block whose last owner's kernels are still
-    # queued; MPI writes at once, outside stream order: the stream is drained first.
-    from pipeflow.comm import mpi as comm
+    # queued on the compute stream; MPI writes at once, outside stream order. The stream was
+    # drained before each receive (the GPU idled for the host's launch latency at every
+    # message); now the buffer comes from a stream no kernel runs on, recorded on the compute
+    # stream that reads it.
+    import contextlib
+    from pipeflow.comm import cuda, mpi as comm
     from pipeflow.comm.cuda import CUDA_AWARE_ENV
     log: list[str] = []
     real_empty = torch.empty
+    receiving = _Stream(log)
+    current = [None]
 
     def empty(*shape, **kwargs):
         if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cuda":
-            log.append("device buffer")
+            log.append("device buffer on the receive stream" if current[0] is receiving
+                       else "device buffer on the compute stream")
             kwargs.pop("device")
         return real_empty(*shape, **kwargs)
 
+    @contextlib.contextmanager
+    def stream(s):
+        current[0] = s
+        yield
+        current[0] = None
+
     monkeypatch.setenv(CUDA_AWARE_ENV, "1")
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream(log))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "compute")
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(cuda, "receive_stream", lambda device: receiving)
     monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda t, s: log.append(f"recorded on {s}"), raising=False)
     buf = comm._incoming((2, 3), torch.float32, torch.device("cuda", 0))
     assert buf.shape == (2, 3)
-    assert log == ["device buffer", "stream drained"]
-    monkeypatch.setenv(CUDA_AWARE_ENV, "0")       # staged: pinned host memory, no drain
+    assert log == ["device buffer on the receive stream", "recorded on compute"]
+    monkeypatch.setenv(CUDA_AWARE_ENV, "0")       # staged: pinned host memory
     log.clear()
     monkeypatch.setattr(torch, "empty", lambda *s, **k: real_empty(*s, **{**k,
                                                                            "pin_memory": False}))
