@@ -128,7 +128,8 @@ class Config:
     shard_optimizer: bool = False
     # torch.compile each layer (`nn.Module.compile`, names and state dicts unchanged): false
     # (eager, the default), true (the "inductor" backend) or a torch.compile backend's name
-    # ("aot_eager", "cudagraphs", ...). Compiled when first run, on every rank for its layers.
+    # ("aot_eager", ...). Compiled when first run, on every rank for its layers. CUDA-graph
+    # backends and modes ("cudagraphs", "reduce-overhead") are refused: see `_check_compile`.
     compile: bool | str = False
     seed: int = 0              # layer i is built under a seed derived from (seed, i)
     # What train_step/eval_step are given: "global", the whole global batch on every rank
@@ -186,9 +187,7 @@ class Config:
                                          PRECISIONS)
         _number("clip", self.clip, 0.0, hint="0 turns clipping off", what="a norm")
         _integer("seed", self.seed, None)
-        if not isinstance(self.compile, (bool, str)) or self.compile == "":
-            _fail("compile", 'true, false or a torch.compile backend\'s name', self.compile,
-                  'set compile = true (inductor), "aot_eager", or false')
+        _check_compile(self.compile)
         for name in ("free_sent_outputs", "keep_host_memory", "deterministic",
                      "shard_optimizer", "sequence_parallel"):
             if not isinstance(getattr(self, name), bool):
@@ -358,6 +357,28 @@ def read_toml(path: str | os.PathLike) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"config file {where!r} is not UTF-8 text (byte {exc.start}: "
                           f"{exc.reason}); TOML files are UTF-8: save it as UTF-8") from None
+
+
+# torch.compile backends and modes that replay CUDA graphs out of static buffers.
+CUDA_GRAPH_COMPILES = ("cudagraphs", "reduce-overhead", "max-autotune")
+
+
+def _check_compile(value: Any) -> None:
+    """`Config.compile`: a bool or a backend's name, never one that replays CUDA graphs. A
+    graph's outputs live in static buffers that its next replay overwrites; a stage runs one
+    layer for several micro-batches before their backward (the stash holds each output) and
+    NCCL reads a sent output asynchronously, so a replay would overwrite outputs still
+    stashed or in flight."""
+    if not isinstance(value, (bool, str)) or value == "":
+        _fail("compile", 'true, false or a torch.compile backend\'s name', value,
+              'set compile = true (inductor), "aot_eager", or false')
+    if isinstance(value, str) and any(g in value.lower() for g in CUDA_GRAPH_COMPILES):
+        raise ConfigError(
+            f"Config.compile = {value!r} replays CUDA graphs, whose outputs live in static "
+            f"buffers overwritten by the next replay; a pipeline stage keeps several "
+            f"micro-batches' outputs stashed for their backward and NCCL reads sent outputs "
+            f"asynchronously, so they would be overwritten while still in use. Use compile = "
+            f"true (inductor without CUDA graphs) or \"aot_eager\"")
 
 
 def _fail(name: str, expected: str, value: Any, change: str) -> NoReturn:

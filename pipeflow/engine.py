@@ -32,8 +32,9 @@ from pipeflow.runtime.batch import BatchError, SummedLossCheck, agree_call, spli
 from pipeflow.runtime import tensor_parallel as tp
 from pipeflow.runtime.checkpoint import (CheckpointState, load_checkpoint,
                                          load_optimizer_by_name, save_checkpoint)
-from pipeflow.runtime.failure import (CollectiveError, Watchdog, abort_world, install_excepthook,
-                              report_and_abort, say)
+from pipeflow.runtime.failure import (CollectiveError, Watchdog, abort_world,
+                                      check_failure_mode, install_excepthook, report_and_abort,
+                                      say)
 from pipeflow.runtime.hostmem import keep_freed_memory
 from pipeflow.runtime.optim_step import close_step
 from pipeflow.runtime.arrange import ArrangeSettings, arrange_pipeline
@@ -60,6 +61,8 @@ class StepStats:
     skipped: bool = False
     skipped_steps: int = 0             # in the whole run (fp16 overflow or non-finite)
     nonfinite_in_row: int = 0
+    # The host's time for the step: on a GPU up to the optimizer's launch (the step's last
+    # host sync is the gradient norm's read; traced steps synchronize and time the device)
     step_time: float = 0.0
     peak_stash: int = 0                # most micro-batches stashed at once
     peak_activation_bytes: int = 0     # saved for backward (with measure_activations)
@@ -130,6 +133,7 @@ class Engine:
                            fields_of(StepSettings, config), topo, arranged.plan, optimizer, dev)
         self.plan = self.stage.plan
         self._where = self.stage.describe()
+        check_failure_mode(self.stage.backend, topo.pipeline, self.abort_on_error, self._where)
         if self.stage.vocab_logits:      # logits cut along the vocabulary into the loss
             loss_fn = tp.vocab_loss(loss_fn, self.stage.tensor)
         self.loss_fn = loss_fn
@@ -243,7 +247,7 @@ class Engine:
                 self._loss_checked = True
                 self._guarded("loss contract", self._agree_loss_contract)
             self._guarded("optimizer step", lambda: close_step(stage, loss, self.stats))
-            if cuda:     # device time, not the host's enqueue time; watched: a stuck link
+            if cuda and self.runner.trace:   # device time for the trace: a host sync more
                 self._guarded("device synchronize", lambda: torch.cuda.synchronize(stage.device))
         if cuda:
             self.stats.peak_memory_bytes = torch.cuda.max_memory_allocated(stage.device)

@@ -7,6 +7,9 @@ global norm are covered on every grid.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 from mpi4py import MPI
@@ -368,3 +371,56 @@ def test_a_closed_replicated_engine_frees_its_weights_without_the_garbage_collec
     finally:
         gc.enable()
     assert allgather(WORLD, freed) == [True] * WORLD.size
+
+
+class _HostSyncs:
+    """Counts the engine's own reads of tensor values (`item`, `tolist`, `float`, `int`,
+    `bool` called from pipeflow's code): on a GPU each waits for the device. (torch.optim's
+    reads of its step counts are of CPU tensors.)"""
+
+    NAMES = ("item", "tolist", "__float__", "__int__", "__bool__")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.where: list[str] = []
+        self.real = {name: getattr(torch.Tensor, name) for name in self.NAMES}
+
+    def __enter__(self) -> "_HostSyncs":
+        for name, real in self.real.items():
+            setattr(torch.Tensor, name, self._counted(real))
+        return self
+
+    def _counted(self, real):
+        def read(t, *args):
+            caller = sys._getframe(1).f_code
+            if os.sep + "pipeflow" + os.sep in caller.co_filename:
+                self.count += 1
+                self.where.append(f"{caller.co_filename}:{caller.co_name}")
+            return real(t, *args)
+        return read
+
+    def __exit__(self, *exc) -> None:
+        for name, real in self.real.items():
+            setattr(torch.Tensor, name, real)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shard", [False, True])
+def test_a_step_reads_the_device_once_off_the_last_stage_and_twice_on_it(shard):
+    # torch.distributed (gloo here, NCCL on GPUs): the gradient norm and the replicas'
+    # "gradient present" flags are read together, the loss once more on the last stage.
+    # Before: the flags' tolist, the norm's item and the loss, 2 and 3 a step.
+    d = WORLD.size // 2
+    engine = pf.Engine(toy_layers(), loss_fn, adamw,
+                       pf.Config(pipeline=2, data=d, microbatches=4, backend="gloo",
+                                 shard_optimizer=shard and d > 1))
+    steps = batches(5, 8)
+    for x, y in steps[:2]:
+        engine.train_step(x, y)
+    with _HostSyncs() as syncs:
+        for x, y in steps[2:]:
+            engine.train_step(x, y)
+    last = engine.plan.holds_last(engine.stage.index)
+    assert syncs.count <= 3 * (2 if last else 1), (engine.stage.describe(), syncs.where)
+    engine.close()

@@ -85,6 +85,9 @@ def test_shard_optimizer_on_one_replica_trains_as_unsharded():
     (dict(loss_scale_backoff=2.0), "0 < loss_scale_backoff < 1"),
     (dict(partition="magic"), "Config.partition must be one of"),
     (dict(clip=-1.0), "Config.clip must be a norm >= 0"),
+    # CUDA graphs replay into static buffers: stashed and in-flight outputs would be overwritten
+    (dict(compile="cudagraphs"), "'cudagraphs' replays CUDA graphs.*stashed"),
+    (dict(compile="reduce-overhead"), "'reduce-overhead' replays CUDA graphs"),
 ])
 def test_bad_config_values_are_clear_errors(kwargs, message):
     with pytest.raises(pf.ConfigError, match=message):

@@ -157,27 +157,44 @@ def test_reductions_of_gpu_tensors_go_through_the_host_even_on_a_cuda_aware_mpi(
     assert t.data.tolist() == [0.0, 2.0, 4.0]
 
 
-def test_a_cuda_aware_receive_drains_the_stream_before_mpi_writes(monkeypatch):
+def test_a_cuda_aware_receive_takes_a_block_no_queued_kernel_uses_without_a_sync(monkeypatch):
     # The caching allocator may hand a receive a block whose last owner's kernels are still
-    # queued; MPI writes at once, outside stream order: the stream is drained first.
-    from pipeflow.comm import mpi as comm
+    # queued on the compute stream; MPI writes at once, outside stream order. The stream was
+    # drained before each receive (the GPU idled for the host's launch latency at every
+    # message); now the buffer comes from a stream no kernel runs on, recorded on the compute
+    # stream that reads it.
+    import contextlib
+    from pipeflow.comm import cuda, mpi as comm
     from pipeflow.comm.cuda import CUDA_AWARE_ENV
     log: list[str] = []
     real_empty = torch.empty
+    receiving = _Stream(log)
+    current = [None]
 
     def empty(*shape, **kwargs):
         if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cuda":
-            log.append("device buffer")
+            log.append("device buffer on the receive stream" if current[0] is receiving
+                       else "device buffer on the compute stream")
             kwargs.pop("device")
         return real_empty(*shape, **kwargs)
 
+    @contextlib.contextmanager
+    def stream(s):
+        current[0] = s
+        yield
+        current[0] = None
+
     monkeypatch.setenv(CUDA_AWARE_ENV, "1")
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream(log))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "compute")
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(cuda, "receive_stream", lambda device: receiving)
     monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda t, s: log.append(f"recorded on {s}"), raising=False)
     buf = comm._incoming((2, 3), torch.float32, torch.device("cuda", 0))
     assert buf.shape == (2, 3)
-    assert log == ["device buffer", "stream drained"]
-    monkeypatch.setenv(CUDA_AWARE_ENV, "0")       # staged: pinned host memory, no drain
+    assert log == ["device buffer on the receive stream", "recorded on compute"]
+    monkeypatch.setenv(CUDA_AWARE_ENV, "0")       # staged: pinned host memory
     log.clear()
     monkeypatch.setattr(torch, "empty", lambda *s, **k: real_empty(*s, **{**k,
                                                                            "pin_memory": False}))
@@ -455,3 +472,78 @@ def test_mfu_counts_a_gpu_that_ranks_share_once(monkeypatch):
     views["all"] = [("node1", "GPU-0"), ("node1", "GPU-1"), ("node2", "GPU-0"),
                     ("node2", "GPU-0")]
     assert metrics.devices_in_use(engine) == 3
+
+
+class _FakeNccl:
+    """torch.distributed as ProcessGroupNCCL behaves for point-to-point: a batched operation
+    runs on its group's own communicator; a plain `isend`/`irecv` makes (lazily, once per
+    pair) a two-rank communicator of its own (pytorch#129140)."""
+
+    class Work:
+        def is_completed(self):
+            return True
+
+        def wait(self):
+            return True
+
+    def __init__(self, groups) -> None:
+        self.communicators = {("group", g) for g in groups}
+        self.batched: list = []
+
+    def P2POp(self, op, tensor, peer, group, tag):
+        return (op, tensor, peer, group)
+
+    def isend(self, tensor, peer, group=None, tag=0):
+        self.communicators.add(("pair", group, peer))
+        return self.Work()
+
+    def irecv(self, tensor, peer, group=None, tag=0):
+        return self.isend(tensor, peer, group, tag)
+
+    def batch_isend_irecv(self, ops):
+        self.batched.append([(op.__name__, peer, group) for op, _, peer, group in ops])
+        return [self.Work() for _ in ops]
+
+
+@pytest.mark.parametrize("tensors", [1, 3])
+def test_nccl_messages_go_through_batch_isend_irecv_and_make_no_second_communicator(tensors):
+    # A one-tensor message once went through a plain isend/irecv: ProcessGroupNCCL gave every
+    # link a second communicator, whose first send blocks the host until the peer arrives.
+    from mpi4py import MPI
+    from pipeflow.comm.torch_dist import TorchDistCommunicator
+    forward, backward = "link 0->0", "link 0<-0"
+    comm = TorchDistCommunicator(MPI.COMM_SELF, "pipeline",
+                                 {(0, 0): forward}, device="cuda")
+    fake = _FakeNccl(["pipeline", forward, backward])
+    comm._dist, comm._check = fake, lambda op, ts: None
+    assert comm.batch_p2p
+    comm.isend([torch.ones(2)] * tensors, 0, tag=5).wait()
+    comm.irecv([((2,), torch.float32)] * tensors, 0, tag=5, device=torch.device("cpu")).wait()
+    assert len(fake.communicators) == 3, sorted(fake.communicators, key=str)
+    assert fake.batched == [[("isend", 0, forward)] * tensors, [("irecv", 0, forward)] * tensors]
+    comm.free()
+
+
+def test_one_cuda_connection_posts_nothing_ahead_and_refuses_a_schedule_that_stalls(monkeypatch):
+    # CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's recipes) runs one NCCL kernel at a time:
+    # posting ahead is off, and 1F1B, which would deadlock even so, is refused with a reason.
+    from pipeflow.comm.torch_dist import nccl_post_ahead
+    from pipeflow.schedules import build_schedule
+    assert nccl_post_ahead(build_schedule("1f1b", 4, 8), "rank 0", reductions=True) == 1
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    assert nccl_post_ahead(build_schedule("gpipe", 4, 8), "rank 0", reductions=True) == 0
+    with pytest.raises(pf.ConfigError, match=r"rank 0: CUDA_DEVICE_MAX_CONNECTIONS=1 puts "
+                                              r".* would deadlock .*schedule 'gpipe'"):
+        nccl_post_ahead(build_schedule("1f1b", 4, 8), "rank 0", reductions=True)
+
+
+def test_surviving_a_failed_step_is_refused_for_a_pipeline_on_nccl():
+    # A failed step leaves receives posted ahead that NCCL cannot withdraw, on cached link
+    # groups: the next engine would read each message one late.
+    from pipeflow.runtime.failure import check_failure_mode
+    with pytest.raises(pf.ConfigError, match=r"rank 3: abort_on_error=False with a pipeline on "
+                                              r"NCCL: .* cannot withdraw"):
+        check_failure_mode("nccl", 2, False, "rank 3")
+    check_failure_mode("nccl", 2, True, "rank 3")
+    check_failure_mode("nccl", 1, False, "rank 3")        # replicas only: nothing posted
+    check_failure_mode("mpi", 2, False, "rank 3")         # MPI cancels a posted receive

@@ -6,7 +6,7 @@ import functools
 import pytest
 
 from pipeflow import schedules as schedule
-from pipeflow.schedules.links import link_orders
+from pipeflow.schedules.links import device_stalls, link_orders, posting_order
 from pipeflow.schedules.simulate import _replay
 from pipeflow.cli import main
 from pipeflow.config import Config, ConfigError
@@ -386,3 +386,35 @@ def test_naive_batching_on_one_shared_stream_deadlocks_only_the_multi_chunk_sche
                         [Action(SEND_GRAD, 0), Action(FORWARD, 1), Action(RECV_ACT, 0)]],
                        [[0], [1]])
     assert batched_rendezvous_stalls(crossed) == [0, 1]
+
+
+NCCL_GRID = [(p, m) for p in range(2, 9) for m in range(1, 17)]
+
+
+@pytest.mark.parametrize("name", _sweep(schedule.names()))
+def test_the_nccl_programs_never_stall_with_two_kernels_resident(name):
+    # NCCL does not promise that operations of several communicators progress together: at
+    # most K blocking kernels run at once on a GPU (NVIDIA/nccl#783). The engine posts each
+    # receive a compute early, holding a kernel from its post; with the data group's
+    # reductions in the last backward, two kernels resident suffice for every program.
+    # Not posting ahead is no safer: two sends resident then starve a receive.
+    for p, m in NCCL_GRID:
+        if schedule.get(name).problem(p, m):
+            continue
+        programs = _built(name, p, m)
+        for reductions in (False, True):
+            assert device_stalls(programs, 2, ahead=1, reductions=reductions) == [], \
+                (name, p, m, reductions)
+
+
+def test_one_kernel_at_a_time_stalls_what_posting_ahead_would_block():
+    # CUDA_DEVICE_MAX_CONNECTIONS=1: one hardware queue. A posted gradient receive on stage 0
+    # (before F0) holds the only kernel; the activation send behind it never launches; stage
+    # 1 waits for it: even GPipe deadlocks posted ahead, and runs when nothing is.
+    gpipe, one_f_one_b = _built("gpipe", 2, 1), _built("1f1b", 4, 8)
+    assert device_stalls(gpipe, 1, ahead=1) == [0, 1]
+    assert device_stalls(gpipe, 1, ahead=0) == []
+    assert device_stalls(one_f_one_b, 1, ahead=0) != []
+    assert device_stalls(one_f_one_b, 2, ahead=1) == []
+    assert posting_order(gpipe[0], 0, gpipe.layout) == [(0, [Action(RECV_GRAD, 0, 0)])]
+    assert posting_order(gpipe[0], 0, gpipe.layout, ahead=0) == []

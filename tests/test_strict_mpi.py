@@ -310,3 +310,64 @@ def test_receives_are_posted_before_the_compute_before_them(schedule, backend):
                                    if k in local})
     engine.close()
     comm.Free()
+
+
+class FailsOnItsSecondForward(torch.nn.Module):
+    """Stage 0's first layer: once armed (`calls` = 0), its second forward raises."""
+
+    calls = None
+
+    def forward(self, x):
+        if FailsOnItsSecondForward.calls is not None:
+            FailsOnItsSecondForward.calls += 1
+            if FailsOnItsSecondForward.calls == 2:
+                raise ValueError("second forward")
+        return x
+
+
+def _raise_in_backward(grad):
+    raise ValueError("backward")
+
+
+class FailsInBackward(torch.nn.Module):
+    """The last stage's last layer: once armed, its backward raises."""
+
+    armed = False
+
+    def forward(self, x):
+        x = x * 1.0
+        if x.requires_grad and FailsInBackward.armed:
+            x.register_hook(_raise_in_backward)
+        return x
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_a_receive_left_posted_by_a_failed_step_fails_the_next_engine_as_nccl_would():
+    # In the second step (the first agreed the links' shapes), stage 0 posts the gradient of
+    # micro-batch 0 before its second forward, which raises; stage 1 posts the activation of
+    # micro-batch 1 before its first backward, which raises. MPI withdraws such receives;
+    # NCCL cannot, and the next engine on these ranks, reusing the cached link groups, would
+    # read each message on those links one late.
+    from pipeflow.comm.strict import forget_posted
+    group = pair()
+    layers = [pf.LayerSpec(FailsOnItsSecondForward), *toy_layers(), pf.LayerSpec(FailsInBackward)]
+    config = pf.Config(pipeline=2, microbatches=4, backend="strict")
+    engine = pf.Engine(layers, loss_fn, adamw, config, comm=group, abort_on_error=False)
+    engine.train_step(*batches(1, 8)[0])
+    FailsOnItsSecondForward.calls, FailsInBackward.armed = 0, True
+    with pytest.raises(RuntimeError, match="second forward|backward"):
+        engine.train_step(*batches(1, 8)[0])
+    FailsOnItsSecondForward.calls, FailsInBackward.armed = None, False
+    engine.close()
+    try:
+        with pytest.raises(RuntimeError, match=r"receives posted by an earlier engine and never "
+                                               r"matched \(1 on the link from rank 0 to rank 1, "
+                                               r"1 on the link from rank 1 to rank 0\)"):
+            pf.Engine(toy_layers(), loss_fn, adamw, config, comm=group, abort_on_error=False)
+    finally:
+        forget_posted()
+    engine = pf.Engine(toy_layers(), loss_fn, adamw, config, comm=group)  # nothing left over
+    engine.train_step(*batches(1, 8)[0])
+    engine.close()
+    group.Free()

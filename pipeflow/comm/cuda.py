@@ -17,7 +17,7 @@ from mpi4py import MPI
 from pipeflow.comm import waiting
 from pipeflow.comm.base import Request, as_typed
 
-__all__ = ["CUDA_AWARE_ENV", "cuda_aware_mpi", "PinnedBuffers", "side_stream",
+__all__ = ["CUDA_AWARE_ENV", "cuda_aware_mpi", "PinnedBuffers", "side_stream", "receive_stream",
            "iallreduce_cuda_", "ireduce_scatter_cuda_", "iallgather_cuda_",
            "all_reduce_on_side_stream", "on_side_stream"]
 
@@ -82,6 +82,18 @@ def side_stream(device: torch.device) -> Any:
     if device not in _SIDE:
         _SIDE[device] = torch.cuda.Stream(device=device)
     return _SIDE[device]
+
+
+_RECEIVE: dict[torch.device, Any] = {}
+
+
+def receive_stream(device: torch.device) -> Any:
+    """A stream per GPU that runs no kernel: CUDA-aware MPI's receive buffers are allocated
+    on it, so the caching allocator never hands one a block that queued kernels still use
+    (see `comm.mpi._incoming`)."""
+    if device not in _RECEIVE:
+        _RECEIVE[device] = torch.cuda.Stream(device=device)
+    return _RECEIVE[device]
 
 
 class _DeviceAllreduce(Request):

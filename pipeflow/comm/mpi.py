@@ -47,12 +47,16 @@ def _incoming(shape: Sequence[int], dtype: torch.dtype, device: torch.device) ->
     """A receive's buffer: on the GPU for a CUDA-aware MPI, else pinned host memory for GPU
     tensors (copied up by the caller) and plain host memory for CPU ones.
 
-    The caching allocator hands out a block as soon as its last owner's kernels are queued,
-    which is safe for kernels on the same stream but not for MPI, which writes at once: the
-    stream is drained first, so no queued kernel still reads the block's old contents."""
+    MPI writes a device buffer at once, outside stream order, so the buffer must be a block
+    no queued kernel still reads. The caching allocator hands out a block freed on the
+    compute stream as soon as its kernels are queued; but a block is only reused for the
+    stream it was allocated on, once every stream recorded on it has passed its free. So the
+    buffer comes from a stream no kernel runs on (`cuda.receive_stream`) and is recorded on
+    the compute stream that reads it: no stream-wide synchronize before each receive."""
     if _device_aware(device):
-        buf = torch.empty(shape, dtype=dtype, device=device)
-        torch.cuda.current_stream(device).synchronize()
+        with torch.cuda.stream(cuda.receive_stream(device)):
+            buf = torch.empty(shape, dtype=dtype, device=device)
+        buf.record_stream(torch.cuda.current_stream(device))
         return buf
     return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
 

@@ -19,6 +19,11 @@ refuses
   tensor here is sent synchronously (`MPI_Issend`);
 - a device synchronize inside a step (`torch.cuda.synchronize`, see `no_device_sync`): after
   a send it waits for the peer's receive, and two stages doing so wait for each other;
+- a receive posted and never matched (an engine's step failed after posting it ahead):
+  NCCL cannot withdraw a posted receive, and the next engine on the same ranks reuses the
+  link's group, so its first message on that link would land in the old receive. MPI
+  withdraws it (`MPI_Cancel`); here it is withdrawn but remembered (`_POSTED`), and a strict
+  communicator built over ranks with such a link refuses, on every rank;
 - a tensor off the group's device;
 - any call from another thread than the one that built the communicator (on CUDA, autograd
   runs gradient hooks on its device thread).
@@ -39,7 +44,7 @@ from pipeflow.comm import waiting
 from pipeflow.comm.base import Communicator, Request, TensorMeta, check_on_device, meta_of
 from pipeflow.comm.mpi import HeadersFirst, MpiCommunicator
 
-__all__ = ["StrictCommunicator", "StrictCommError", "no_device_sync"]
+__all__ = ["StrictCommunicator", "StrictCommError", "no_device_sync", "forget_posted"]
 
 
 class StrictCommError(RuntimeError):
@@ -78,6 +83,17 @@ class _StrictSend(Request):
         self._data.wait()
 
 
+# (world rank of the source, of the destination) -> the receives posted on that link by strict
+# communicators of this process, until matched: NCCL's link groups are cached per process,
+# so a receive posted and never matched stays posted for the next engine.
+_POSTED: dict[tuple[int, int], list["_StrictRecv"]] = {}
+
+
+def forget_posted() -> None:
+    """Forget every receive posted and never matched (tests that make one on purpose)."""
+    _POSTED.clear()
+
+
 class _StrictRecv(Request):
     def __init__(self, header: MPI.Request, data: Request, expected: tuple, where: str) -> None:
         self._header = header
@@ -85,6 +101,22 @@ class _StrictRecv(Request):
         self._expected = expected
         self._where = where
         self._got: tuple | None = None
+        self.withdrawn = False
+
+    def pending(self) -> bool:
+        """Posted and not matched by a message (withdrawn ones stay pending: NCCL's would)."""
+        if self.withdrawn:
+            return True
+        parts = [self._header, *getattr(self._data, "_requests", [])]
+        return not all(r.Get_status() for r in parts)
+
+    def withdraw(self) -> None:
+        """Cancel the MPI receives (NCCL could not) and remember the link as unmatched."""
+        for r in [self._header, *getattr(self._data, "_requests", [])]:
+            if not r.Get_status():
+                r.Cancel()
+            MPI.Request.Wait(r)
+        self.withdrawn = True
 
     def _check(self, got: tuple) -> None:
         self._got = got
@@ -109,6 +141,17 @@ class _StrictRecv(Request):
         if self._got is None:
             self._check(waiting.wait_object(self._header))
         return self._data.wait()
+
+
+def _unmatched(links: list[tuple[int, int]]) -> dict[tuple[int, int], int]:
+    """Of `links`, those with posted receives no message matched, and how many."""
+    out = {}
+    for link in links:
+        live = [r for r in _POSTED.get(link, []) if r.pending()]
+        _POSTED[link] = live
+        if live:
+            out[link] = len(live)
+    return out
 
 
 class _PendingCollective(Request):
@@ -171,9 +214,32 @@ class StrictCommunicator(HeadersFirst, Communicator):
         self.thread = threading.get_ident()
         self._sent: dict[int, int] = {}
         self._posted: dict[int, int] = {}
+        self._live: list[_StrictRecv] = []      # posted by this communicator
         self.collectives = 0             # tensor collectives issued
         self.object_collectives = 0
         self._queue: list[_PendingCollective] = []   # issued, their check not yet complete
+        self.world_ranks = MPI.Group.Translate_ranks(
+            comm.Get_group(), list(range(comm.size)), MPI.COMM_WORLD.Get_group())
+        self._refuse_unmatched()
+
+    def _refuse_unmatched(self) -> None:
+        """On every rank alike: refuse these ranks where a receive an earlier communicator
+        posted on one of their links was never matched (see the module's docstring)."""
+        me = self.world_ranks[self.rank]
+        mine = _unmatched([(src, me) for src in self.world_ranks if src != me])
+        views = waiting.allgather(self.checks, mine)
+        found = {link: n for view in views for link, n in view.items()}
+        if found:
+            links = ", ".join(f"{n} on the link from rank {a} to rank {b}"
+                              for (a, b), n in sorted(found.items()))
+            raise StrictCommError(
+                f"rank {self.rank}: receives posted by an earlier engine and never matched "
+                f"({links}), its step having failed after posting them ahead. NCCL cannot "
+                f"withdraw a posted receive and the next engine on these ranks reuses the "
+                f"link's group, so the first message on that link would land in the old "
+                f"receive (read one message late) or hang where sizes differ. On NCCL a "
+                f"multi-rank engine therefore ends the job on a failure (abort_on_error=False "
+                f"is refused); start a new job after a failed step")
 
     @property
     def bytes_sent(self) -> int:
@@ -245,8 +311,14 @@ class StrictCommunicator(HeadersFirst, Communicator):
         self._posted[source] = index + 1
         header = self.headers.irecv(source=source, tag=0)
         where = f"rank {self.rank}, link from rank {source}"
-        return _StrictRecv(header, self.inner.irecv(metas, source, 0, device),
+        recv = _StrictRecv(header, self.inner.irecv(metas, source, 0, device),
                            (index, tag, tuple(metas)), where)
+        link = (self.world_ranks[source], self.world_ranks[self.rank])
+        for posted in (_POSTED.setdefault(link, []), self._live):
+            if len(posted) >= 16:       # matched ones go, a few at a time
+                posted[:] = [r for r in posted if r.pending()]
+            posted.append(recv)
+        return recv
 
     def _header_link(self, tag: int) -> tuple[MPI.Comm, int]:
         return self.headers, 1          # tag 0 carries the per-message order checks
@@ -292,6 +364,10 @@ class StrictCommunicator(HeadersFirst, Communicator):
         self.inner.barrier()
 
     def free(self) -> None:
+        for recv in self._live:
+            if recv.pending():
+                recv.withdraw()         # remembered in `_POSTED`: NCCL's would stay posted
+        self._live = []
         self.inner.free()
         self.headers.Free()
         for comm in (self.checks, self.tensor_checks, self.texts):

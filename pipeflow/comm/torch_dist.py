@@ -15,6 +15,7 @@ from pipeflow.comm.base import (Communicator, Request, TensorMeta, check_blocks,
 from pipeflow.comm.mpi import HeadersFirst, MpiCommunicator
 
 __all__ = ["TorchDistCommunicator", "init_torch_distributed", "check_nccl_launch_order",
+           "nccl_post_ahead",
            "rendezvous_address",
            "torch_grid_communicators", "torch_family_communicators"]
 
@@ -42,7 +43,39 @@ def check_nccl_launch_order(programs: Any, where: str) -> None:
             f"in the host's order, each waiting for its peer; this schedule's programs would "
             f"then deadlock (ranks {stuck} stuck in the simulation), as its sends and receives "
             f"to the two neighbours interleave. Unset it (or set 0) for pipeflow's jobs; "
-            f"pipeflow runs its links on independent streams, which NCCL allows")
+            f"pipeflow runs its links on independent streams, proven free of stalls with two "
+            f"NCCL kernels resident (`schedules.links.device_stalls`)")
+
+
+def nccl_post_ahead(programs: Any, where: str, reductions: bool) -> int:
+    """How many compute instructions early a stage posts its receives on NCCL, proven free
+    of stalls by `schedules.links.device_stalls` (at most K blocking NCCL kernels resident
+    on a GPU, a posted receive counted from its post).
+
+    By default 1: every registered schedule (p <= 8, m <= 16, data-parallel reductions in
+    the last backward) runs without a stall with two kernels resident (`test_schedule`), and
+    a GPU runs more. `CUDA_DEVICE_MAX_CONNECTIONS=1` (Megatron's recipes set it) puts every
+    stream on one hardware queue: one kernel at a time. A receive posted ahead would then
+    hold the queue while the send the peer waits for sits behind it, so nothing is posted
+    ahead (0), and a schedule that stalls even so (1F1B, ZB-H1, ZBV, the V's for most
+    sizes; GPipe never) is refused, saying why."""
+    import os
+
+    from pipeflow.config import ConfigError
+    from pipeflow.schedules.links import device_stalls
+
+    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() != "1":
+        return 1
+    stuck = device_stalls(programs, 1, ahead=0, reductions=reductions)
+    if stuck:
+        raise ConfigError(
+            f"{where}: CUDA_DEVICE_MAX_CONNECTIONS=1 puts every CUDA stream of this GPU on one "
+            f"hardware queue, so one NCCL kernel runs at a time and one waiting for its peer "
+            f"blocks the rest; this schedule's programs would deadlock that way (ranks "
+            f"{stuck} stuck in `schedules.links.device_stalls` with one kernel). Unset it "
+            f"(pipeflow overlaps communication by streams, not by launch order), or use "
+            f"schedule 'gpipe'")
+    return 0
 
 
 def init_torch_distributed(backend: str, device: torch.device, timeout_s: float = 0.0) -> None:
@@ -56,13 +89,20 @@ def init_torch_distributed(backend: str, device: torch.device, timeout_s: float 
     the watchdog: NCCL's watchdog ends a stuck collective `NCCL_TIMEOUT_MARGIN_S` after
     pipeflow's has had the chance to name the rank and the operation, never 10 minutes later.
 
-    Operations of several NCCL communicators are in flight on one GPU at once by design (a
-    link per direction, the data group, the tie groups: each on its own stream, at most a
-    handful, far fewer than the GPU's SMs). NCCL documents that as safe while they fit on the
-    GPU. Ordering them instead, `NCCL_LAUNCH_ORDER_IMPLICIT=1`, would deadlock: every
-    operation then waits for its peer in the host's order, and `ordered_launch_stalls` finds
-    1F1B stuck that way in 75 of 80 programs (p = 2..6, m = 1..16), GPipe in none; the stage
-    refuses that setting where its program would stall (`check_nccl_launch_order`).
+    Operations of several NCCL communicators are in flight on one GPU at once (a link per
+    direction, the data group, the tie groups, each on its own stream). NCCL does not promise
+    that they progress together: its guide asks for operations on different communicators to
+    be serialised, and its maintainers say two streams may not progress at once
+    (NVIDIA/nccl#783, #522). So the engine's programs are proven against a model of that,
+    `schedules.links.device_stalls`: at most K blocking NCCL kernels resident on a GPU, a
+    posted receive counted from its post. With receives posted a compute early, every
+    registered schedule (p <= 8, m <= 16, with reductions) runs with K = 2; with
+    `CUDA_DEVICE_MAX_CONNECTIONS=1` (K = 1) nothing is posted ahead and a schedule that stalls
+    even so is refused (`nccl_post_ahead`). Ordering every operation instead,
+    `NCCL_LAUNCH_ORDER_IMPLICIT=1`, would deadlock: each then waits for its peer in the
+    host's order, and `ordered_launch_stalls` finds 1F1B stuck that way in 75 of 80
+    programs (p = 2..6, m = 1..16), GPipe in none; the stage refuses that setting where its
+    program would stall (`check_nccl_launch_order`).
     """
     import datetime
 
@@ -182,6 +222,8 @@ class TorchDistCommunicator(HeadersFirst, Communicator):
         self.links = links or {}
         # NCCL on a GPU: buckets launch from autograd's hooks, on the side stream.
         self.launch_from_any_thread = self.device.type == "cuda"
+        # NCCL: every message one batch on its link's group (see `_p2p`).
+        self.batch_p2p = self.device.type == "cuda"
         self._flight: list[tuple[str, list, float]] = []    # (what, works, issued at)
 
     def isend(self, tensors: Sequence[torch.Tensor], dest: int, tag: int) -> Request:
@@ -201,12 +243,17 @@ class TorchDistCommunicator(HeadersFirst, Communicator):
                             _DistWork(self._p2p(self._dist.irecv, ts, source, group, tag), ts))
 
     def _p2p(self, op: Any, ts: list[torch.Tensor], peer: int, group: Any, tag: int) -> list:
-        """A message's tensors to or from `peer`: one tensor by itself (half the host time of
-        a batch of one under gloo), several as one batch, which NCCL runs as one grouped
-        operation. A batch holds one group's operations only (`batch_isend_irecv`), so a
-        send and a receive of two links (a group per direction) are never batched."""
+        """A message's tensors to or from `peer` as one batch on the link's group
+        (`batch_isend_irecv`), which NCCL runs as one grouped operation on the group's own
+        communicator. Never a plain `isend`/`irecv` on NCCL: ProcessGroupNCCL gives a plain
+        point-to-point operation a two-rank communicator of its own per pair, made lazily (a
+        second communicator per link, its buffers, a first send that blocks the host until
+        the peer arrives, and one- and several-tensor messages of a link on two streams).
+        gloo has no such communicators, and a lone tensor by itself takes half the host
+        time of a batch of one there. A batch holds one group's operations only, so a send
+        and a receive of two links (a group per direction) are never batched."""
         rank = self.global_ranks[peer]
-        if len(ts) == 1:
+        if len(ts) == 1 and not self.batch_p2p:
             return [op(ts[0], rank, group=group, tag=tag)]
         return self._dist.batch_isend_irecv(
             [self._dist.P2POp(op, t, rank, group, tag) for t in ts])

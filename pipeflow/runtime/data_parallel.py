@@ -105,6 +105,7 @@ class GradReducer:
         self._touched: set[int] = set()
         self._flags: Request | None = None
         self._flag_buffer: torch.Tensor | None = None
+        self.present: list[float] | None = None     # `_flag_buffer`, read with the norm
 
     def close(self) -> None:
         """Remove the gradient hooks: they hold the reducer, which holds the parameters, a
@@ -207,13 +208,21 @@ class GradReducer:
         flags = torch.tensor([float(id(p) in self._touched) for p in self._watched])
         self._flag_buffer = flags.to(self.buckets[0].flat.device) if self.buckets else flags
         self._flags = self.comm.iallreduce_(self._flag_buffer, key="gradients present")
+        self.present = None
+
+    @property
+    def flag_buffer(self) -> torch.Tensor | None:
+        """The replicas' counts of a gradient per watched parameter (after `finish`), for the
+        gradient norm's read to fetch with the norm: one host synchronisation for both, which
+        then sets `present`."""
+        return self._flag_buffer
 
     def untouched(self) -> list[nn.Parameter]:
         """The gradient parameters (masters) that got no gradient on any replica this step:
         the optimizer skips them, as torch.optim skips a `.grad` of None. After `finish`."""
         if self._flag_buffer is None:
             return []
-        present = self._flag_buffer.tolist()
+        present = self.present if self.present is not None else self._flag_buffer.tolist()
         return [self._grad_of[id(p)] for p, n in zip(self._watched, present) if n == 0.0]
 
     def begin_step(self) -> None:

@@ -21,7 +21,24 @@ from mpi4py import MPI
 from pipeflow.logs import get_logger
 
 __all__ = ["abort_world", "report_and_abort", "install_excepthook", "uncaught", "Watchdog",
-           "CollectiveError"]
+           "CollectiveError", "check_failure_mode"]
+
+
+def check_failure_mode(backend: str, pipeline: int, abort_on_error: bool, where: str) -> None:
+    """Refuse `abort_on_error=False` where a failed step cannot be survived: a pipeline on
+    NCCL. A stage posts receives ahead; NCCL has no cancel, and the link groups are cached
+    for the next engine on the same ranks, which would read every message of such a link
+    one late (or hang where sizes differ). MPI cancels them; `strict` remembers them and
+    refuses the next engine as NCCL's behaviour would demand."""
+    from pipeflow.config import ConfigError
+
+    if backend == "nccl" and pipeline > 1 and not abort_on_error:
+        raise ConfigError(
+            f"{where}: abort_on_error=False with a pipeline on NCCL: a failed step leaves "
+            f"receives posted that NCCL cannot withdraw, on link groups the next engine would "
+            f"reuse (it would read each message one late). Keep abort_on_error=True (a "
+            f"failure ends the job, named), or use backend 'mpi' for library use that "
+            f"survives a failed step")
 
 
 class CollectiveError(RuntimeError):

@@ -176,7 +176,19 @@ def grad_norm(stage: StepStage) -> float:
         stage.tensor_comm.allreduce_(sq)
     if stage.stages > 1:
         stage.pipe_comm.allreduce_(sq)
-    return math.sqrt(sq.item())
+    return math.sqrt(_read_with_flags(stage, sq))
+
+
+def _read_with_flags(stage: StepStage, sq: torch.Tensor) -> float:
+    """`sq`'s value, read in one host synchronisation with the replicas' "gradient present"
+    counts (which the optimizer's step needs on the host), not one each."""
+    holder = stage.shards if stage.shards is not None else stage.reducer
+    flags = holder.flag_buffer if holder is not None else None
+    if flags is None or flags.numel() == 0:
+        return sq.item()
+    values = torch.cat([sq.double(), flags.to(sq.device, torch.float64)]).tolist()
+    holder.present = values[1:]
+    return values[0]
 
 
 def zero_grad(stage: StepStage) -> None:

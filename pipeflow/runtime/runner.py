@@ -34,6 +34,7 @@ from pipeflow.runtime.data_parallel import GradReducer
 from pipeflow.runtime.precision import Precision
 from pipeflow.runtime.recompute import SavedTensorMeter, auto_policy, stage_forward
 from pipeflow.runtime.stage import StepSettings
+from pipeflow.schedules.links import posting_order
 from pipeflow.schedules.plan import Plan
 from pipeflow.schedules.split_backward import backward_input, backward_weight
 from pipeflow.tree import Header
@@ -131,6 +132,7 @@ class RunnerStage(Protocol):
     pipe_comm: Communicator
     reducer: GradReducer | None
     recompute: str                      # this stage's policy ("auto" resolved on first use)
+    post_ahead: int                     # receives posted this many computes early (0, 1)
 
     def describe(self) -> str: ...
 
@@ -158,7 +160,7 @@ class Runner:
         # Receivers that cannot probe: headers agreed per batch shape, receives posted ahead.
         self._agreed = LinkShapes() if stage.pipe_comm.always_header else None
         self._ahead: dict[sched.Action, tuple[Header | None, Any]] = {}
-        self._windows: dict[int, tuple[list, list[list[sched.Action]]]] = {}
+        self._windows: dict[int, tuple[list, dict[int, list[sched.Action]]]] = {}
         # What each instruction needs from the plan, looked up once (O(1) an instruction):
         # its route, whether its chunk is the pipeline's first or last virtual stage, and
         # which parameters' buckets arm after it (each parameter at the last gradient action
@@ -212,7 +214,7 @@ class Runner:
         for i, act in enumerate(program):
             self.on_instruction(act)     # described only if a report needs it
             t0 = self.clock.mark() if self.trace else None
-            if windows[i]:
+            if i in windows:
                 self._post_ahead(windows[i], st)
             self._handlers[act.op](self, act, st)
             # Let finished sends go and reductions in flight progress, without blocking.
@@ -229,23 +231,16 @@ class Runner:
             agreed.end()
         return st
 
-    def _windows_of(self, program: list[sched.Action]) -> list[list[sched.Action]]:
-        """For each instruction of `program`: the receives to post before it runs (before a
-        compute instruction, the receives between it and the next one), computed once a
-        program."""
+    def _windows_of(self, program: list[sched.Action]) -> dict[int, list[sched.Action]]:
+        """Instruction position -> the receives to post before it runs (`posting_order`,
+        `stage.post_ahead` computes early: 1, the receives between a compute and the next;
+        0 under NCCL's single hardware queue, see `torch_dist.nccl_post_ahead`), computed
+        once a program."""
         known = self._windows.get(id(program))
         if known is not None and known[0] is program:
             return known[1]
-        windows: list[list[sched.Action]] = [[] for _ in program]
-        rank = self.stage.pipe_comm.rank
-        for i, act in enumerate(program):
-            if act.op not in sched.COMPUTE:
-                continue
-            for later in program[i + 1:]:
-                if later.op in sched.COMPUTE:
-                    break
-                if later.op in sched.RECVS and self.route(later).peer != rank:
-                    windows[i].append(later)
+        windows = dict(posting_order(program, self.stage.pipe_comm.rank,
+                                     self.stage.plan.programs.layout, self.stage.post_ahead))
         self._windows[id(program)] = (program, windows)
         return windows
 

@@ -143,6 +143,7 @@ class Stage:
         self.recompute = self.plan.recompute[self.index]   # "auto": resolved on first use
         mark_selective(self.module, settings.recompute_modules, self.recompute, self.describe())
         self.backend = choose_backend(settings.backend, topo, self.device)
+        self.post_ahead = 1             # receives posted a compute early (NCCL may say 0)
         self.pipe_comm, self.data_comm = self._communicators()
         self.tensor_comm = self.tensor.comm = (
             tensor_communicator(topo, self.backend, self.device) if topo.tensor > 1 else None)
@@ -283,8 +284,10 @@ class Stage:
         """The pipeline's communicator and, with replicas, the stage's data group's. Only
         the interleaved schedule needs the ring's wrap-around link (ZBV turns on one rank)."""
         if self.backend == "nccl":
-            from pipeflow.comm.torch_dist import check_nccl_launch_order
+            from pipeflow.comm.torch_dist import check_nccl_launch_order, nccl_post_ahead
             check_nccl_launch_order(self.plan.programs, self.describe())
+            self.post_ahead = nccl_post_ahead(self.plan.programs, self.describe(),
+                                              reductions=self.topo.data > 1)
         return grid_communicators(self.topo, self.backend, self.device,
                                   ring=self.plan.spec.ring(self.plan.chunks),
                                   timeout_s=self.settings.watchdog_s)

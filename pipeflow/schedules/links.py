@@ -7,13 +7,15 @@ it sends; `receives_in_send_order` reorders a program's receives to make it so, 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
-from pipeflow.schedules.ir import (RECV_ACT, RECV_GRAD, RECVS, SENDS, Action, Layout, Message,
-                                   Programs, ScheduleError, route)
+from pipeflow.schedules.ir import (BACKWARD, COMPUTE, RECV_ACT, RECV_GRAD, RECVS, SENDS,
+                                   WEIGHT, Action, Layout, Message, Programs, ScheduleError,
+                                   route)
 
 __all__ = ["link_orders", "receives_in_send_order", "check_link_order",
-           "batched_rendezvous_stalls"]
+           "batched_rendezvous_stalls", "ordered_launch_stalls", "posting_order",
+           "issue_order", "device_stalls"]
 
 
 def link_orders(programs: Sequence[Sequence[Action]], layout: Layout
@@ -141,3 +143,161 @@ def _comm_runs(prog: Sequence[Action], batched: bool = True) -> list[list[Action
         else:
             out.append([])
     return out
+
+
+def posting_order(prog: Sequence[Action], rank: int, layout: Layout,
+                  ahead: int = 1) -> list[tuple[int, list[Action]]]:
+    """For each compute instruction of `prog` (by position): the receives from other ranks
+    posted just before it when receives are posted `ahead` compute instructions early (the
+    runner's posting; 0: none, each receive at its own place). With `ahead = 1` a compute
+    posts the receives between it and the next compute."""
+    computes = [i for i, a in enumerate(prog) if a.op in COMPUTE]
+    windows: list[list[Action]] = [[] for _ in computes]
+    seen = -1
+    for act in prog:
+        if act.op in COMPUTE:
+            seen += 1
+        elif ahead and act.op in RECVS and seen >= 0 and \
+                route(act, rank, layout, 1).peer != rank:
+            windows[max(0, seen - ahead + 1)].append(act)
+    return [(computes[j], w) for j, w in enumerate(windows) if w]
+
+
+def device_stalls(programs: Programs, kernels: int, ahead: int = 1,
+                  reductions: bool = False) -> list[int]:
+    """The ranks left stuck if each GPU ran at most `kernels` blocking NCCL kernels at once
+    (NCCL's concurrency, conservatively: operations of different communicators are not
+    guaranteed to progress together; `CUDA_DEVICE_MAX_CONNECTIONS=1` is 1). Empty: safe.
+
+    Each rank launches its device work in the host's order of issue (`issue_order`): a
+    compute kernel at once, an NCCL kernel (send, receive, with `reductions` the data group's
+    reduction after each chunk's last gradient action) once fewer than `kernels` of them are
+    resident, which it stays until it completes; a later launch never passes an earlier one.
+    A kernel waits for the compute issued before it (a receive posted ahead holds its slot
+    from its post), and for the operation before it on its link's stream; a send and its
+    receive complete together once both are resident and ready; a reduction (replicas run
+    the same program) once it is ready; a compute once the receives before it in the
+    program are complete."""
+    items = [issue_order(prog, r, programs.layout, ahead, reductions)
+             for r, prog in enumerate(programs)]
+    sim = _DeviceSim(items, kernels)
+    while sim.advance():
+        pass
+    return [r for r in range(len(items)) if sim.done[r] < len(items[r])]
+
+
+# A device operation of `device_stalls`: kind ("C" compute, "S" send, "R" receive, "A" a
+# reduction), what it is (the compute's index, the message), the computes issued before it
+# (a kernel waits for them), its stream ((source, dest) of a link, "data"), and for a
+# compute the receives it waits for.
+_Item = tuple[str, Any, int, Any, tuple]
+
+
+def issue_order(prog: Sequence[Action], rank: int, layout: Layout, ahead: int = 1,
+                reductions: bool = False) -> list[_Item]:
+    """`prog` as the device work its rank issues, in the host's order (see `device_stalls`)."""
+    posted = dict(posting_order(prog, rank, layout, ahead))
+    early = {a for w in posted.values() for a in w}
+    last_grad = {a.chunk: i for i, a in enumerate(prog) if a.op in (BACKWARD, WEIGHT)}
+    out: list[_Item] = []
+    computes, waits = 0, []
+
+    def message(act: Action) -> _Item:
+        msg, src, dst = route(act, rank, layout, 1)[:3]
+        kind = "S" if act.op in SENDS else "R"
+        return (kind, (msg, src, dst), computes, (src, dst), ())
+
+    for i, act in enumerate(prog):
+        for recv in posted.get(i, ()):
+            out.append(message(recv))
+        if act.op in COMPUTE:
+            out.append(("C", computes, computes, "compute", tuple(waits)))
+            computes, waits = computes + 1, []
+            if reductions and last_grad.get(act.chunk) == i:
+                out.append(("A", act.chunk, computes, "data", ()))
+            continue
+        r = route(act, rank, layout, 1)
+        if r.peer == rank:
+            continue                # to this rank's other chunk: no NCCL operation
+        if act.op in RECVS:
+            waits.append(r.message)
+        if act not in early:
+            out.append(message(act))
+    return out
+
+
+class _DeviceSim:
+    """The state of `device_stalls`' simulation: launches, resident kernels, completions."""
+
+    def __init__(self, items: list[list[_Item]], kernels: int) -> None:
+        self.items, self.kernels = items, kernels
+        n = len(items)
+        self.launched, self.done = [0] * n, [0] * n
+        self.computes = [0] * n                         # computes complete, in order
+        self.complete: list[set[int]] = [set() for _ in items]
+        self.resident: list[list[int]] = [[] for _ in items]
+        self.received: list[set] = [set() for _ in items]   # messages complete on arrival
+        self.before: dict[tuple[int, int], int | None] = {}  # op -> previous on its stream
+        self.where: dict[tuple[str, Any], tuple[int, int]] = {}
+        self.compute_at: list[list[int]] = [[] for _ in items]
+        for r, seq in enumerate(items):
+            last: dict[Any, int] = {}
+            for i, (kind, what, _, stream, _) in enumerate(seq):
+                if kind == "C":
+                    self.compute_at[r].append(i)
+                    continue
+                self.before[(r, i)] = last.get(stream)
+                last[stream] = i
+                if kind in "SR":
+                    self.where[(kind, what)] = (r, i)
+
+    def ready(self, r: int, i: int) -> bool:
+        kind, what, need, _, _ = self.items[r][i]
+        prev = self.before[(r, i)]
+        return self.computes[r] >= need and (prev is None or prev in self.complete[r])
+
+    def finish(self, r: int, i: int) -> None:
+        self.complete[r].add(i)
+        self.done[r] += 1
+        if i in self.resident[r]:
+            self.resident[r].remove(i)
+        kind, what = self.items[r][i][:2]
+        if kind == "R":
+            self.received[r].add(what[0])
+
+    def advance(self) -> bool:
+        """One pass over the ranks; whether anything moved."""
+        moved = False
+        for r in range(len(self.items)):
+            while self._step(r):
+                moved = True
+        return moved
+
+    def _step(self, r: int) -> bool:
+        seq, moved = self.items[r], False
+        while self.launched[r] < len(seq) and (
+                seq[self.launched[r]][0] == "C" or len(self.resident[r]) < self.kernels):
+            if seq[self.launched[r]][0] != "C":
+                self.resident[r].append(self.launched[r])
+            self.launched[r] += 1
+            moved = True
+        c = self.computes[r]
+        while c < len(self.compute_at[r]) and self.compute_at[r][c] < self.launched[r] and \
+                self.received[r].issuperset(seq[self.compute_at[r][c]][4]):
+            self.finish(r, self.compute_at[r][c])
+            c = self.computes[r] = c + 1
+            moved = True
+        for i in list(self.resident[r]):
+            if i in self.complete[r] or not self.ready(r, i):
+                continue
+            kind, what = seq[i][:2]
+            if kind == "A":
+                self.finish(r, i)
+                moved = True
+                continue
+            peer, j = self.where[("R" if kind == "S" else "S", what)]
+            if j in self.resident[peer] and self.ready(peer, j):
+                self.finish(r, i)
+                self.finish(peer, j)
+                moved = True
+        return moved
