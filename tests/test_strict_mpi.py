@@ -17,7 +17,7 @@ from pipeflow.comm.strict import StrictCommError, StrictCommunicator
 
 from toy import (adamw, assert_same_parameters, batches, loss_fn, pair, toy_layers,
                  train_reference)
-from toy import barrier, receives_posted_ahead, watch_receives
+from toy import allgather, barrier, receives_posted_ahead, watch_receives
 
 WORLD = MPI.COMM_WORLD
 # Representative grids: (pipeline, data, schedule, tied, clip); only those the world holds.
@@ -361,9 +361,12 @@ def test_a_receive_left_posted_by_a_failed_step_fails_the_next_engine_as_nccl_wo
     FailsOnItsSecondForward.calls, FailsInBackward.armed = None, False
     engine.close()
     try:
-        with pytest.raises(RuntimeError, match=r"receives posted by an earlier engine and never "
-                                               r"matched \(1 on the link from rank 0 to rank 1, "
-                                               r"1 on the link from rank 1 to rank 0\)"):
+        # World ranks: 0 and 1 in the first pair, 2 and 3 in the second under -n 4.
+        lo, hi = sorted(allgather(group, WORLD.rank))
+        with pytest.raises(RuntimeError, match=rf"receives posted by an earlier engine and never "
+                                               rf"matched \(1 on the link from rank {lo} to "
+                                               rf"rank {hi}, 1 on the link from rank {hi} to "
+                                               rf"rank {lo}\)"):
             pf.Engine(toy_layers(), loss_fn, adamw, config, comm=group, abort_on_error=False)
     finally:
         forget_posted()
