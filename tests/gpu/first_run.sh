@@ -25,7 +25,22 @@
 #      resumed to 30 steps from its checkpoint;
 #   4. point-to-point in device memory (PIPEFLOW_CUDA_AWARE_MPI=1), where MPI reports CUDA
 #      support (else a row says it did not run);
-#   5. benchmarks/bench_gpu.py against the plain loop (GPT 350M and 760M; --tiny on the CPU).
+#   5. the host synchronisations of steps 3-5, each with its stack
+#      (torch.cuda.set_sync_debug_mode("warn"); at most 2 a step: tests/gpu/audit.py syncs);
+#   6. the data group's reductions against the last backward: a profile of each of 2 ranks
+#      (audit.py overlap), a bucket launched before backward reaches the first layer;
+#   7. generation on 2 ranks sharing the GPU over MPI equal to one rank, and the MPI path that
+#      withdraws a posted receive, with changing sequence lengths (tests/gpu/test_gpu.py);
+#   8. memory: num_alloc_retries, reserved minus allocated and the peak, with and without
+#      expandable_segments (audit.py memory);
+#   9. benchmarks/bench_gpu.py against the plain loop (GPT 350M and 760M; --tiny on the CPU).
+# (Step 0 also sends a message of bf16, int64 and bool tensors, a non-contiguous view and a
+# zero-size tensor through TorchDistCommunicator to itself, in one batch.)
+#
+# Limits are a GPU's. Under `--device cpu` every limit and the budget are multiplied by
+# PIPEFLOW_LIMIT_SCALE (default 4; tests/gpu/run.sh's inner limits too, each inside its
+# step's), so a loaded 2-core machine passes what a quiet one passes: the limits guard a
+# GPU's budget, not a CPU's speed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DEVICE=cuda
@@ -40,7 +55,9 @@ done
 export PIPEFLOW_TEST_DEVICE="$DEVICE"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"     # this checkout, installed or not
 source tests/mpi_env.sh
-BUDGET_S=${BUDGET_S:-480}
+if [[ "$DEVICE" == cuda* ]]; then SCALE=1; else SCALE=${PIPEFLOW_LIMIT_SCALE:-4}; fi
+export PIPEFLOW_LIMIT_SCALE=$SCALE
+BUDGET_S=${BUDGET_S:-$(( 480 * SCALE ))}
 DEADLINE=$(( $(date +%s) + BUDGET_S ))
 require_device "$DEVICE" first_run.sh || exit 2
 if [[ "$DEVICE" == cuda* ]]; then
@@ -66,7 +83,7 @@ PY
 failures=0
 
 step() {   # step NAME LIMIT_S COMMAND...: run, time, log, and add a row
-  local name="$1" limit="$2"; shift 2
+  local name="$1" limit=$(( $2 * SCALE )); shift 2
   local log="$OUT/$name.log" start rc left
   left=$(( DEADLINE - $(date +%s) - 5 ))
   if (( left < 10 )); then
@@ -151,7 +168,17 @@ else
   echo "| cuda-aware-mpi | not run: MPI does not report CUDA support | 0 |" >> "$SUMMARY"
 fi
 
-# 5. Speed and memory against the plain loop.
+# 5.-8. Host syncs, overlap, generation and MPI's withdrawn receives, memory.
+step sync-audit 30 python tests/gpu/audit.py syncs --device "$DEVICE"
+step overlap 30 "$MPIRUN" $OVERSUB -n 2 python tests/gpu/audit.py overlap --device "$DEVICE" \
+  --out "$OUT"
+GPU_MPI=(python -m pytest -q -p no:cacheprovider --capture=sys --with-mpi -m "gpu and mpi")
+step generate-2-ranks 30 "$MPIRUN" $OVERSUB -n 2 "${GPU_MPI[@]}" tests/gpu/test_gpu.py \
+  -k generation
+step mpi-withdraw 30 "$MPIRUN" $OVERSUB -n 2 "${GPU_MPI[@]}" tests/gpu/test_gpu.py -k withdraw
+step memory 40 python tests/gpu/audit.py memory --device "$DEVICE"
+
+# 9. Speed against the plain loop.
 step bench-gpu 90 python benchmarks/bench_gpu.py all --device "$DEVICE" $TINY \
   --output "$OUT/bench_gpu.md"
 

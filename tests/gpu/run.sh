@@ -21,13 +21,15 @@ require_device "$DEVICE" tests/gpu/run.sh
 # runs every grid on 4 CPU ranks); on a GPU, 2 and 4 ranks share it.
 RANKS="2 4"
 [[ "$DEVICE" == cuda* ]] || RANKS="2"
-# Limits within first_run.sh's step (150 s): 35 + 2 x 55 s at most. `--capture=sys` keeps
-# the ranks' own stderr (a watchdog's or an abort's report) out of pytest's capture, which
+# Limits within first_run.sh's step (160 s): 35 + 2 x 55 s at most, both multiplied by
+# PIPEFLOW_LIMIT_SCALE (first_run.sh sets it: 4 on the CPU, where the step's limit grows alike).
+S=${PIPEFLOW_LIMIT_SCALE:-1}
+# `--capture=sys` keeps the ranks' own stderr (a watchdog's or an abort's report) out of pytest's capture, which
 # would swallow it with the process.
 PYTEST=(python -m pytest -q -p no:cacheprovider --capture=sys)
 echo "== gpu tests, one rank ($DEVICE)"
-timeout -k 5 35 "${PYTEST[@]}" -m "gpu and not mpi" tests/gpu --ignore=tests/gpu/test_nccl_ops.py
+timeout -k 5 $(( 35 * S )) "${PYTEST[@]}" -m "gpu and not mpi" tests/gpu --ignore=tests/gpu/test_nccl_ops.py
 for n in $RANKS; do
   echo "== gpu tests, mpirun -n $n ($DEVICE)"
-  timeout -k 5 55 "$MPIRUN" $OVERSUB -n "$n" "${PYTEST[@]}" --with-mpi -m "gpu and mpi" tests/gpu
+  timeout -k 5 $(( 55 * S )) "$MPIRUN" $OVERSUB -n "$n" "${PYTEST[@]}" --with-mpi -m "gpu and mpi" tests/gpu
 done

@@ -149,3 +149,44 @@ def test_recompute_with_dropout_is_bit_equal_to_none(policy):
     assert losses == base_losses
     for name, value in base.items():
         assert torch.equal(value, state[name]), name
+
+
+def _generated(comm, **grid) -> list[list[int]]:
+    """Greedy and sampled tokens of `test_generate`'s GPT on this rank's device."""
+    from test_generate import PROMPTS, gpt_model
+    layers, state, _ = gpt_model()
+    engine = pf.Engine(layers, gpt_loss, adamw, pf.Config(microbatches=2, **grid), comm=comm,
+                       device=_device())
+    engine.load_state_dict(state)
+    out = engine.generate(PROMPTS, 8) + engine.generate(PROMPTS, 8, temperature=0.9, top_k=10,
+                                                        seed=3)
+    engine.close()
+    return out
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_generation_on_two_ranks_sharing_the_device_equals_one_rank():
+    # Over MPI (NCCL refuses two ranks on one GPU): the cache, the decode headers and the
+    # token hand-back on the device, against one rank's tokens.
+    alone = _generated(MPI.COMM_SELF)
+    assert _generated(WORLD, pipeline=WORLD.size, backend="mpi") == alone
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_changing_sequence_lengths_over_mpi_withdraw_posted_receives():
+    # Over MPI a receive is posted for the link's last shapes; a step of another sequence
+    # length announces new ones and the posted receive is withdrawn (MPI_Cancel), on the
+    # device's buffers too. Every step equals one process.
+    layers = toy_layers()
+    n = WORLD.size
+    engine = pf.Engine(layers, loss_fn, adamw,
+                       pf.Config(pipeline=n, microbatches=2 * n, backend="mpi"),
+                       device=_device())
+    steps = [(x[:, :length], y[:, :length]) for (x, y), length in
+             zip(batches(4, 4 * n), [5, 3, 5, 2])]
+    losses = [engine.train_step(x, y) for x, y in steps]
+    reference, ref_losses = train_reference(layers, steps, device=_device())
+    assert losses == pytest.approx(ref_losses, rel=RTOL)
+    engine.close()

@@ -73,6 +73,47 @@ def test_send_to_itself(group, backend):
     assert torch.equal(_synced(got), _synced(sent))
 
 
+class _OneBatch:
+    """torch.distributed with a message's send batch held back and issued with its receive
+    batch, in one `batch_isend_irecv`: NCCL runs a rank's send to itself and the receive
+    together only in one grouped call."""
+
+    def __init__(self, dist) -> None:
+        self.dist, self.held = dist, []
+
+    def __getattr__(self, name):
+        return getattr(self.dist, name)
+
+    def batch_isend_irecv(self, ops):
+        if ops[0].op is self.dist.isend:
+            self.held = ops
+            return []
+        return self.dist.batch_isend_irecv(self.held + ops)
+
+
+@pytest.mark.parametrize("backend", [BACKEND])
+def test_a_mixed_message_through_the_communicator_to_itself(comm, backend):
+    # The communicator's own path (one batch a message, never a plain isend, which makes a
+    # second NCCL communicator): bf16, int64 and bool, a non-contiguous view, a zero-size
+    # tensor, sent and received in one batch.
+    if not ON_GPU:
+        pytest.skip("gloo connects no rank to itself; NCCL does, on the GPU run")
+    import torch.distributed as dist
+    dev = _device()
+    square = torch.arange(16, dtype=torch.float32, device=dev).reshape(4, 4)
+    sent = [torch.randn(3, 5, device=dev).to(torch.bfloat16),
+            torch.arange(7, dtype=torch.int64, device=dev),
+            torch.tensor([True, False, True], device=dev),
+            square.t()[1:3],                              # a non-contiguous view
+            torch.empty(0, 4, device=dev)]
+    comm._dist = _OneBatch(dist)
+    send = comm.isend(sent, 0, tag=3)
+    got = comm.irecv([(tuple(t.shape), t.dtype) for t in sent], 0, tag=3, device=dev).wait()
+    send.wait()
+    for a, b in zip(got, sent):
+        assert a.dtype == b.dtype and torch.equal(_synced(a), _synced(b.contiguous()))
+
+
 @pytest.mark.parametrize("backend", [BACKEND])
 def test_all_reduce_reduce_scatter_all_gather(comm, backend):
     t = torch.arange(8, dtype=torch.float32, device=_device())
