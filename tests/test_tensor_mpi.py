@@ -17,7 +17,7 @@ import pipeflow as pf
 from pipeflow.models.gpt import GPTConfig, gpt_layers, gpt_loss
 from pipeflow.schedules.registry import names as schedule_names
 
-from toy import allgather, assert_same_parameters, bcast, sgd
+from toy import allgather, assert_same_parameters, bcast, sgd, train_reference
 
 WORLD = MPI.COMM_WORLD
 N = WORLD.size
@@ -47,18 +47,7 @@ def adamw(params):
 
 
 def reference(layers, steps, optimizer, loss_fn=gpt_loss, clip=0.0):
-    model = pf.build_sequential(layers, 0)
-    opt = optimizer(list(model.parameters()))
-    losses = []
-    for x, y in steps:
-        loss = loss_fn(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        losses.append(loss.item())
-    return model, losses
+    return train_reference(layers, steps, clip=clip, optimizer=optimizer, criterion=loss_fn)
 
 
 def check(layers, grid, optimizer, rtol, loss_fn=gpt_loss, steps=3, **config):
@@ -359,25 +348,16 @@ def test_llama_shaped_transformers_families_split_like_one_process(kind, sp):
         steps.append((ids, ids.masked_fill(mask == 0, -100), mask))
     losses = [engine.train_step(ids, labels, attention_mask=mask)
               for ids, labels, mask in steps]
-    # The reference: transformers' own model from the same start, trained on whole batches.
-    import transformers
-    start = pf.build_sequential(layers, 0).state_dict()
-    model = transformers.AutoModelForCausalLM.from_config(
-        cfg, attn_implementation=hf.attention_implementation(cfg))
-    model.load_state_dict(hf.to_hf_state_dict(start, cfg))
-    opt = sgd(list(model.parameters()))
-    ref = []
-    for ids, labels, mask in steps:
-        opt.zero_grad()
-        loss = model(ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-        opt.step()
-        ref.append(loss.item())
+    # The reference: transformers' own model from the same start, trained on whole batches
+    # with SGD at test_hf_mpi's rate (its LR is toy.sgd's).
+    from test_hf_mpi import LR, _train_transformers
+    assert sgd(list(nn.Linear(1, 1).parameters())).defaults["lr"] == LR
+    expected, ref = _train_transformers(cfg, pf.build_sequential(layers, 0).state_dict(), steps)
     assert losses == pytest.approx(ref, rel=1e-5)
     full = engine.gather_state_dict()
     if WORLD.rank == 0:
         trained = hf.to_hf_state_dict(full, cfg)
-        for key, value in model.state_dict().items():
+        for key, value in expected.items():
             diff = (trained[key] - value).norm() / value.norm().clamp(min=1e-12)
             assert diff < 1e-5, (key, float(diff))
 

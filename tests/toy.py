@@ -106,14 +106,15 @@ def batches(steps: int, batch: int, seed: int = 1):
 
 
 def train_reference(layers, data, clip: float = 0.0, seed: int = 0, optimizer=None,
-                    device: str | torch.device = "cpu"):
-    """`build_sequential` trained in one process on each whole batch: the ground truth."""
+                    device: str | torch.device = "cpu", criterion=None):
+    """`build_sequential` trained in one process on each whole batch: the ground truth
+    (`criterion`: the loss function, this file's `loss_fn` by default)."""
     model = pf.build_sequential(layers, seed).to(device)
     opt = (optimizer or adamw)(list(model.parameters()))
     losses = []
     for x, y in data:
         x, y = x.to(device), y.to(device)
-        loss = loss_fn(model(x), y)
+        loss = (criterion or loss_fn)(model(x), y)
         opt.zero_grad()
         loss.backward()
         if clip:

@@ -125,12 +125,7 @@ class Stage:
         self.tie_comms: dict[str, MPI.Comm] = {}
         self.tie_stages: list[list[int]] = []    # each spanning tie's stages, alike everywhere
         self.ties = self._tie(layers, built)
-        # Tensor parallelism: each layer built whole (above), then cut by its tp_plan.
-        self.tensor = TensorGroup(topo.tensor, topo.tensor_rank, settings.sequence_parallel)
-        self.sequence_params: list[nn.Parameter] = []   # summed over the tensor group
-        self.vocab_logits = False        # this stage's logits come cut along the vocabulary
-        if topo.tensor > 1:
-            self._cut(built)
+        self._build_tensor(built)
         self.module = StageModule(built).to(self.device)
         self.chunk_layers = [[self.module.get_submodule(str(i)) for i in r] for r in ranges]
         if settings.compile:
@@ -157,17 +152,13 @@ class Stage:
                                     int(settings.bucket_mb * 2**20), grad_params=masters,
                                     reduce_dtype=self._reduce_dtype())
                         if self.data_comm is not None and masters else None)
-        # A tied weight counts in the gradient norm on the first stage that holds it only;
-        # a weight every tensor rank holds whole, on tensor rank 0 only.
+        # A tied weight counts in the gradient norm on the first stage that holds it only.
+        # The whole weights the norm leaves to tensor rank 0 are still checked for a
+        # non-finite gradient here (an overflow on one tensor rank skips the step on all).
         later = {id(t.param) for t in self.ties if not t.first}
-        self.norm_params = [self.precision.master_of(p) for p in self.precision.working
-                            if id(p) not in later and
-                            (topo.tensor_rank == 0 or split_of(p) is not None)]
-        # The whole weights the norm leaves to tensor rank 0: still checked for a non-finite
-        # gradient here (an overflow on one tensor rank skips the step on all).
-        self.finite_only = [self.precision.master_of(p) for p in self.precision.working
-                            if id(p) not in later and topo.tensor_rank > 0 and
-                            split_of(p) is None]
+        mine = [p for p in self.precision.working if id(p) not in later]
+        self.norm_params = [self.precision.master_of(p) for p in mine if self._counts(p)]
+        self.finite_only = [self.precision.master_of(p) for p in mine if not self._counts(p)]
         self.optimizer = _make_optimizer(optimizer, masters, topo.describe())
 
     def _reduce_dtype(self) -> torch.dtype | None:
@@ -195,8 +186,7 @@ class Stage:
         self.shards = ShardedOptimizer(working, self.precision.take_initial(), self.ties,
                                        self.data_comm, int(self.settings.bucket_mb * 2**20),
                                        probe, self.describe(), self._reduce_dtype(),
-                                       counts=lambda p: (self.topo.tensor_rank == 0 or
-                                                         split_of(p) is not None))
+                                       counts=self._counts)
         self.reducer, self.optimizer = self.shards, self.shards.optimizer
 
     def describe(self) -> str:
@@ -230,6 +220,20 @@ class Stage:
             if member:
                 ties.append(Tie(shared, stages[0] == self.index, comm))
         return ties
+
+    def _counts(self, p: nn.Parameter) -> bool:
+        """Whether `p`'s gradient counts in the norm on this rank: a slice of a cut weight
+        always, a weight every tensor rank holds whole on tensor rank 0 only."""
+        return self.topo.tensor_rank == 0 or split_of(p) is not None
+
+    def _build_tensor(self, built: dict[int, nn.Module]) -> None:
+        """Tensor parallelism: each layer built whole (by then), cut by its tp_plan."""
+        self.tensor = TensorGroup(self.topo.tensor, self.topo.tensor_rank,
+                                  self.settings.sequence_parallel)
+        self.sequence_params: list[nn.Parameter] = []   # summed over the tensor group
+        self.vocab_logits = False        # this stage's logits come cut along the vocabulary
+        if self.topo.tensor > 1:
+            self._cut(built)
 
     def _cut(self, built: dict[int, nn.Module]) -> None:
         """Cut this rank's layers by their tp_plans; a plan that does not fit on any rank is
