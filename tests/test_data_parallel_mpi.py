@@ -373,6 +373,11 @@ def test_a_closed_replicated_engine_frees_its_weights_without_the_garbage_collec
     assert allgather(WORLD, freed) == [True] * WORLD.size
 
 
+# The package's own folder: a clone or a virtual environment can itself sit under a folder
+# named pipeflow, so a caller is pipeflow's only when its file is inside this one.
+_PACKAGE = os.path.dirname(os.path.abspath(pf.__file__)) + os.sep
+
+
 class _HostSyncs:
     """Counts the engine's own reads of tensor values (`item`, `tolist`, `float`, `int`,
     `bool` called from pipeflow's code): on a GPU each waits for the device. (torch.optim's
@@ -393,7 +398,7 @@ class _HostSyncs:
     def _counted(self, real):
         def read(t, *args):
             caller = sys._getframe(1).f_code
-            if os.sep + "pipeflow" + os.sep in caller.co_filename:
+            if caller.co_filename.startswith(_PACKAGE):
                 self.count += 1
                 self.where.append(f"{caller.co_filename}:{caller.co_name}")
             return real(t, *args)

@@ -38,6 +38,10 @@ def _engine(device: str) -> pf.Engine:
                      comm=MPI.COMM_SELF, device=device)
 
 
+# pipeflow's own folder (a clone may sit under a folder named pipeflow, its venv inside it)
+PACKAGE = os.path.dirname(os.path.abspath(pf.__file__)) + os.sep
+
+
 def _engine_reads(found: list[str]):
     """On the CPU: record the engine's own reads of tensor values, each with its stack."""
     names = ("item", "tolist", "__float__", "__int__", "__bool__")
@@ -45,7 +49,7 @@ def _engine_reads(found: list[str]):
 
     def counted(name):
         def read(t, *args):
-            if os.sep + "pipeflow" + os.sep in sys._getframe(1).f_code.co_filename:
+            if sys._getframe(1).f_code.co_filename.startswith(PACKAGE):
                 found.append(f"{name}\n" + "".join(traceback.format_stack(limit=8)[:-1]))
             return real[name](t, *args)
         return read
