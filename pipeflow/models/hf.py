@@ -32,7 +32,7 @@ from torch.nn import functional as F
 
 from pipeflow.aux_loss import add_aux_loss
 from pipeflow.layers import LayerSpec
-from pipeflow.models import hf_checkpoint, hf_families, hf_moe
+from pipeflow.models import hf_checkpoint, hf_families, hf_moe, hf_tensor
 from pipeflow.runtime.tensor_parallel import cross_entropy
 from pipeflow.models.hf_families import (FAMILIES, Family, family, local_name, positions,
                                          refusal, submodule)
@@ -314,11 +314,15 @@ class DecoderLayer(nn.Module):
         self.kind = parts.family.kind(config, index)   # as the family's base forward chooses
         self._rotary = (None if parts.rotary is None else parts.rotary(config=config),)
         self.decodes = parts.family.cache is not None    # a key/value cache for generation
-        plan = hf_families.tensor_plan(config)
+        plan = hf_tensor.plan(config)
         if plan is not None:
             self.tp_plan = plan           # runtime.tensor_parallel cuts it at tensor > 1
         else:
-            self.tp_refusal = hf_families.tensor_refusal(config)
+            self.tp_refusal = hf_tensor.refusal(config)
+
+    def tp_after_cut(self, group: Any) -> None:
+        """runtime.tensor_parallel, once the plan has cut the block: the family's fix-ups."""
+        hf_tensor.localize(self, group)
 
     @property
     def rotary(self) -> nn.Module | None:

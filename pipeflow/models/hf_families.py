@@ -252,36 +252,6 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v3": Family(),    # MLA and routed + shared experts inside its blocks; no aux loss
 }
 
-# Families whose blocks split for tensor parallelism (Megatron's split of a Llama-shaped
-# block: q, k, v by whole heads, grouped key/value heads included, o_proj by rows, gate and
-# up by the MLP's inner width, down by rows); every other family is refused at t > 1.
-TENSOR_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def tensor_plan(config: Any) -> dict[str, Any] | None:
-    """A decoder layer's `tp_plan` (names inside `hf.DecoderLayer`), or None where the family
-    has none."""
-    if getattr(config, "model_type", None) not in TENSOR_FAMILIES:
-        return None
-    head_dim = getattr(config, "head_dim", None) or \
-        config.hidden_size // config.num_attention_heads
-    heads = ("colwise", 1, head_dim)
-    # gather_sequence: attention reshapes q, k, v by its input's length (sequence parallelism)
-    return {"layer.self_attn": ("gather_sequence",), "layer.self_attn.q_proj": heads, "layer.self_attn.k_proj": heads,
-            "layer.self_attn.v_proj": heads, "layer.self_attn.o_proj": ("rowwise", 1, head_dim),
-            "layer.mlp.gate_proj": "colwise", "layer.mlp.up_proj": "colwise",
-            "layer.mlp.down_proj": "rowwise",
-            # qwen3's norms over each head of q and k see this rank's heads only
-            **({"layer.self_attn.[qk]_norm": ("partial_gradient",)}
-               if config.model_type == "qwen3" else {})}
-
-
-def tensor_refusal(config: Any) -> str:
-    model_type = getattr(config, "model_type", type(config).__name__)
-    return (f"model_type {model_type!r} has no tensor-parallel plan in pipeflow.models.hf "
-            f"(the families that split: {', '.join(TENSOR_FAMILIES)}); set tensor = 1 for it")
-
-
 def refusal(config: Any) -> str | None:
     """Why pipeflow.models.hf does not build `config`'s model, or None when it does."""
     model_type = getattr(config, "model_type", type(config).__name__)

@@ -464,7 +464,9 @@ def shard_layer(layer: nn.Module, group: TensorGroup, index: int) -> None:
     """Cut `layer` (built whole) by its `tp_plan` for this rank of `group`, in place: the
     parameters keep their objects (a tie within the stage stays one tensor) and names.
     A plan that does not fit (an unknown style, a pattern that names nothing, a type it
-    cannot cut, a width the degree does not divide) raises `ConfigError` naming the layer."""
+    cannot cut, a width the degree does not divide) raises `ConfigError` naming the layer.
+    A layer with a `tp_after_cut(group)` method has it called once the plan is applied (a
+    head count its code keeps as an attribute, slopes per head)."""
     name = type(layer).__name__
     plan = plan_of(layer)
     where = f"layer {index} ({name})"
@@ -479,6 +481,9 @@ def shard_layer(layer: nn.Module, group: TensorGroup, index: int) -> None:
         for sub_name in hits:
             _cut_module(named[sub_name], split, group, f"{where}.{sub_name}",
                         f"layer {index}.{sub_name}")
+    after = getattr(layer, "tp_after_cut", None)
+    if after is not None:         # what the layer's code reads from its whole shape
+        after(group)
 
 
 def _gather_sequence(module: nn.Module, group: TensorGroup, key: str) -> None:
