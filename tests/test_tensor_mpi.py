@@ -450,3 +450,67 @@ if not FOUR:       # not collected at all (a skip under mpirun is an error)
     del (test_pipeline_by_tensor_every_schedule,
          test_checkpoint_of_p2xt2_resumes_on_other_tensor_degrees,
          test_sharded_optimizer_at_d2xt2_trains_like_one_process)
+
+
+# -- dropout: one mask where the activation is whole, each rank its own on slices ----------
+
+MASKS: dict[str, list] = {}
+
+
+class DropMLP(UserMLP):
+    """Dropout on the inner slice (between the column and the row layer) and on the whole
+    output; each records which of its outputs it dropped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner_drop, self.outer_drop = nn.Dropout(0.5), nn.Dropout(0.5)
+        for name in ("inner_drop", "outer_drop"):
+            getattr(self, name).register_forward_hook(
+                lambda _m, _args, out, name=name: MASKS.setdefault(name, []).append(
+                    (out == 0).tolist()))
+
+    def forward(self, x):
+        # + 1: no input entry is 0, so an output 0 is a dropped entry
+        inner = torch.relu(self.up(self.norm(x))) + 1.0
+        return x + self.outer_drop(self.down(self.inner_drop(inner)) + 1.0)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_dropout_draws_one_mask_on_whole_activations_and_its_own_on_slices(sp):
+    """On a whole activation every tensor rank must drop the same entries (or their copies
+    of it part); on a slice (this rank's inner features; under sequence parallelism, its
+    positions) the ranks' masks must differ, as one process's masks differ between heads or
+    positions. With one shared stream, slices would all be dropped alike. The masks come back
+    when the layer is recomputed, and the tensor ranks' whole weights stay equal."""
+    layers = [pf.LayerSpec(UserEmbed), pf.LayerSpec(DropMLP), pf.LayerSpec(UserHead)]
+    runs = {}
+    for recompute in ("none", "full"):
+        MASKS.clear()
+        engine = pf.Engine(layers, gpt_loss, sgd,
+                           pf.Config(tensor=N, sequence_parallel=sp, recompute=recompute,
+                                     microbatches=2))
+        losses = [engine.train_step(x, y) for x, y in data(2)]
+        runs[recompute] = (losses, engine.gather_state_dict(), dict(MASKS))
+        whole = {k: v for k, v in engine.stage.module.state_dict().items()
+                 if "norm" in k or "down.bias" in k}
+        views = allgather(WORLD, whole)
+        for k in whole:
+            assert all(torch.equal(v[k], views[0][k]) for v in views), k
+        engine.close()
+    (losses, state, masks), (re_losses, re_state, re_masks) = runs["none"], runs["full"]
+    assert losses == re_losses
+    # full recomputation runs each forward twice: the replay drew the same masks
+    for name in masks:
+        assert sorted(map(str, re_masks[name])) == sorted(map(str, masks[name] * 2)), name
+    if WORLD.rank == 0:
+        for k in state:
+            assert torch.equal(state[k], re_state[k]), k
+    inner = allgather(WORLD, masks["inner_drop"])
+    outer = allgather(WORLD, masks["outer_drop"])
+    assert all(m != inner[0] for m in inner[1:]), "slices dropped alike on every rank"
+    if sp:
+        assert all(m != outer[0] for m in outer[1:]), "positions dropped alike on every rank"
+    else:
+        assert all(m == outer[0] for m in outer[1:]), "a whole activation dropped apart"

@@ -47,6 +47,7 @@ from torch.nn import functional as F
 
 from pipeflow.comm.base import Communicator
 from pipeflow.config import ConfigError
+from pipeflow.layers import layer_seed
 
 __all__ = ["TensorGroup", "Split", "plan_of", "shard_layer", "split_of", "cut", "join",
            "gather_whole", "check_cut_consistent",
@@ -82,6 +83,107 @@ class Split:
         return cls(*items)
 
 
+class RankRandom:
+    """Random draws on slices: each tensor rank its own stream (Megatron's model-parallel
+    random state), everywhere else the stream the group shares.
+
+    The tensor ranks of a group share one random stream (`Engine` seeds them alike), so a
+    dropout on a whole, replicated activation draws the same mask on every rank, as it must.
+    On a slice (this rank's heads, between a column layer and its row layer; under sequence
+    parallelism, this rank's positions anywhere in the layer) the same stream would draw the
+    same mask on every rank: heads h and h + H/t, or positions i and i + S/t, dropped alike.
+    There each rank draws from its own stream instead, seeded from one draw of the shared
+    stream and the tensor rank: the shared stream advances alike on every rank, and a
+    recomputed layer (its random state replayed) draws again what it drew."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.depth = 0                   # nested stretches (a layer, a cut region inside)
+        self.cut_open = False            # between a column layer and its row layer
+        self._saved: list[tuple[Any, torch.Tensor]] = []
+
+    @staticmethod
+    def _generators() -> list[Any]:
+        gens = [torch.default_generator]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            gens.append(torch.cuda.default_generators[torch.cuda.current_device()])
+        return gens
+
+    def enter(self) -> None:
+        self.depth += 1
+        if self.depth > 1:
+            return
+        shared = int(torch.randint(0, 2**62, ()))       # the shared stream moves alike
+        seed = layer_seed(shared, self.rank)
+        self._saved = [(g, g.get_state()) for g in self._generators()]
+        for g, _ in self._saved:
+            g.manual_seed(seed)
+
+    def leave(self) -> None:
+        if self.depth == 0:
+            return
+        self.depth -= 1
+        if self.depth == 0:
+            for g, state in self._saved:
+                g.set_state(state)
+            self._saved = []
+
+    def open_cut(self) -> None:
+        """A column layer's output: this rank's slice of the features from here on."""
+        if not self.cut_open:
+            self.cut_open = True
+            self.enter()
+
+    def close_cut(self) -> None:
+        """A row layer's input (its output is whole again), or the layer's end."""
+        if self.cut_open:
+            self.cut_open = False
+            self.leave()
+
+
+def draws_random(layer: nn.Module) -> bool:
+    """Whether `layer` draws random numbers in training (a dropout): an `nn.Dropout` of
+    p > 0, or a float attribute `dropout` / `attention_dropout` / `dropout_p` > 0 (what
+    attention code passes to `scaled_dot_product_attention`, transformers' attention
+    modules). `tp_random = True / False` on the layer says it outright."""
+    said = getattr(layer, "tp_random", None)
+    if said is not None:
+        return bool(said)
+    for module in layer.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return True
+        for field in ("dropout", "attention_dropout", "dropout_p"):
+            value = getattr(module, field, None)
+            if isinstance(value, float) and value > 0:
+                return True
+    return False
+
+
+def _own_random_stretches(layer: nn.Module, group: "TensorGroup") -> None:
+    """A layer that draws random numbers draws its own on this rank's slices (`RankRandom`):
+    its column layers open a stretch, its row layers close it, and under sequence
+    parallelism the whole layer (its positions are this rank's) is one."""
+    for module in layer.modules():
+        module.pf_random = True
+    inner = layer.forward
+    random = group.random
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not layer.training:
+            return inner(*args, **kwargs)
+        sliced = group.sequence_parallel and getattr(layer, "pf_in_region", False)
+        if sliced:
+            random.enter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            random.close_cut()         # a column layer with no row layer after it
+            if sliced:
+                random.leave()
+    layer.forward = forward
+
+
 class TensorGroup:
     """A stage's handle on its tensor group: its size, this rank's place, and (bound once the
     communicators exist) the `Communicator` the layers' collectives run on."""
@@ -92,6 +194,7 @@ class TensorGroup:
         self.gathered = 0        # inside a `gather_sequence` module (sequence parallelism)
         self.waiting = ""        # the collective this rank waits in (the watchdog says it)
         self._copied: tuple[Any, Any] | None = None    # the last input copied to the group
+        self.random = RankRandom(rank)    # this rank's own masks on slices (dropout)
 
     def allreduce(self, x: torch.Tensor, key: str) -> torch.Tensor:
         """A new tensor: `x` summed over the group. Halves are summed in fp32 over MPI (which
@@ -301,8 +404,19 @@ def _sequence(module: nn.Module) -> bool:
     return module.pf_tensor.sequence_parallel and getattr(module, "pf_in_region", False)
 
 
+def _open_cut(module: nn.Module) -> None:
+    if getattr(module, "pf_random", False) and module.training:
+        module.pf_tensor.random.open_cut()
+
+
+def _close_cut(module: nn.Module) -> None:
+    if getattr(module, "pf_random", False) and module.training:
+        module.pf_tensor.random.close_cut()
+
+
 class ColwiseLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _open_cut(self)
         if self.pf_tensor.gathered:      # inside `gather_sequence`: the whole input is here
             return F.linear(x, self.weight, self.bias)
         if _sequence(self):
@@ -312,6 +426,7 @@ class ColwiseLinear(nn.Linear):
 
 class RowwiseLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _close_cut(self)
         if _sequence(self):
             y = _ScatterSeq.apply(F.linear(x, self.weight), self.pf_tensor, self.pf_key)
         else:
@@ -484,6 +599,8 @@ def shard_layer(layer: nn.Module, group: TensorGroup, index: int) -> None:
     after = getattr(layer, "tp_after_cut", None)
     if after is not None:         # what the layer's code reads from its whole shape
         after(group)
+    if plan and draws_random(layer):
+        _own_random_stretches(layer, group)
 
 
 def _gather_sequence(module: nn.Module, group: TensorGroup, key: str) -> None:
