@@ -1,12 +1,12 @@
 """The fused transformers families at `tensor = 2`: logits equal to transformers', SGD steps
 equal to transformers' own model trained in one process, whole state dicts back.
 
-Run under `mpirun -n 2` (t2: every family, with and without sequence parallelism, and its
-greedy generation) and `mpirun -n 4` (p2×t2: GPT-2 and Phi-3) with `--with-mpi`. GPT-2's `c_attn` is a `Conv1D` of
-three blocks; GPT-NeoX's, Bloom's and Falcon's `query_key_value` interleave per head (or per
-key/value group); Phi-3's `qkv_proj` is q | k | v of unequal widths and its `gate_up_proj` two
-halves; Bloom's ALiBi slopes are cut to each rank's heads. Each rank holds 1/t of every cut
-weight and the gathered state dict is transformers' layout.
+Run under `mpirun -n 2` (t2: every family, with and without sequence parallelism, and greedy
+generation) and `mpirun -n 4` (p2×t2: GPT-2 and Phi-3) with `--with-mpi`. GPT-2's `c_attn`
+is a `Conv1D` of three blocks; GPT-NeoX's, Bloom's and Falcon's `query_key_value` interleave
+per head (or per key/value group); Phi-3's `qkv_proj` is q | k | v of unequal widths and its
+`gate_up_proj` two halves; Bloom's ALiBi slopes are cut to each rank's heads. Each rank
+holds 1/t of every cut weight and the gathered state dict is transformers' layout.
 """
 
 from __future__ import annotations
@@ -167,8 +167,8 @@ def test_configs_that_cannot_split_are_refused_with_the_reason_on_every_rank():
 @pytest.mark.parametrize("kind", ["gpt2", "phi3", "falcon", "bloom"])
 def test_greedy_generation_at_tensor_2_equals_one_process(kind):
     """The key/value cache holds each rank's heads (Bloom's ALiBi, Phi-3's and Falcon's
-    head counts, GPT-2's split width made local): the greedy tokens of one process. Weights drawn wide
-    (initializer range 0.5) so the untrained model's tokens vary."""
+    head counts, GPT-2's split width made local): the greedy tokens of one process.
+    Weights drawn wide (initializer range 0.5) so the untrained model's tokens vary."""
     cfg = make_config(kind)
     setattr(cfg, "init_std" if kind == "opt" else "initializer_range", 0.5)
     layers = hf.causal_lm_layers(cfg)

@@ -44,8 +44,8 @@ def _falcon_linear() -> None:
     tp.register_linear(FalconLinear)        # x @ W.T + b: nn.Linear's product
 
 
-def _attention(attention: str, fused: dict[str, Any], out: str, hd: int,
-               up: str, down: str, up_style: Any = "colwise") -> dict[str, Any]:
+def _block_plan(attention: str, fused: dict[str, Any], out: str, hd: int,
+                up: str, down: str, up_style: Any = "colwise") -> dict[str, Any]:
     """A block's plan: `fused` (projection -> style) in `attention`, `out` by rows in whole
     heads, the MLP's `up` by columns and `down` by rows."""
     return {attention: GATHER, **{f"{attention}.{n}": s for n, s in fused.items()},
@@ -63,8 +63,8 @@ def _per_rank(module: nn.Module, names: tuple[str, ...], t: int) -> None:
 def _gpt2_plan(config: Any) -> dict[str, Any]:
     _conv1d()
     hd = config.n_embd // config.n_head
-    return _attention("layer.attn", {"c_attn": ("colwise", 3, hd)}, "c_proj", hd,
-                      "layer.mlp.c_fc", "layer.mlp.c_proj")
+    return _block_plan("layer.attn", {"c_attn": ("colwise", 3, hd)}, "c_proj", hd,
+                       "layer.mlp.c_fc", "layer.mlp.c_proj")
 
 
 def _gpt2_localize(layer: nn.Module, group: Any) -> None:
@@ -76,8 +76,8 @@ def _gpt2_localize(layer: nn.Module, group: Any) -> None:
 
 def _neox_plan(config: Any) -> dict[str, Any]:
     hd = config.hidden_size // config.num_attention_heads
-    return _attention("layer.attention", {"query_key_value": ("colwise", 1, 3 * hd)},
-                      "dense", hd, "layer.mlp.dense_h_to_4h", "layer.mlp.dense_4h_to_h")
+    return _block_plan("layer.attention", {"query_key_value": ("colwise", 1, 3 * hd)},
+                       "dense", hd, "layer.mlp.dense_h_to_4h", "layer.mlp.dense_4h_to_h")
 
 
 # -- Phi-3 ---------------------------------------------------------------------------------
@@ -85,9 +85,9 @@ def _neox_plan(config: Any) -> dict[str, Any]:
 def _phi3_plan(config: Any) -> dict[str, Any]:
     hd = head_dim(config)
     q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    return _attention("layer.self_attn", {"qkv_proj": ("colwise", (q, kv, kv), hd)},
-                      "o_proj", hd, "layer.mlp.gate_up_proj", "layer.mlp.down_proj",
-                      up_style=("colwise", 2))
+    return _block_plan("layer.self_attn", {"qkv_proj": ("colwise", (q, kv, kv), hd)},
+                       "o_proj", hd, "layer.mlp.gate_up_proj", "layer.mlp.down_proj",
+                       up_style=("colwise", 2))
 
 
 def _phi3_localize(layer: nn.Module, group: Any) -> None:
@@ -115,8 +115,8 @@ def _falcon_plan(config: Any) -> dict[str, Any]:
     # new: each key/value group's queries, then its key and value; old: q, k, v per head
     unit = (config.num_attention_heads // config.num_kv_heads + 2) * hd \
         if config.new_decoder_architecture else 3 * hd
-    return _attention("layer.self_attention", {"query_key_value": ("colwise", 1, unit)},
-                      "dense", hd, "layer.mlp.dense_h_to_4h", "layer.mlp.dense_4h_to_h")
+    return _block_plan("layer.self_attention", {"query_key_value": ("colwise", 1, unit)},
+                       "dense", hd, "layer.mlp.dense_h_to_4h", "layer.mlp.dense_4h_to_h")
 
 
 def _falcon_localize(layer: nn.Module, group: Any) -> None:
@@ -136,8 +136,8 @@ def _bloom_check(config: Any) -> str | None:
 
 def _bloom_plan(config: Any) -> dict[str, Any]:
     hd = config.hidden_size // config.n_head
-    return _attention("layer.self_attention", {"query_key_value": ("colwise", 1, 3 * hd)},
-                      "dense", hd, "layer.mlp.dense_h_to_4h", "layer.mlp.dense_4h_to_h")
+    return _block_plan("layer.self_attention", {"query_key_value": ("colwise", 1, 3 * hd)},
+                       "dense", hd, "layer.mlp.dense_h_to_4h", "layer.mlp.dense_4h_to_h")
 
 
 def _bloom_localize(layer: nn.Module, group: Any) -> None:
@@ -161,12 +161,13 @@ def _local_alibi(whole: int, first: int, count: int, _module: nn.Module, args: t
 
 # -- GPT-J and OPT: separate q, k, v --------------------------------------------------------
 
-def _separate(attention: str, out: str, up: str, down: str):
+def _separate(attention: str, out: str, up: str, down: str) -> Any:
+    """The plan of a block with separate q, k and v projections."""
     def plan(config: Any) -> dict[str, Any]:
         hd = config.hidden_size // config.num_attention_heads
         heads = ("colwise", 1, hd)
-        return _attention(attention, {"q_proj": heads, "k_proj": heads, "v_proj": heads},
-                          out, hd, up, down)
+        return _block_plan(attention, {"q_proj": heads, "k_proj": heads, "v_proj": heads},
+                           out, hd, up, down)
     return plan
 
 
