@@ -310,17 +310,17 @@ def test_fp16_overflow_on_one_tensor_rank_skips_the_step_on_every_rank(sp):
     engine.close()
 
 
-# -- transformers models: the Llama-shaped families split, every other one refused ----------
+# -- transformers models: the Llama-shaped families split, a config that cannot is refused --
 
 def _hf_config(kind: str):
     transformers = pytest.importorskip("transformers")
     shape = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
                  num_attention_heads=4, num_key_value_heads=N, vocab_size=VOCAB,
                  max_position_embeddings=SEQ * 2)
-    if kind == "gpt2":
-        return transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB,
-                                       n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
-                                       attn_pdrop=0.0)
+    if kind == "falcon":     # multi_query: one key/value head for every query head
+        return transformers.FalconConfig(num_hidden_layers=2, hidden_size=32,
+                                         num_attention_heads=4, vocab_size=VOCAB,
+                                         multi_query=True, new_decoder_architecture=False)
     return {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
             "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[kind](
                 **shape, **({"head_dim": 8} if kind == "qwen3" else {}))
@@ -363,10 +363,11 @@ def test_llama_shaped_transformers_families_split_like_one_process(kind, sp):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_family_without_a_tensor_plan_is_refused_with_the_reason():
+def test_a_config_without_a_tensor_plan_is_refused_with_the_reason():
     from pipeflow.models import hf
-    cfg = _hf_config("gpt2")
-    with pytest.raises(pf.ConfigError, match="'gpt2' has no tensor-parallel plan"):
+    cfg = _hf_config("falcon")
+    with pytest.raises(pf.ConfigError, match="'falcon' splits over a tensor group, but not "
+                                             "this config: multi_query=True keeps one"):
         pf.Engine(hf.causal_lm_layers(cfg), hf.causal_lm_loss_sum, sgd, pf.Config(tensor=N),
                   count_items=hf.num_valid_tokens)
 

@@ -14,6 +14,10 @@ names (fnmatch patterns, as transformers' `base_model_tp_plan`) to a style, with
   `copy_to_tensor_model_parallel_region`). `("colwise", k)`: the output is `k` fused blocks
   (q, k, v) and each block is cut, so rank r holds its slice of every block.
   `("colwise", k, unit)`: each rank's slice of a block is a whole number of `unit`s (a head).
+  `("colwise", (q, k, v), unit)`: fused blocks of unequal widths (Phi-3's q, k and v with
+  fewer key/value heads), each cut alike. A layout interleaved per head ([h0: q k v][h1: q
+  k v]...: GPT-NeoX, Bloom, Falcon's groups) is plain `("colwise", 1, unit)` with `unit` a
+  head's q, k and v together: a rank's contiguous run of whole heads.
 - `"rowwise"` on `nn.Linear`: input features cut (weight columns); the partial products are
   summed over the group (`reduce_from`: all-reduce forward, identity backward), then the
   whole bias added once.
@@ -25,6 +29,10 @@ names (fnmatch patterns, as transformers' `base_model_tp_plan`) to a style, with
 - `"rowwise"` on `nn.Embedding`: the vocabulary cut (a vocabulary-parallel embedding: ids
   outside a rank's rows give zeros, the group sums); `"colwise"` on `nn.Embedding`: the
   embedding width cut, the slices gathered.
+
+`register_linear` lets a plan cut other linear maps: a subclass of `nn.Linear` with its own
+forward (Falcon's `FalconLinear`), or one that stores its weight (in, out) (transformers'
+`Conv1D`: GPT-2's dimensions transposed).
 
 Everything the plan does not name is replicated: every tensor rank holds it whole, computes
 it alike and gets the same gradient. Each layer is built whole under its own seed (as
@@ -50,7 +58,7 @@ from pipeflow.config import ConfigError
 from pipeflow.layers import layer_seed
 
 __all__ = ["TensorGroup", "Split", "plan_of", "shard_layer", "split_of", "cut", "join",
-           "gather_whole", "check_cut_consistent",
+           "gather_whole", "check_cut_consistent", "register_linear",
            "copy_to", "reduce_from"]
 
 STYLES = ("colwise", "rowwise", "gather_sequence", "partial_gradient")
@@ -58,11 +66,12 @@ STYLES = ("colwise", "rowwise", "gather_sequence", "partial_gradient")
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-    """One `tp_plan` entry: the style, the fused blocks of the cut dimension, and the unit
-    each rank's slice of a block must be a whole number of (a head's width)."""
+    """One `tp_plan` entry: the style, the fused blocks of the cut dimension (`k` equal
+    blocks, or a tuple of the blocks' whole widths), and the unit each rank's slice of a
+    block must be a whole number of (a head's width)."""
 
     style: str
-    parts: int = 1
+    parts: int | tuple[int, ...] = 1
     unit: int = 1
     optional: bool = False      # a degree that does not divide leaves the module whole
 
@@ -73,14 +82,25 @@ class Split:
         items = (value,) if isinstance(value, str) else tuple(value) \
             if isinstance(value, (tuple, list)) else None
         ok = (items is not None and 1 <= len(items) <= 3 and items[0] in STYLES
-              and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
-                      for n in items[1:]))
+              and all(_whole(n) for n in items[2:])
+              and (len(items) < 2 or _whole(items[1]) or _widths_given(items[1])))
         if not ok:
             raise ConfigError(
                 f"{where}: expected \"colwise\", \"rowwise\" or (style, fused blocks[, unit]) "
-                f"with whole numbers >= 1, found {value!r}; e.g. \"colwise\" or "
-                f"(\"colwise\", 3, head_dim) for a fused q, k, v projection")
+                f"with whole numbers >= 1 (the blocks a count or a tuple of widths), found "
+                f"{value!r}; e.g. \"colwise\", (\"colwise\", 3, head_dim) for a fused q, k, v "
+                f"projection or (\"colwise\", (q_width, kv_width, kv_width), head_dim)")
+        if len(items) > 1 and isinstance(items[1], list):
+            items = (items[0], tuple(items[1]), *items[2:])
         return cls(*items)
+
+
+def _whole(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+
+
+def _widths_given(parts: Any) -> bool:
+    return isinstance(parts, (tuple, list)) and len(parts) >= 1 and all(map(_whole, parts))
 
 
 class RankRandom:
@@ -281,21 +301,32 @@ def _allgather(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
     return out.view(group.size, *shard.shape)
 
 
+def _seq_dim(x: torch.Tensor) -> int:
+    """The dimension a column or row layer's input is gathered and scattered along: the
+    sequence of [batch, sequence, features], or the tokens of [tokens, features] (a block
+    that flattens batch and sequence before its MLP, as OPT's: its rows are per token, so
+    any order works that the scatter undoes)."""
+    return SEQ if x.dim() > 2 else 0
+
+
 def _seq_gather(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
     """Every rank's slice of the sequence, whole (in rank order)."""
-    shard = _wide(x.detach(), group).transpose(0, SEQ)
+    dim = _seq_dim(x)
+    shard = _wide(x.detach(), group).transpose(0, dim)
     out = _allgather(shard, group, key)
     whole = out.reshape(group.size * shard.shape[0], *shard.shape[1:])
-    return whole.transpose(0, SEQ).to(x.dtype)
+    return whole.transpose(0, dim).to(x.dtype)
 
 
 def _seq_reduce_scatter(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
     """The sum over the group of `x` (whole sequence), this rank's slice of it."""
-    whole = _wide(x.detach(), group).transpose(0, SEQ).contiguous()
+    dim = _seq_dim(x)
+    whole = _wide(x.detach(), group)
+    whole = (whole.transpose(0, dim) if dim else whole).contiguous()
     out = torch.empty((whole.shape[0] // group.size, *whole.shape[1:]), dtype=whole.dtype,
                       device=whole.device)
     group.wait(group.comm.ireduce_scatter_(whole.view(-1), out.view(-1), key=key), key)
-    return out.transpose(0, SEQ).to(x.dtype)
+    return (out.transpose(0, dim) if dim else out).to(x.dtype)
 
 
 def _seq_slice(x: torch.Tensor, group: TensorGroup) -> torch.Tensor:
@@ -351,7 +382,9 @@ class _ScatterSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
         ctx.group, ctx.key = group, key
-        return _seq_reduce_scatter(x, group, key)
+        y = _seq_reduce_scatter(x, group, key)
+        # not a view: blocks add into their row layers' outputs in place (Falcon's MLP)
+        return y.contiguous() if y._is_view() else y
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -414,24 +447,54 @@ def _close_cut(module: nn.Module) -> None:
         module.pf_tensor.random.close_cut()
 
 
+def _colwise(module: nn.Module, x: torch.Tensor, weight: torch.Tensor,
+             bias: torch.Tensor | None) -> torch.Tensor:
+    """A column layer's product (`weight` (out, in), this rank's output features)."""
+    _open_cut(module)
+    if module.pf_tensor.gathered:      # inside `gather_sequence`: the whole input is here
+        return F.linear(x, weight, bias)
+    if _sequence(module):
+        return _SeqColwise.apply(x, weight, bias, module.pf_tensor, module.pf_key)
+    return F.linear(copy_to(x, module.pf_tensor, module.pf_key), weight, bias)
+
+
+def _rowwise(module: nn.Module, x: torch.Tensor, weight: torch.Tensor,
+             bias: torch.Tensor | None) -> torch.Tensor:
+    """A row layer's product (`weight` (out, in), this rank's input features), summed."""
+    _close_cut(module)
+    if _sequence(module):
+        y = _ScatterSeq.apply(F.linear(x, weight), module.pf_tensor, module.pf_key)
+    else:
+        y = reduce_from(F.linear(x, weight), module.pf_tensor, module.pf_key)
+    return y if bias is None else y + bias
+
+
 class ColwiseLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _open_cut(self)
-        if self.pf_tensor.gathered:      # inside `gather_sequence`: the whole input is here
-            return F.linear(x, self.weight, self.bias)
-        if _sequence(self):
-            return _SeqColwise.apply(x, self.weight, self.bias, self.pf_tensor, self.pf_key)
-        return F.linear(copy_to(x, self.pf_tensor, self.pf_key), self.weight, self.bias)
+        return _colwise(self, x, self.weight, self.bias)
 
 
 class RowwiseLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _close_cut(self)
-        if _sequence(self):
-            y = _ScatterSeq.apply(F.linear(x, self.weight), self.pf_tensor, self.pf_key)
-        else:
-            y = reduce_from(F.linear(x, self.weight), self.pf_tensor, self.pf_key)
-        return y if self.bias is None else y + self.bias
+        return _rowwise(self, x, self.weight, self.bias)
+
+
+class ColwiseTransposed(nn.Module):
+    """`colwise` on a linear map with its weight stored (in, out) (transformers' Conv1D)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _colwise(self, x, self.weight.t(), self.bias)
+
+
+class RowwiseTransposed(nn.Module):
+    """`rowwise` on a linear map with its weight stored (in, out) (transformers' Conv1D)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _rowwise(self, x, self.weight.t(), self.bias)
+
+
+_ROW_CLASSES = (RowwiseLinear, RowwiseTransposed)
+_COLUMN_CLASSES = (ColwiseLinear, ColwiseTransposed)
 
 
 class VocabEmbedding(nn.Embedding):
@@ -463,6 +526,22 @@ _CUTS: dict[tuple[type, str], tuple[type, dict[str, int], str]] = {
     (nn.Embedding, "rowwise"): (VocabEmbedding, {"weight": 0}, "num_embeddings"),
     (nn.Embedding, "colwise"): (ColwiseEmbedding, {"weight": 1}, "embedding_dim"),
 }
+
+
+def register_linear(kind: type, transposed: bool = False,
+                    fields: tuple[str, str] = ("out_features", "in_features")) -> None:
+    """Let a `tp_plan` cut modules of `kind` (exactly that type) as linear maps: `x @ W.T +
+    b` as `nn.Linear` computes it (a subclass with its own forward, as Falcon's
+    `FalconLinear`), or with `transposed`, `x @ W + b` with the weight stored (in, out)
+    (transformers' `Conv1D`); `fields` name its output and input widths. Once cut, the
+    module computes through the group's collectives like a cut `nn.Linear`."""
+    out_field, in_field = fields
+    if transposed:
+        _CUTS[(kind, "colwise")] = (ColwiseTransposed, {"weight": 1, "bias": 0}, out_field)
+        _CUTS[(kind, "rowwise")] = (RowwiseTransposed, {"weight": 0}, in_field)
+    else:
+        _CUTS[(kind, "colwise")] = (ColwiseLinear, {"weight": 0, "bias": 0}, out_field)
+        _CUTS[(kind, "rowwise")] = (RowwiseLinear, {"weight": 1}, in_field)
 
 
 def enter_sequence(value: Any, group: TensorGroup, key: str) -> Any:
@@ -513,7 +592,7 @@ def in_region(layer: nn.Module) -> bool:
     """Whether a cut layer runs on sequence slices under sequence parallelism: one with a
     row layer (whose output is then reduce-scattered); an embedding or a head cut along the
     vocabulary is not."""
-    return any(isinstance(m, RowwiseLinear) for m in layer.modules())
+    return any(isinstance(m, _ROW_CLASSES) for m in layer.modules())
 
 
 def sequence_boundaries(layer: nn.Module, index: int, planned: list[bool],
@@ -547,20 +626,30 @@ def plan_of(layer: nn.Module) -> Mapping[str, Any]:
     return plan
 
 
-def split_of(param: torch.Tensor) -> tuple[int, int] | None:
+def split_of(param: torch.Tensor) -> tuple[int, int | tuple[int, ...]] | None:
     """(dimension, fused blocks) a cut parameter was cut along; None where it is whole."""
     return getattr(param, "pf_tensor_split", None)
 
 
-def cut(whole: torch.Tensor, dim: int, parts: int, size: int, rank: int) -> torch.Tensor:
-    """Rank `rank`'s slice of `whole`: each of its `parts` blocks along `dim` cut in `size`."""
-    return torch.cat([b.chunk(size, dim)[rank] for b in whole.chunk(parts, dim)], dim)
+def _widths(parts: int | tuple[int, ...], length: int) -> list[int]:
+    """The whole widths of the fused blocks along a dimension of `length`."""
+    return [length // parts] * parts if isinstance(parts, int) else list(parts)
 
 
-def join(slices: list[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
+def cut(whole: torch.Tensor, dim: int, parts: int | tuple[int, ...], size: int,
+        rank: int) -> torch.Tensor:
+    """Rank `rank`'s slice of `whole`: each of its `parts` blocks along `dim` (a count of
+    equal blocks, or their widths) cut in `size`."""
+    blocks = whole.split(_widths(parts, whole.shape[dim]), dim)
+    return torch.cat([b.chunk(size, dim)[rank] for b in blocks], dim)
+
+
+def join(slices: list[torch.Tensor], dim: int, parts: int | tuple[int, ...]) -> torch.Tensor:
     """The whole tensor from every rank's slice (the inverse of `cut`)."""
-    blocks = [s.chunk(parts, dim) for s in slices]
-    return torch.cat([torch.cat([b[p] for b in blocks], dim) for p in range(parts)], dim)
+    widths = [w // len(slices) for w in _widths(parts, slices[0].shape[dim] * len(slices))]
+    blocks = [s.split(widths, dim) for s in slices]
+    return torch.cat([torch.cat([b[p] for b in blocks], dim) for p in range(len(widths))],
+                     dim)
 
 
 def whole_shape(shape: torch.Size, dim: int, size: int) -> torch.Size:
@@ -568,8 +657,8 @@ def whole_shape(shape: torch.Size, dim: int, size: int) -> torch.Size:
     return torch.Size(n * size if i == dim else n for i, n in enumerate(shape))
 
 
-def gather_whole(group: TensorGroup, value: torch.Tensor, dim: int, parts: int,
-                 key: str) -> torch.Tensor:
+def gather_whole(group: TensorGroup, value: torch.Tensor, dim: int,
+                 parts: int | tuple[int, ...], key: str) -> torch.Tensor:
     """The whole tensor from this rank's slice `value` and the group's (every rank calls it)."""
     return join(list(_allgather(value.detach(), group, f"tensor group: {key}").unbind(0)),
                 dim, parts)
@@ -636,10 +725,11 @@ def _cut_module(module: nn.Module, split: Split, group: TensorGroup, where: str,
         for param in module.parameters():
             param.pf_partial_gradient = True
         return
-    kind = next((k for k in (nn.Linear, nn.Embedding) if type(module) is k), None)
+    kind = next((k for k, _ in _CUTS if type(module) is k), None)
     if kind is None:
+        kinds = ", ".join(dict.fromkeys(k.__name__ for k, _ in _CUTS))
         raise ConfigError(
-            f"{where}: tp_plan cuts nn.Linear and nn.Embedding, found {type(module).__name__}; "
+            f"{where}: tp_plan cuts {kinds}, found {type(module).__name__}; "
             f"name its Linear submodules instead, or leave it out of the plan (replicated)")
     if kind is nn.Embedding and (split.parts != 1 or module.max_norm is not None or
                                  (split.style == "rowwise" and module.padding_idx is not None)):
@@ -650,7 +740,7 @@ def _cut_module(module: nn.Module, split: Split, group: TensorGroup, where: str,
             f"leave it replicated (out of the plan)")
     cls, dims, field = _CUTS[(kind, split.style)]
     total = getattr(module, field)
-    if split.optional and total % (split.parts * split.unit * group.size):
+    if split.optional and not _divides(total, split, group.size):
         return                  # left whole: e.g. a vocabulary of 50257 at tensor = 2
     _check_divides(total, split, group.size, where, field)
     for pname, dim in dims.items():
@@ -670,13 +760,24 @@ def _cut_module(module: nn.Module, split: Split, group: TensorGroup, where: str,
     module.pf_tensor, module.pf_key = group, f"tensor group: {key} ({split.style})"
 
 
+def _divides(total: int, split: Split, t: int) -> bool:
+    """Whether each fused block of a `total` wide dimension cuts in `t` whole units."""
+    if isinstance(split.parts, int):
+        return total % (split.parts * split.unit * t) == 0
+    return sum(split.parts) == total and all(w % (split.unit * t) == 0 for w in split.parts)
+
+
 def _check_divides(total: int, split: Split, t: int, where: str, field: str) -> None:
-    step = split.parts * split.unit
-    if total % (step * t) == 0:
+    if _divides(total, split, t):
         return
-    fits = [d for d in range(1, 129) if total % (step * d) == 0 and d > 1][:8] or [1]
+    if not isinstance(split.parts, int) and sum(split.parts) != total:
+        raise ConfigError(f"{where}: {split.style} cuts {field} = {total} as fused blocks of "
+                          f"widths {split.parts}, which sum to {sum(split.parts)}; give the "
+                          f"blocks' widths as the module holds them")
+    fits = [d for d in range(2, 129) if _divides(total, split, d)][:8] or [1]
     unit = f" in units of {split.unit}" if split.unit > 1 else ""
-    blocks = f" ({split.parts} fused blocks)" if split.parts > 1 else ""
+    blocks = "" if split.parts == 1 else f" (fused blocks of widths {split.parts})" \
+        if isinstance(split.parts, tuple) else f" ({split.parts} fused blocks)"
     raise ConfigError(
         f"{where}: {split.style} cuts {field} = {total}{blocks}{unit} over tensor = {t}, "
         f"which does not divide it; tensor degrees that would: {fits}; change "
@@ -761,7 +862,7 @@ def vocab_output(layer: nn.Module) -> bool:
     """Whether a cut layer's output is logits cut along the vocabulary: it declares
     `tp_output = "vocab"` and its column layer was cut (an optional cut may stay whole)."""
     return getattr(layer, "tp_output", None) == "vocab" and \
-        any(isinstance(m, ColwiseLinear) for m in layer.modules())
+        any(isinstance(m, _COLUMN_CLASSES) for m in layer.modules())
 
 
 def gather_vocab(logits: torch.Tensor, group: TensorGroup) -> torch.Tensor:
