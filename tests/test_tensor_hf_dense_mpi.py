@@ -135,3 +135,20 @@ def test_every_family_without_a_tensor_plan_is_refused_naming_the_reason():
                                                   rf"plan .*gemma.*set tensor = 1"):
             pf.Engine(hf.causal_lm_layers(cfg), hf.causal_lm_loss_sum, sgd,
                       pf.Config(data=D, tensor=T), count_items=hf.num_valid_tokens)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.timeout(60)
+def test_sharded_optimizer_with_norms_per_head_is_refused_at_d2xt2():
+    """A whole weight a rank uses a slice of (`partial_gradient`: OLMo2's q/k norms) has its
+    gradient summed over the tensor group at the step, after the sharded optimizer's
+    reduce-scatters: refused on every rank, naming the weights, not trained wrong."""
+    with pytest.raises(pf.ConfigError, match=r"shard_optimizer with data > 1 .*partial_gradient"
+                                             r".*layer 1: layer\.self_attn\.q_norm\.weight"):
+        pf.Engine(hf.causal_lm_layers(_config("olmo2")), hf.causal_lm_loss_sum, sgd,
+                  pf.Config(data=2, tensor=2, shard_optimizer=True),
+                  count_items=hf.num_valid_tokens)
+
+
+if WORLD.size != 4:       # not collected at all (a skip under mpirun is an error)
+    del test_sharded_optimizer_with_norms_per_head_is_refused_at_d2xt2
