@@ -5,8 +5,9 @@ Run under `mpirun -n 2` (t2) and `mpirun -n 4` (d2×t2) with `--with-mpi`. Each 
 tiny config is tests/test_hf.py's, narrowed (hidden 32, 4 heads of 8, 2 key/value heads, 2
 blocks), with the switches that change how its block splits turned on (StableLM's and
 Cohere's norms per head, StableLM's parallel residual); every family with and without
-sequence parallelism. The families pipeflow builds but cannot split are refused at
-construction with the reason.
+sequence parallelism; greedy generation through the key/value cache as transformers'
+`generate`. The families pipeflow builds but cannot split are refused at construction with
+the reason.
 """
 
 from __future__ import annotations
@@ -133,6 +134,24 @@ def test_own_collectives_and_fix_ups_hold_at_p2xt2_with_recomputation(case):
     """The blocks with their own sum over the group (OLMo2) or fix-ups after the cut
     (StableLM, Cohere), on 2 stages, recomputed in the backward, sequence-parallel."""
     _check(case, pipeline=2, recompute="full", sequence_parallel=True)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", list(CASES))
+def test_dense_family_at_tensor_2_generates_what_transformers_generates(case):
+    """Greedy generation through the key/value cache (`DecoderLayer.decode`: the localized
+    head counts and norms, OLMo2's sum over the group, per position): transformers' tokens."""
+    from test_generate import PROMPTS, _transformers_greedy
+    cfg = _config(case)
+    cfg.initializer_range = 0.3             # wide weights: varied greedy text
+    engine = _engine(cfg, data=D)
+    model = _hf_model(cfg, pf.build_sequential(hf.causal_lm_layers(cfg), seed=0).state_dict())
+    prompts = [[p % VOCAB for p in prompt] for prompt in PROMPTS[:2]]
+    expected = _transformers_greedy(model.eval(), prompts, 8)
+    assert len({t for e in expected for t in e}) > 1
+    assert engine.generate(prompts, 8, use_cache=True) == expected
+    engine.close()
 
 
 def _unsplit_families() -> list[str]:
