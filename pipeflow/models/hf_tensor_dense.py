@@ -57,14 +57,14 @@ def _local_class(cls: type, local: type) -> type:
 
 
 def _localize_module(module: nn.Module, local: type, **fields: Any) -> None:
-    """`module` runs `local.forward` from now on (its class and weights otherwise kept:
-    the names, the state dict and `isinstance` stay the family's), with `fields` set."""
+    """`module` runs `local.forward` from now on, with `fields` set: its class becomes a
+    subclass of its own, so its weights, their names and `isinstance` stay the family's."""
     for name, value in fields.items():
         setattr(module, name, value)
     module.__class__ = _local_class(type(module), local)
 
 
-# -- gemma3_text: per-head q/k norms ------------------------------------------------------
+# -- gemma3_text (and olmo2): whole q/k norm weights a rank uses a slice of ---------------
 
 def _qk_norm_plan(config: Any) -> dict[str, Any]:
     return {**llama_plan(config), "layer.self_attn.[qk]_norm": _PARTIAL}
@@ -97,8 +97,9 @@ class _LocalNormPerHead(nn.Module):
     rank has a gradient, zero for the other ranks' heads, for every weight the group sums."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # [batch, heads, seq, head_dim]: this rank's heads
         rows = slice(self.pf_first, self.pf_first + hidden_states.shape[1])
-        first = self.norms[0]                # [batch, heads, seq, head_dim]: one per head
+        first = self.norms[0]
         out = F.layer_norm(hidden_states, first.normalized_shape, eps=first.eps)
         out = out * torch.stack([n.weight for n in self.norms])[rows, None]
         if first.bias is not None:
@@ -178,10 +179,6 @@ class _GroupRMSNorm(nn.Module):
         return (self.weight[self.pf_rows] * x).to(dtype)
 
 
-def _olmo2_plan(config: Any) -> dict[str, Any]:
-    return {**llama_plan(config), "layer.self_attn.[qk]_norm": _PARTIAL}
-
-
 def _olmo2_localize(layer: nn.Module, group: Any) -> None:
     attn = layer.layer.self_attn
     for name in ("q_norm", "k_norm"):
@@ -201,5 +198,5 @@ FAMILIES: dict[str, TensorFamily] = {
     "glm4": TensorFamily(plan=_glm4_plan),
     "stablelm": TensorFamily(plan=_stablelm_plan, localize=_stablelm_localize),
     "cohere": TensorFamily(plan=_cohere_plan, localize=_cohere_localize),
-    "olmo2": TensorFamily(plan=_olmo2_plan, localize=_olmo2_localize),
+    "olmo2": TensorFamily(plan=_qk_norm_plan, localize=_olmo2_localize),
 }
