@@ -515,3 +515,40 @@ def test_dropout_draws_one_mask_on_whole_activations_and_its_own_on_slices(sp):
         assert all(m != outer[0] for m in outer[1:]), "positions dropped alike on every rank"
     else:
         assert all(m == outer[0] for m in outer[1:]), "a whole activation dropped apart"
+
+
+class RoutedBiases(UserMLP):
+    """A whole weight that only some positions reach: each position adds the bias of its
+    expert, expert 0 for the first half of the sequence, 1 for the second, 2 for position 0
+    alone, 3 never. Under sequence parallelism a rank's slice reaches only some experts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.biases = nn.ParameterList(nn.Parameter(torch.randn(24) * 0.1) for _ in range(4))
+
+    def forward(self, x):
+        h = super().forward(x)
+        group = getattr(self, "pf_sequence_group", None)     # this rank's place in it
+        size, rank = (group.size, group.rank) if group is not None else (1, 0)
+        length = h.shape[1] * size
+        where = torch.arange(h.shape[1]) + rank * h.shape[1]    # whole-sequence positions
+        choice = torch.where(where < length // 2, 0, 1).masked_fill(where == 0, 2)
+        for e, bias in enumerate(self.biases):
+            picked = (choice == e)[None, :, None]
+            if picked.any():
+                h = h + picked * bias
+        return h
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_a_whole_weight_only_some_slices_reach_trains_like_one_process():
+    """The tensor group sums every whole weight's gradient, zeros where a rank had none,
+    and a weight no rank reached (expert 3) keeps no gradient: weight decay skips it as
+    torch.optim does in one process."""
+    layers = [pf.LayerSpec(UserEmbed), pf.LayerSpec(RoutedBiases), pf.LayerSpec(UserHead)]
+    decayed = lambda ps: torch.optim.SGD(ps, lr=0.05, weight_decay=0.5)     # noqa: E731
+    engine = check(layers, (1, 1, N), decayed, 1e-5, sequence_parallel=True, microbatches=2)
+    state = engine.stage.module.state_dict()
+    start = pf.build_sequential(layers, 0).state_dict()
+    assert torch.equal(state["1.biases.3"], start["1.biases.3"])       # never reached
