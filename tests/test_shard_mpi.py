@@ -506,8 +506,8 @@ def test_one_optimizer_step_per_engine_step():
     # hooks run once, as unsharded), not once a bucket.
     pipeline, data = GRIDS[0]
     engine = pf.Engine(toy_layers(), loss_fn, _two_groups,
-                       pf.Config(pipeline=pipeline, data=data, microbatches=3, bucket_mb=TINY,
-                                 shard_optimizer=True, clip=0.3))
+                       pf.Config(pipeline=pipeline, data=data, microbatches=3, bucket_mb=1e-9,
+                                 shard_optimizer=True, clip=0.3))     # a bucket a parameter
     calls = []
     engine.stage.optimizer.register_step_post_hook(
         lambda opt, args, kwargs: calls.append(engine.stats.step))
@@ -674,3 +674,26 @@ def test_the_gathers_and_reduce_scatters_cost_linear_bookkeeping():
     # Each poll (an instruction, a gradient hook) tests the first reduction in flight.
     params = sum(1 for _ in engine.stage.module.parameters())
     assert scatter_tests <= 2 * (n + program + params), (n, program, params, scatter_tests)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(240)
+def test_compiled_layers_wait_for_their_gathers_too():
+    # Under torch.compile the layers' pre-hook runs eagerly (a wait is not traceable): the
+    # compiled sharded run is the eager one's, gathers in flight between its steps.
+    comm = pair()
+    results = {}
+    for compile in (False, "aot_eager"):
+        engine = pf.Engine(toy_layers(blocks=2), loss_fn, adamw,
+                           pf.Config(pipeline=1, data=2, microbatches=2, bucket_mb=TINY,
+                                     shard_optimizer=True, compile=compile), comm=comm)
+        in_flight = []
+        for x, y in batches(3, BATCH):
+            engine.train_step(x, y)
+            in_flight.append(engine.stage.shards.gathering)
+        results[compile] = (in_flight, engine.gather_state_dict())
+        engine.close()
+    comm.Free()
+    assert results[False][0] == results["aot_eager"][0] == [True] * 3
+    if results[False][1] is not None:
+        assert_same_parameters(results["aot_eager"][1], results[False][1], rtol=1e-6)
