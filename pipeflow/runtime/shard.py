@@ -309,12 +309,17 @@ class ShardedOptimizer(GradReducer):
             self.wait_gathers()
 
     # -- the all-gather, overlapped with the next step's forwards --------------------------
-    def watch_layers(self, layers: Sequence[nn.Module]) -> None:
+    def watch_layers(self, layers: Sequence[nn.Module], compiled: bool = False) -> None:
         """Wait for a layer's buckets just before its forward (a forward pre-hook) and before
         its state dict is read or loaded: the gathers launched by `step` then run while the
         next step begins (its batch agreement, receives, the forwards of earlier layers).
         `layers` in the order the next step's first forwards run them (the stage's layers
-        in index order): the gathers are launched in that order."""
+        in index order): the gathers are launched in that order. `compiled` (the layers run
+        under torch.compile): the pre-hook stays eager, a wait is MPI's or a stream's and
+        not traceable (`torch.compiler.disable`, imported only then: it loads dynamo)."""
+        before = self._before_forward
+        if compiled:
+            before = torch.compiler.disable(before)
         bucket_of = {id(p): b for b in self.buckets for p in b.params}
         order: dict[int, _ShardBucket] = {}
         for layer in layers:
@@ -322,9 +327,9 @@ class ShardedOptimizer(GradReducer):
                     if id(p) in bucket_of}
             self._layer_buckets[id(layer)] = list(mine.values())
             order.update(mine)
-            self._hooks += [layer.register_forward_pre_hook(self._before_forward),
-                            layer.register_state_dict_pre_hook(self._before_read),
-                            layer.register_load_state_dict_pre_hook(self._before_load)]
+            self._hooks += [layer.register_forward_pre_hook(before),
+                            layer.register_state_dict_pre_hook(self._before_state),
+                            layer.register_load_state_dict_pre_hook(self._before_state)]
         order.update({id(b): b for b in self.buckets})     # any bucket no layer named
         self._gather_order = list(order.values())
 
@@ -342,20 +347,16 @@ class ShardedOptimizer(GradReducer):
         self._left -= 1
         self.gathering = self._left > 0
 
-    @torch.compiler.disable
     def _before_forward(self, layer: nn.Module, args: Any) -> None:
-        """A layer's forward pre-hook: its buckets' gathers complete before it reads them
-        (eager under torch.compile: the wait is MPI's or a stream's, not traceable). O(its
-        buckets) when gathers are in flight, one test of a flag otherwise."""
+        """A layer's forward pre-hook: its buckets' gathers complete before it reads them.
+        O(its buckets) while gathers are in flight, one test of a flag otherwise."""
         if self.gathering:
             for b in self._layer_buckets.get(id(layer), ()):
                 if b.gather is not None:
                     self._complete(b)
 
-    def _before_read(self, layer: nn.Module, prefix: str, keep_vars: bool) -> None:
-        self._before_forward(layer, ())
-
-    def _before_load(self, layer: nn.Module, *args: Any) -> None:
+    def _before_state(self, layer: nn.Module, *args: Any) -> None:
+        """A layer's state-dict pre-hook (read or loaded): as before its forward."""
         self._before_forward(layer, ())
 
     def poll(self) -> None:

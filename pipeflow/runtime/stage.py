@@ -189,7 +189,7 @@ class Stage:
                                        counts=self._counts)
         # The all-gathers a step launches are waited by the next step's forwards, layer by
         # layer, in the order the stage runs its layers.
-        self.shards.watch_layers([layer for layer in self.module.children()])
+        self.shards.watch_layers(list(self.module.children()), bool(self.settings.compile))
         self.reducer, self.optimizer = self.shards, self.shards.optimizer
 
     def describe(self) -> str:
