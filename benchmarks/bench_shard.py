@@ -151,12 +151,12 @@ def _report(rows: list[dict], args, before: float, after: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_args(parser, layers=4, width=128, heads=4, seq=64)
+    add_model_args(parser, layers=4, width=64, heads=4, seq=32)
     parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--bucket-mb", type=float, default=0.05)
+    parser.add_argument("--bucket-mb", type=float, default=0.02)
     parser.add_argument("--micro-batch", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--output", default=DEFAULT_OUTPUT)
     args = parser.parse_args()
     if WORLD.size != 4:
