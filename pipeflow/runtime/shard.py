@@ -454,8 +454,9 @@ class ShardedOptimizer(GradReducer):
         self.wait_gathers()
         states: dict[int, dict] = {}
         settings: dict[int, dict] = {}
+        group_of = self._group_of()
         for b in self.buckets:
-            group = self.optimizer.param_groups[self._group_index(b)]
+            group = group_of[id(b.master)]
             kept = {k: v for k, v in group.items() if k != "params"}
             state = self.optimizer.state.get(b.master, {})
             whole = {k: self._gathered(b, v) for k, v in sorted(state.items())
@@ -468,11 +469,10 @@ class ShardedOptimizer(GradReducer):
                                      for k, v in state.items()}
         return states, settings
 
-    def _group_index(self, b: _ShardBucket) -> int:
-        for i, g in enumerate(self.optimizer.param_groups):
-            if any(m is b.master for m in g["params"]):
-                return i
-        raise KeyError(f"{self.where}: a bucket's master is in no parameter group")
+    def _group_of(self) -> dict[int, dict]:
+        """Each block's parameter group in the optimizer, by id of the block (looked up once
+        a call, not scanned for every bucket)."""
+        return {id(m): g for g in self.optimizer.param_groups for m in g["params"]}
 
     @torch.no_grad()
     def load_full(self, values: dict[int, torch.Tensor]) -> None:
@@ -497,12 +497,13 @@ class ShardedOptimizer(GradReducer):
         state cast to the parameters' dtype) and its load hooks run."""
         self.wait_gathers()
         blocks: dict[int, dict[str, Any]] = {}
+        group_of = self._group_of()
         for b in self.buckets:
             found = [(states[id(p)], start, end) for p, start, end in b.offsets()
                      if id(p) in states]
             for p, _, _ in b.offsets():
                 if id(p) in settings:
-                    self.optimizer.param_groups[self._group_index(b)].update(settings[id(p)])
+                    group_of[id(b.master)].update(settings[id(p)])
                     break
             if found:
                 blocks[id(b.master)] = self._block_state(b, found)
