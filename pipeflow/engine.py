@@ -269,6 +269,7 @@ class Engine:
         with self.watchdog:
             self.stage.module.eval()
             st = self._start("eval_step", inputs, targets, side, train=False)
+            self._weights_ready()
             # Whether targets were given is the agreed view of the ranks holding the last
             # stage, never this rank's own: a rank in the middle passes none either way.
             keep = st.keep_outputs = return_outputs or not st.batches.has_targets
@@ -474,6 +475,7 @@ class Engine:
     def _load_params(self, params: Mapping[str, torch.Tensor]) -> None:
         """Full-precision values by name: the working weights (cast) and the masters."""
         stage = self.stage
+        self._weights_ready()            # no gather may write the weights after this
         params = self._cut(params)
         stage.module.load_state_dict({k: v.to(stage.device) for k, v in params.items()})
         values = {id(p): params[n].to(stage.device) for n, p in
@@ -626,6 +628,15 @@ class Engine:
                        self.config.agree_s if deadline_s is None else deadline_s)
         except waiting.NotJoined as exc:
             self._not_joined(call, exc, failing)
+        self._weights_ready()
+
+    def _weights_ready(self) -> None:
+        """Sharded: the all-gathers of the working weights that the last step launched (and
+        the next step's forwards would wait for, layer by layer) completed, before a call
+        other than a training step reads or writes the weights. Every rank of the data
+        group launched them, so every rank's wait completes."""
+        if self.stage.shards is not None:
+            self.stage.shards.wait_gathers()
 
     def _check_open(self, call: str) -> None:
         if self not in _OPEN:

@@ -187,6 +187,9 @@ class Stage:
                                        self.data_comm, int(self.settings.bucket_mb * 2**20),
                                        probe, self.describe(), self._reduce_dtype(),
                                        counts=self._counts)
+        # The all-gathers a step launches are waited by the next step's forwards, layer by
+        # layer, in the order the stage runs its layers.
+        self.shards.watch_layers(list(self.module.children()), bool(self.settings.compile))
         self.reducer, self.optimizer = self.shards, self.shards.optimizer
 
     def describe(self) -> str:
