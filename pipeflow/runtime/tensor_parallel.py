@@ -39,7 +39,7 @@ import dataclasses
 import fnmatch
 import functools
 import weakref
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -48,8 +48,8 @@ from torch.nn import functional as F
 from pipeflow.comm.base import Communicator
 from pipeflow.config import ConfigError
 
-__all__ = ["TensorGroup", "Split", "plan_of", "shard_layer", "split_of", "cut", "join",
-           "gather_whole", "check_cut_consistent",
+__all__ = ["TensorGroup", "Split", "plan_of", "shard_layer", "split_of", "cut", "kept_ranges",
+           "join", "gather_whole", "check_cut_consistent",
            "copy_to", "reduce_from"]
 
 STYLES = ("colwise", "rowwise", "gather_sequence", "partial_gradient")
@@ -440,6 +440,30 @@ def split_of(param: torch.Tensor) -> tuple[int, int] | None:
 def cut(whole: torch.Tensor, dim: int, parts: int, size: int, rank: int) -> torch.Tensor:
     """Rank `rank`'s slice of `whole`: each of its `parts` blocks along `dim` cut in `size`."""
     return torch.cat([b.chunk(size, dim)[rank] for b in whole.chunk(parts, dim)], dim)
+
+
+def kept_ranges(shape: Sequence[int], split: Any, size: int,
+                rank: int) -> tuple[int, list[tuple[int, int]]] | None:
+    """Which part of a whole tensor of `shape` rank `rank` of `size` keeps, before the tensor
+    is read: `(dim, [(start, stop), ...])`, the ranges along `dim` whose pieces, concatenated
+    in order, are `cut`'s slice (one range a fused block). `split` is the parameter's
+    `split_of`. None where this function does not know the layout, or the degree does not
+    divide it evenly: the reader then reads the whole tensor and `cut`s it.
+
+    The one place a reader learns what to read (`pipeflow.train.hub` reads a Hub folder's
+    safetensors files in these ranges, `get_slice(key)[...]`): a new layout of `cut` gives
+    its ranges here, and `tests/test_tensor_hub.py` checks both agree."""
+    if not (isinstance(split, tuple) and len(split) == 2 and
+            all(isinstance(n, int) for n in split)):
+        return None
+    dim, parts = split
+    width = shape[dim] if 0 <= dim < len(shape) else 0
+    if width == 0 or width % (parts * size):
+        return None              # `cut`'s uneven chunks: left to it
+    block = width // parts
+    piece = block // size
+    return dim, [(b * block + rank * piece, b * block + (rank + 1) * piece)
+                 for b in range(parts)]
 
 
 def join(slices: list[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
