@@ -24,7 +24,7 @@ from pipeflow.runtime import tensor_parallel as tp                             #
 from pipeflow.train import hub as hub_io                                       # noqa: E402
 from pipeflow.train.loop import _load_pretrained                               # noqa: E402
 from pipeflow.train.model_table import build_model                             # noqa: E402
-from toy import allgather, bcast, sgd                                          # noqa: E402
+from toy import allgather, barrier, bcast, sgd                                        # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 FOUR = WORLD.size == 4
@@ -88,7 +88,7 @@ def test_loading_at_t2_reads_only_its_slices_and_equals_t1(tmp_path_factory, mon
     folder = bcast(comm, str(tmp_path_factory.mktemp("hub")) if comm.rank == 0 else None)
     if comm.rank == 0:
         save_hub(folder, "llama", sharded=sharded, layers=2)
-    comm.Barrier()
+    barrier(comm)
     model = build_model({"kind": "hf", "pretrained": folder})
     one, two = _engine(model.layers, MPI.COMM_SELF, 1), _engine(model.layers, comm, 2)
     _load_pretrained(one, model)
