@@ -1,9 +1,9 @@
 """Hugging Face Hub folders in and out: `[model] pretrained = "folder"` (each rank reads only
 its own layers' tensors from the safetensors files, at `tensor > 1` only the slices it keeps,
-converted from the layout `save_pretrained` writes) and `export_hf` / `pipeflow export` (weights in that layout, in the
-run's precision, sharded past `max_shard_size`, `config.json`, and the source folder's
-tokenizer and other files; `pipeflow.train.export`: never destroying what it did not
-write).
+converted from the layout `save_pretrained` writes) and `export_hf` / `pipeflow export`
+(weights in that layout, in the run's precision, sharded past `max_shard_size`,
+`config.json`, and the source folder's tokenizer and other files; `pipeflow.train.export`:
+never destroying what it did not write).
 
 A Hub folder, as `save_pretrained` writes it:
 
