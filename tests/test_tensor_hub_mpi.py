@@ -194,5 +194,8 @@ def test_a_sharded_bf16_folder_trained_at_p2xt2_exports_the_whole_model(tmp_path
                                hub_io.read_tensor(written["again"][key], key)), key
 
 
-if not FOUR:
+if FOUR:      # the 2-rank tests on 2 of 4 ranks would show nothing new, at the others' wait
+    del test_loading_at_t2_reads_only_its_slices_and_equals_t1
+    del test_a_state_of_neither_shape_is_refused_naming_the_whole_one
+else:
     del test_a_sharded_bf16_folder_trained_at_p2xt2_exports_the_whole_model
