@@ -452,7 +452,7 @@ def kept_ranges(shape: Sequence[int], split: Any, size: int,
 
     The one place a reader learns what to read (`pipeflow.train.hub` reads a Hub folder's
     safetensors files in these ranges, `get_slice(key)[...]`): a new layout of `cut` gives
-    its ranges here, and `tests/test_tensor_hub.py` checks both agree."""
+    its ranges here, and `tests/test_tensor_hub_mpi.py` checks both agree."""
     if not (isinstance(split, tuple) and len(split) == 2 and
             all(isinstance(n, int) for n in split)):
         return None
