@@ -47,7 +47,7 @@ import dataclasses
 import fnmatch
 import functools
 import weakref
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -57,8 +57,8 @@ from pipeflow.comm.base import Communicator
 from pipeflow.config import ConfigError
 from pipeflow.layers import layer_seed
 
-__all__ = ["TensorGroup", "Split", "plan_of", "shard_layer", "split_of", "cut", "join",
-           "gather_whole", "check_cut_consistent", "register_linear",
+__all__ = ["TensorGroup", "Split", "plan_of", "shard_layer", "split_of", "cut", "kept_ranges",
+           "join", "gather_whole", "check_cut_consistent", "register_linear",
            "copy_to", "reduce_from"]
 
 STYLES = ("colwise", "rowwise", "gather_sequence", "partial_gradient")
@@ -642,6 +642,33 @@ def cut(whole: torch.Tensor, dim: int, parts: int | tuple[int, ...], size: int,
     equal blocks, or their widths) cut in `size`."""
     blocks = whole.split(_widths(parts, whole.shape[dim]), dim)
     return torch.cat([b.chunk(size, dim)[rank] for b in blocks], dim)
+
+
+def kept_ranges(shape: Sequence[int], split: Any, size: int,
+                rank: int) -> tuple[int, list[tuple[int, int]]] | None:
+    """Which part of a whole tensor of `shape` rank `rank` of `size` keeps, before the tensor
+    is read: `(dim, [(start, stop), ...])`, the ranges along `dim` whose pieces, concatenated
+    in order, are `cut`'s slice (one range a fused block). `split` is the parameter's
+    `split_of`. None where this function does not know the layout, or the degree does not
+    divide it evenly: the reader then reads the whole tensor and `cut`s it.
+
+    The one place a reader learns what to read (`pipeflow.train.hub` reads a Hub folder's
+    safetensors files in these ranges, `get_slice(key)[...]`): a new layout of `cut` gives
+    its ranges here, and `tests/test_tensor_hub_mpi.py` checks both agree."""
+    if not (isinstance(split, tuple) and len(split) == 2 and isinstance(split[0], int)
+            and (isinstance(split[1], int) or _widths_given(split[1]))):
+        return None
+    dim, parts = split
+    width = shape[dim] if 0 <= dim < len(shape) else 0
+    widths = _widths(parts, width) if width else []
+    if not widths or sum(widths) != width or any(w % size for w in widths):
+        return None              # `cut`'s uneven chunks: left to it
+    ranges, start = [], 0
+    for w in widths:             # each fused block (equal ones, or Phi-3's q | k | v)
+        piece = w // size
+        ranges.append((start + rank * piece, start + (rank + 1) * piece))
+        start += w
+    return dim, ranges
 
 
 def join(slices: list[torch.Tensor], dim: int, parts: int | tuple[int, ...]) -> torch.Tensor:

@@ -86,7 +86,9 @@ class _Source:
     model: Any                    # pipeflow.train.model_table.Model
     precision: str
     tokenizer: str
-    read: Callable[[list[int]], dict[str, torch.Tensor]]    # layers -> their tensors
+    # (layers, Engine.kept_ranges) -> their tensors: a Hub folder's in this tensor rank's
+    # slices, a checkpoint's whole (its shards hold whole layers; load_state_dict cuts them)
+    read: Callable[[list[int], Any], dict[str, torch.Tensor]]
     folder: str | None = None     # the checkpoint read (None: a Hugging Face folder)
 
 
@@ -162,7 +164,8 @@ def _load(engine: Any, source: _Source, comm: MPI.Comm, args: SampleArgs) -> boo
     the save_dir removed it): read the new latest then."""
     problem, vanished = None, False
     try:
-        engine.load_state_dict(source.read(list(engine.stage.module.indices)))
+        engine.load_state_dict(source.read(list(engine.stage.module.indices),
+                                           engine.kept_ranges))
     except (ConfigError, OSError, ValueError, KeyError, RuntimeError) as exc:
         problem = f"rank {comm.rank}: {exc}"
         vanished = source.folder is not None and not os.path.isdir(source.folder)
@@ -231,7 +234,8 @@ def _hub_source(folder: str) -> _Source:
     model = build_model({"kind": "hf", "pretrained": folder})
     tok = os.path.join(folder, "tokenizer.json")
     return _Source(model, "fp32", f"hf:{tok}" if os.path.isfile(tok) else "",
-                   lambda layers: hub.read_layers(folder, model.hf_config, layers)[0])
+                   lambda layers, ranges: hub.read_layers(folder, model.hf_config, layers,
+                                                          ranges)[0])
 
 
 def _checkpoint_source(path: str, run_toml: str) -> _Source:
@@ -243,7 +247,7 @@ def _checkpoint_source(path: str, run_toml: str) -> _Source:
     run = _run_of(folder, run_toml)
     model = build_model(run.model, run.source)
 
-    def read(layers: list[int]) -> dict[str, torch.Tensor]:
+    def read(layers: list[int], _ranges: Any) -> dict[str, torch.Tensor]:
         return read_params(folder, layers)[0]
     return _Source(model, run.engine.precision, data_tokenizer(run), read, folder)
 
