@@ -16,13 +16,14 @@ import re
 import pytest
 import torch
 from mpi4py import MPI
+from torch import nn
 
 transformers = pytest.importorskip(
     "transformers", reason="pipeflow.models.hf needs transformers: pip install -e '.[hf]'")
 
 import pipeflow as pf                          # noqa: E402
 from pipeflow.models import hf                 # noqa: E402
-from pipeflow.runtime.tensor_parallel import split_of   # noqa: E402
+from pipeflow.runtime.tensor_parallel import Once, Shard, split_of   # noqa: E402
 from test_hf import make_config                # noqa: E402
 from test_hf_mpi import LR, _hf_model, _train_transformers   # noqa: E402
 from toy import sgd                            # noqa: E402
@@ -180,6 +181,69 @@ def test_phimoe_under_sequence_parallelism_is_refused_with_the_reason():
     with pytest.raises(pf.ConfigError, match="samples experts at random.*sequence_parallel"):
         engine_for(hf.causal_lm_layers(moe_config("phimoe")), comm, sp=True)
     comm.Free()
+
+
+# -- the cuts on a user's own model: parameters, a per-token module, a bias added once ------
+
+class Bank(nn.Module):
+    """A user's per-token module with plain parameters (no nn.Linear), scaled per token by a
+    second input (as an expert bank by its routing weights), a bias inside."""
+
+    def __init__(self, width: int = 24, inner: int = 16) -> None:
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(inner, width) / width ** 0.5)
+        self.down = nn.Parameter(torch.randn(width, inner) / inner ** 0.5)
+        self.bias = nn.Parameter(torch.randn(width) * 0.1)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return (torch.tanh(x @ self.up.t()) @ self.down.t() + self.bias) * scale
+
+
+class BankBlock(nn.Module):
+    tp_plan = {"bank": "tokenwise", "bank.up": Shard(0), "bank.down": Shard(1),
+               "bank.bias": Once()}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(24, 1)         # whole: a router of one expert
+        self.bank = Bank()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bank(x, torch.sigmoid(self.gate(x)))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_users_own_per_token_module_with_parameter_cuts_trains_like_one_process():
+    from test_tensor_mpi import UserEmbed, UserHead, check
+    layers = [pf.LayerSpec(UserEmbed), pf.LayerSpec(BankBlock), pf.LayerSpec(BankBlock),
+              pf.LayerSpec(UserHead)]
+    engine = check(layers, (1, 1, N), sgd, 1e-5)
+    held = dict(engine.stage.module.named_parameters())
+    assert held["1.bank.up"].shape == (16 // N, 24) and held["1.bank.down"].shape == (24, 16 // N)
+    assert split_of(held["1.bank.bias"]) is None and split_of(held["1.gate.weight"]) is None
+
+
+class HalfCut(BankBlock):
+    tp_plan = {"bank": "tokenwise", "bank.up": Shard(0), "bank.down": Shard(1)}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("plan,message", [
+    (HalfCut.tp_plan, r"bank: a tokenwise module .* parameters \['bias'\] are neither cut"),
+    ({**HalfCut.tp_plan, "bank.bias": Once(), "bank.scale": Shard(0)},
+     r"'bank.scale' \(Shard.*names no parameter"),
+    ({**HalfCut.tp_plan, "bank.bias": Shard(1)}, r"Shard cuts dimension 1 of a parameter of "
+                                                  r"shape \(24,\)")], ids=["whole", "typo", "dim"])
+def test_a_parameter_plan_that_does_not_fit_is_refused_naming_it(plan, message):
+    from test_tensor_mpi import UserEmbed, UserHead
+    layers = [pf.LayerSpec(UserEmbed), pf.LayerSpec(HalfCut), pf.LayerSpec(UserHead)]
+    HalfCut.tp_plan = plan
+    try:
+        with pytest.raises(pf.ConfigError, match=message):
+            pf.Engine(layers, hf.causal_lm_loss_sum, sgd, pf.Config(tensor=N))
+    finally:
+        HalfCut.tp_plan = {"bank": "tokenwise", "bank.up": Shard(0), "bank.down": Shard(1)}
 
 
 if not FOUR:       # not collected at all (a skip under mpirun is an error)
