@@ -22,7 +22,7 @@ transformers = pytest.importorskip(
     "transformers", reason="pipeflow.models.hf needs transformers: pip install -e '.[hf]'")
 
 import pipeflow as pf                          # noqa: E402
-from pipeflow.models import hf                 # noqa: E402
+from pipeflow.models import hf, hf_checkpoint  # noqa: E402
 from pipeflow.runtime.tensor_parallel import Once, Shard, split_of   # noqa: E402
 from test_hf import make_config                # noqa: E402
 from test_hf_mpi import LR, _hf_model, _train_transformers   # noqa: E402
@@ -104,6 +104,11 @@ def check_trained(full, expected: dict, cfg, start) -> None:
     assert set(trained) == set(expected)
     for key, value in expected.items():
         assert relative(trained[key], value) < 1e-5, (key, relative(trained[key], value))
+    # as save_pretrained writes them (Mixtral's, Qwen2-MoE's, PhiMoE's experts one by one)
+    files, theirs = hf_checkpoint.to_checkpoint(trained, cfg), \
+        hf_checkpoint.to_checkpoint(expected, cfg)
+    assert set(files) == set(theirs)
+    assert all(relative(files[k], theirs[k]) < 1e-5 for k in theirs)
     routers = [k for k in expected if k.endswith(("gate.weight", "router.weight"))
                and "shared_expert_gate" not in k]
     assert routers and all(not torch.equal(expected[k], initial[k]) for k in routers)
@@ -171,6 +176,39 @@ def test_phimoe_at_t2_gives_transformers_logits_and_trains_like_one_process():
     assert losses == pytest.approx(ref, rel=1e-5)
     if comm.rank == 0:
         check_trained(full, hf.to_hf_state_dict(expected, cfg), cfg, start)
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["gpt_oss", "deepseek_v3"])
+@pytest.mark.filterwarnings("ignore:checkpoint .* was written on grid")
+def test_a_t2_checkpoint_loads_whole_at_t1_and_cut_again_at_t2(kind, tmp_path):
+    """A checkpoint holds whole tensors (the banks, the sinks, a bias added once): one saved
+    at t2 with sequence parallelism loads into a data = 2 grid and into t2, each holding the
+    trained weights; their greedy tokens (the key/value cache) agree."""
+    comm = pair()
+    cfg = moe_config(kind)
+    layers = hf.causal_lm_layers(cfg)
+    engine = engine_for(layers, comm, sp=True)
+    for ids, labels, mask in batches(2):
+        engine.train_step(ids, labels, attention_mask=mask)
+    folder = comm.bcast(str(tmp_path))
+    engine.save(folder)
+    trained = engine.gather_state_dict()
+    engine.close()
+    prompts, tokens = [[3, 5, 7, 11], [2, 4, 6, 8]], []
+    for config in (pf.Config(data=2), pf.Config(tensor=2)):
+        other = pf.Engine(layers, hf.causal_lm_loss_sum, sgd, config,
+                          count_items=hf.num_valid_tokens, comm=comm)
+        other.load(folder)
+        again = other.gather_state_dict()
+        tokens.append(other.generate(prompts, max_new_tokens=4))
+        other.close()
+        if comm.rank == 0:
+            assert set(again) == set(trained)
+            assert all(torch.equal(again[k], trained[k]) for k in trained)
+    assert tokens[0] == tokens[1]
     comm.Free()
 
 
