@@ -36,10 +36,10 @@ FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "gpt_oss", "
 AUX = dict(output_router_logits=True, router_aux_loss_coef=0.1)
 
 
-def moe_config(kind: str):
+def moe_config(kind: str, **extra):
     """test_hf's tiny config of the family, narrower: hidden 32, heads of 8, 4 experts."""
     return make_config(kind, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                       head_dim=8, max_position_embeddings=2 * SEQ, **AUX)
+                       head_dim=8, max_position_embeddings=2 * SEQ, **AUX, **extra)
 
 
 def batches(steps: int = STEPS):
@@ -114,8 +114,8 @@ def check_trained(full, expected: dict, cfg, start) -> None:
     assert routers and all(not torch.equal(expected[k], initial[k]) for k in routers)
 
 
-def train_against_transformers(kind: str, comm, pipeline: int, sp: bool) -> None:
-    cfg = moe_config(kind)
+def train_against_transformers(kind: str, comm, pipeline: int, sp: bool, **extra) -> None:
+    cfg = moe_config(kind, **extra)
     layers = hf.causal_lm_layers(cfg)
     engine = engine_for(layers, comm, pipeline, sp=sp)
     assert_cut(engine, kind)
@@ -214,10 +214,27 @@ def test_a_t2_checkpoint_loads_whole_at_t1_and_cut_again_at_t2(kind, tmp_path):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
-def test_phimoe_under_sequence_parallelism_is_refused_with_the_reason():
+@pytest.mark.parametrize("kind,extra,reason", [
+    ("phimoe", {}, "samples experts at random"),
+    ("mixtral", {"router_jitter_noise": 0.1}, r"random jitter \(router_jitter_noise")])
+def test_random_routing_under_sequence_parallelism_is_refused_with_the_reason(kind, extra,
+                                                                               reason):
     comm = pair()
-    with pytest.raises(pf.ConfigError, match="samples experts at random.*sequence_parallel"):
-        engine_for(hf.causal_lm_layers(moe_config("phimoe")), comm, sp=True)
+    cfg = moe_config(kind)
+    for key, value in extra.items():
+        setattr(cfg, key, value)
+    with pytest.raises(pf.ConfigError, match=f"layer 1 .*{reason}.*set sequence_parallel"):
+        engine_for(hf.causal_lm_layers(cfg), comm, sp=True)
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_qwen2_moe_with_a_dense_block_trains_like_transformers():
+    """One plan for both kinds of block: the dense one's MLP cut as Llama's, the MoE one's
+    bank and shared expert as above (`Split(..., if_present=True)`)."""
+    comm = pair()
+    train_against_transformers("qwen2_moe", comm, 1, True, mlp_only_layers=[0])
     comm.Free()
 
 

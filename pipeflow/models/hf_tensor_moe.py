@@ -22,6 +22,7 @@ latents (`q_b_proj`, `kv_b_proj`) by heads, `o_proj` by rows; the low-rank down-
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -135,7 +136,7 @@ def _localize(layer: nn.Module, group: Any) -> None:
     """Checks every row makes once its block is cut: its MLP was cut (a plan whose entries
     may be absent still cut something), its bank in the layout the plan assumed, and no
     randomness that sequence parallelism would draw per slice."""
-    where = f"layer {layer.index} ({layer.config.model_type})"
+    where = f"layer {layer.index + 1} ({layer.config.model_type} block {layer.index})"
     mlp = layer.layer.mlp
     if not any(split_of(p) is not None for p in mlp.parameters()):
         raise ConfigError(f"{where}: the tensor plan cut nothing of its MLP "
@@ -155,12 +156,11 @@ def _localize(layer: nn.Module, group: Any) -> None:
 
 
 def _random_in_training(config: Any) -> str | None:
+    """What draws random numbers per token in training, if anything does."""
     if config.model_type == "phimoe":
         return "its router samples experts at random in training (sparsemixer)"
-    noise = [f for f in ("router_jitter_noise", "input_jitter_noise")
-             if getattr(config, f, 0) and config.model_type != "phimoe"]
-    if noise:
-        return f"its router multiplies its input by random jitter ({noise[0]} > 0)"
+    if getattr(config, "router_jitter_noise", 0):
+        return "its router multiplies its input by random jitter (router_jitter_noise > 0)"
     return None
 
 
@@ -200,8 +200,13 @@ def _localize_olmoe(layer: nn.Module, group: Any) -> None:
     _localize(layer, group)
     attention = layer.layer.self_attn
     for norm in (attention.q_norm, attention.k_norm):
-        norm.__class__ = type("Group" + type(norm).__name__, (_GroupRMSNorm, type(norm)), {})
+        norm.__class__ = _group_norm(type(norm))
         norm.pf_tensor, norm.pf_width = group, norm.weight.shape[0] * group.size
+
+
+@functools.cache
+def _group_norm(cls: type) -> type:
+    return type("Group" + cls.__name__, (_GroupRMSNorm, cls), {})
 
 
 class _GroupRMSNorm(nn.Module):
