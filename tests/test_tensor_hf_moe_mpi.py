@@ -26,7 +26,7 @@ from pipeflow.models import hf, hf_checkpoint  # noqa: E402
 from pipeflow.runtime.tensor_parallel import Once, Shard, split_of   # noqa: E402
 from test_hf import make_config                # noqa: E402
 from test_hf_mpi import LR, _hf_model, _train_transformers   # noqa: E402
-from toy import sgd                            # noqa: E402
+from toy import bcast, sgd                     # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 N = WORLD.size
@@ -193,7 +193,7 @@ def test_a_t2_checkpoint_loads_whole_at_t1_and_cut_again_at_t2(kind, tmp_path):
     engine = engine_for(layers, comm, sp=True)
     for ids, labels, mask in batches(2):
         engine.train_step(ids, labels, attention_mask=mask)
-    folder = comm.bcast(str(tmp_path))
+    folder = bcast(comm, str(tmp_path))
     engine.save(folder)
     trained = engine.gather_state_dict()
     engine.close()
