@@ -58,12 +58,13 @@ def pair() -> MPI.Comm:
     return WORLD.Split(color=WORLD.rank // 2, key=WORLD.rank)
 
 
-def engine_for(layers, comm, pipeline: int = 1, tensor: int = 2, sp: bool = False):
+def engine_for(layers, comm, pipeline: int = 1, tensor: int = 2, sp: bool = False,
+               **settings):
     # one micro-batch: transformers' load-balancing loss is one product of means over the
     # whole batch, which a mean over micro-batches is not
     return pf.Engine(layers, hf.causal_lm_loss_sum, sgd,
                      pf.Config(pipeline=pipeline, tensor=tensor, microbatches=1,
-                               sequence_parallel=sp),
+                               sequence_parallel=sp, **settings),
                      count_items=hf.num_valid_tokens, comm=comm)
 
 
@@ -114,10 +115,11 @@ def check_trained(full, expected: dict, cfg, start) -> None:
     assert routers and all(not torch.equal(expected[k], initial[k]) for k in routers)
 
 
-def train_against_transformers(kind: str, comm, pipeline: int, sp: bool, **extra) -> None:
+def train_against_transformers(kind: str, comm, pipeline: int, sp: bool, recompute="none",
+                               **extra) -> None:
     cfg = moe_config(kind, **extra)
     layers = hf.causal_lm_layers(cfg)
-    engine = engine_for(layers, comm, pipeline, sp=sp)
+    engine = engine_for(layers, comm, pipeline, sp=sp, recompute=recompute)
     assert_cut(engine, kind)
     data = batches()
     start = pf.build_sequential(layers, 0).state_dict()
@@ -149,8 +151,9 @@ def test_moe_family_at_t2_trains_like_transformers(kind, sp):
 @pytest.mark.parametrize("kind", ["mixtral", "deepseek_v3"])
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
 def test_moe_family_at_p2xt2_trains_like_transformers(kind, sp):
-    """Router sums cross the stage boundary; each stage's experts cut over its tensor pair."""
-    train_against_transformers(kind, WORLD, 2, sp)
+    """Router sums cross the stage boundary; each stage's experts cut over its tensor pair;
+    with sequence parallelism, every block recomputed (its collectives replayed)."""
+    train_against_transformers(kind, WORLD, 2, sp, recompute="full" if sp else "none")
 
 
 @pytest.mark.mpi(min_size=2)
