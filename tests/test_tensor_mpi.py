@@ -552,3 +552,21 @@ def test_a_whole_weight_only_some_slices_reach_trains_like_one_process():
     state = engine.stage.module.state_dict()
     start = pf.build_sequential(layers, 0).state_dict()
     assert torch.equal(state["1.biases.3"], start["1.biases.3"])       # never reached
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_a_transformers_model_built_sequence_parallel_generates_as_one_process():
+    """Generation turns sequence parallelism off for the call: the attention's
+    `gather_sequence` must gather nothing then (it gathered, and rotary failed on the
+    doubled length)."""
+    from pipeflow.models import hf
+    layers = hf.causal_lm_layers(_hf_config("llama"))
+    tokens = {}
+    for t, comm in ((1, MPI.COMM_SELF), (N, WORLD)):
+        engine = pf.Engine(layers, hf.causal_lm_loss_sum, sgd,
+                           pf.Config(tensor=t, sequence_parallel=t > 1), comm=comm,
+                           count_items=hf.num_valid_tokens)
+        tokens[t] = engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=4)
+        engine.close()
+    assert tokens[N] == tokens[1]

@@ -379,7 +379,9 @@ class DecoderLayer(nn.Module):
         with hf_moe.capture_router_logits(self.layer, self.router) as routed:
             out = self._block(hidden, mask, position_ids, extra)
         top_k = self.config.num_experts_per_tok      # as the causal LM's loss counts them
+        group = getattr(self, "pf_sequence_group", None)     # sequence parallelism
         for logits, _ in routed:
+            logits = hf_moe.whole_sequence_logits(logits, hidden, group)
             sums = hf_moe.add_router_logits(sums, logits, top_k, attention_mask)
         return out, sums
 

@@ -26,6 +26,11 @@ names (fnmatch patterns, as transformers' `base_model_tp_plan`) to a style, with
   and its column layers take it as it is; without sequence parallelism nothing.
 - `"partial_gradient"` on any module: its whole weights act on this rank's slice of the
   features (a norm over each head of q and k), so their gradient is summed over the group.
+- `"tokenwise"` on any module that acts on each token (row) alone, with its weights cut by
+  `Shard` entries (an expert bank, a shared expert): each rank computes every token with its
+  slices and the group sums the outputs (copy-to of its floating inputs, reduce-from of its
+  output; under sequence parallelism every rank's tokens gathered in, each rank's sums
+  scattered out). See "Parameter cuts" below.
 - `"rowwise"` on `nn.Embedding`: the vocabulary cut (a vocabulary-parallel embedding: ids
   outside a rank's rows give zeros, the group sums); `"colwise"` on `nn.Embedding`: the
   embedding width cut, the slices gathered.
@@ -59,9 +64,9 @@ from pipeflow.layers import layer_seed
 
 __all__ = ["TensorGroup", "Split", "plan_of", "shard_layer", "split_of", "cut", "kept_ranges",
            "join", "gather_whole", "check_cut_consistent", "register_linear",
-           "copy_to", "reduce_from"]
+           "copy_to", "reduce_from", "Shard", "Once"]
 
-STYLES = ("colwise", "rowwise", "gather_sequence", "partial_gradient")
+STYLES = ("colwise", "rowwise", "gather_sequence", "partial_gradient", "tokenwise")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +79,8 @@ class Split:
     parts: int | tuple[int, ...] = 1
     unit: int = 1
     optional: bool = False      # a degree that does not divide leaves the module whole
+    # the pattern may name nothing in a layer (a plan shared by dense and MoE blocks)
+    if_present: bool = False
 
     @classmethod
     def parse(cls, value: Any, where: str) -> "Split":
@@ -703,8 +710,13 @@ def shard_layer(layer: nn.Module, group: TensorGroup, index: int) -> None:
     where = f"layer {index} ({name})"
     named = dict(layer.named_modules())
     for pattern, value in plan.items():
+        if isinstance(value, (Shard, Once)):
+            _cut_parameters(layer, pattern, value, group, where)
+            continue
         split = Split.parse(value, f"{where}: tp_plan[{pattern!r}]")
         hits = [n for n in named if n and fnmatch.fnmatchcase(n, pattern)]
+        if not hits and split.if_present:
+            continue
         if not hits:
             raise ConfigError(
                 f"{where}: tp_plan entry {pattern!r} names no submodule; its submodules are "
@@ -712,6 +724,7 @@ def shard_layer(layer: nn.Module, group: TensorGroup, index: int) -> None:
         for sub_name in hits:
             _cut_module(named[sub_name], split, group, f"{where}.{sub_name}",
                         f"layer {index}.{sub_name}")
+    _check_tokenwise(layer, where)
     after = getattr(layer, "tp_after_cut", None)
     if after is not None:         # what the layer's code reads from its whole shape
         after(group)
@@ -723,11 +736,16 @@ def _gather_sequence(module: nn.Module, group: TensorGroup, key: str) -> None:
     """`gather_sequence`: under sequence parallelism the module's input (its first argument
     or `hidden_states`) is gathered whole on entry (code that reshapes by its input's length,
     as transformers' attention does, sees the whole sequence) and its column layers take it
-    as it is; its row layers still scatter their output. Without it, nothing."""
+    as it is; its row layers still scatter their output. Without it, nothing; nor while it
+    is off for the moment (`whole_sequence`: generation)."""
     if not group.sequence_parallel:
         return
+    entered: list[bool] = []      # per call: whether this one gathered (calls nest in recompute)
 
-    def enter(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def enter(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        entered.append(group.sequence_parallel)
+        if not entered[-1]:
+            return None
         group.gathered += 1
         if args:
             return (_GatherSeq.apply(args[0], group, key), *args[1:]), kwargs
@@ -736,7 +754,8 @@ def _gather_sequence(module: nn.Module, group: TensorGroup, key: str) -> None:
         return args, kwargs
 
     def leave(_m: nn.Module, _args: tuple, out: Any) -> Any:
-        group.gathered -= 1
+        if entered.pop():
+            group.gathered -= 1
         return out
 
     module.register_forward_pre_hook(enter, with_kwargs=True)
@@ -751,6 +770,9 @@ def _cut_module(module: nn.Module, split: Split, group: TensorGroup, where: str,
     if split.style == "partial_gradient":
         for param in module.parameters():
             param.pf_partial_gradient = True
+        return
+    if split.style == "tokenwise":
+        _tokenwise(module, group, f"tensor group: {key} (tokenwise)")
         return
     kind = next((k for k, _ in _CUTS if type(module) is k), None)
     if kind is None:
@@ -819,11 +841,183 @@ def check_cut_consistent(module: nn.Module, where: str) -> None:
         if isinstance(sub, cut_classes):
             continue
         for pname, param in sub.named_parameters(recurse=False):
-            if split_of(param) is not None:
+            if split_of(param) is not None and not getattr(param, "pf_shard", False):
                 raise ConfigError(
                     f"{where}: {name}.{pname} is a weight tied to one cut by a tp_plan, but "
                     f"{name} ({type(sub).__name__}) is not cut; give every holder of a tied "
                     f"weight the same tp_plan style")
+
+
+# -- parameter cuts: an expert bank's 3-D weights, a vector per head, a bias added once ------
+#
+# transformers 5 keeps a mixture's experts as fused 3-D parameters of one module
+# (`gate_up_proj` (experts, 2 x inner, hidden), `down_proj` (experts, hidden, inner)), not as
+# `nn.Linear`s, and some blocks read a parameter per head (GPT-OSS's attention sinks). A
+# `Shard` entry names parameters (not modules) and cuts each along a dimension; its module
+# computes with the slice as it is, with no collective of its own: the boundary is the
+# `tokenwise` module around it (an expert bank: the inner width cut, the group sums), or the
+# cut layers beside it (a sink per head of a head-cut attention).
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """A `tp_plan` entry naming parameters: each cut along `dim` (its `parts` fused blocks each
+    cut, every slice a whole number of `unit`s), e.g. `Shard(1, 2)` for an expert bank's
+    fused gate and up, `Shard(2)` for its down projection, `Shard(0)` for a vector per head."""
+
+    dim: int
+    parts: int = 1
+    unit: int = 1
+    if_present: bool = False    # the pattern may name nothing in a layer
+
+    @property
+    def style(self) -> str:
+        return "shard"
+
+
+@dataclasses.dataclass(frozen=True)
+class Once:
+    """A `tp_plan` entry naming whole parameters that a `tokenwise` module adds to each
+    token's output (an expert bank's down-projection bias): tensor rank 0 adds them, the
+    others add zeros, and their gradient is summed over the group, so the sum counts them
+    once."""
+
+    if_present: bool = False
+
+
+def _cut_parameters(layer: nn.Module, pattern: str, entry: "Shard | Once", group: TensorGroup,
+                    where: str) -> None:
+    named = dict(layer.named_parameters())
+    hits = [n for n in named if fnmatch.fnmatchcase(n, pattern)]
+    if not hits and not entry.if_present:
+        raise ConfigError(
+            f"{where}: tp_plan entry {pattern!r} ({entry}) names no parameter; its parameters "
+            f"are {list(named)[:12]}; fix the pattern")
+    for name in hits:
+        param, here = named[name], f"{where}.{name}"
+        if isinstance(entry, Once):
+            owner, _, attr = name.rpartition(".")
+            _added_once(layer.get_submodule(owner), attr, group)
+            continue
+        if not 0 <= entry.dim < param.dim():
+            raise ConfigError(f"{here}: Shard cuts dimension {entry.dim} of a parameter of "
+                              f"shape {tuple(param.shape)}; name a dimension it has")
+        if split_of(param) is not None:
+            raise ConfigError(f"{here}: cut twice (tp_plan patterns overlap); name it once")
+        _check_divides(param.shape[entry.dim], entry, group.size, here,
+                       f"dimension {entry.dim}")
+        param.data = cut(param.data, entry.dim, entry.parts, group.size, group.rank).clone()
+        param.pf_tensor_split, param.pf_shard = (entry.dim, entry.parts), True
+
+
+def _added_once(owner: nn.Module, name: str, group: TensorGroup) -> None:
+    """`Once`: while `owner` runs on a tensor rank other than 0, its parameter `name` reads as
+    zeros (still in the graph, so its gradient exists, zero, for the group's sum)."""
+    getattr(owner, name).pf_partial_gradient = True
+    if group.rank == 0:
+        return
+    held: list[Any] = []
+
+    def enter(module: nn.Module, _args: tuple) -> None:
+        held.append(module._parameters[name])
+        module._parameters[name] = held[-1] * 0
+
+    def leave(module: nn.Module, _args: tuple, _out: Any) -> None:
+        module._parameters[name] = held.pop()
+
+    owner.register_forward_pre_hook(enter)
+    owner.register_forward_hook(leave)
+
+
+def _rows_gather(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
+    """Every rank's rows (dimension 0) after one another, in rank order."""
+    out = _allgather(_wide(x.detach(), group), group, key)
+    return out.reshape(group.size * x.shape[0], *x.shape[1:]).to(x.dtype)
+
+
+def _rows_reduce_scatter(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
+    """The sum over the group of `x`, this rank's block of its rows."""
+    whole = _wide(x.detach(), group).contiguous()
+    out = whole.new_empty((whole.shape[0] // group.size, *whole.shape[1:]))
+    group.wait(group.comm.ireduce_scatter_(whole.view(-1), out.view(-1), key=key), key)
+    return out.to(x.dtype)
+
+
+class _GatherRows(torch.autograd.Function):
+    """Into a `tokenwise` module under sequence parallelism: every rank's tokens forward; the
+    gradient's sum over the group, this rank's tokens, backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
+        ctx.group, ctx.key = group, key
+        return _rows_gather(x, group, key)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return (_rows_reduce_scatter(grad, ctx.group, f"{ctx.key} (input gradient)"),
+                None, None)
+
+
+class _ScatterRows(torch.autograd.Function):
+    """Out of a `tokenwise` module under sequence parallelism: the partial outputs summed,
+    this rank's tokens, forward; every rank's gradient rows gathered backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
+        ctx.group, ctx.key = group, key
+        return _rows_reduce_scatter(x, group, key)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _rows_gather(grad, ctx.group, f"{ctx.key} (output gradient)"), None, None
+
+
+def _tokenwise(module: nn.Module, group: TensorGroup, key: str) -> None:
+    """`tokenwise`: the module's floating inputs (the tokens, an expert bank's routing
+    weights) are copied to the group (their gradients summed) and its output is summed over
+    it. Under sequence parallelism (its layer in the region) every rank's tokens are gathered
+    along dimension 0 first, integer inputs (expert indices) too, and each rank keeps the
+    sums of its own tokens: a per-token module does not mind their order."""
+    module.pf_tensor, module.pf_key, module.pf_tokenwise = group, key, True
+
+    def one(x: Any, rows: bool) -> Any:
+        if not torch.is_tensor(x):
+            return x
+        if rows:
+            return _GatherRows.apply(x, group, key) if x.is_floating_point() \
+                else _rows_gather(x, group, f"{key} (indices)")
+        return copy_to(x, group, key) if x.is_floating_point() else x
+
+    def enter(m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        rows = _sequence(m)
+        return (tuple(one(a, rows) for a in args),
+                {k: one(v, rows) for k, v in kwargs.items()})
+
+    def leave(m: nn.Module, _args: tuple, out: Any) -> Any:
+        if not torch.is_tensor(out):
+            raise ConfigError(f"{key}: a tokenwise module returns one tensor (its output for "
+                              f"every token), found {type(out).__name__}; name the module "
+                              f"inside it that does")
+        if _sequence(m):
+            return _ScatterRows.apply(out, group, key)
+        return reduce_from(out, group, key)
+
+    module.register_forward_pre_hook(enter, with_kwargs=True)
+    module.register_forward_hook(leave)
+
+
+def _check_tokenwise(layer: nn.Module, where: str) -> None:
+    """Inside a `tokenwise` module every parameter is cut (`Shard`) or added once (`Once`):
+    a whole one would be counted once per tensor rank in the sum."""
+    for name, module in layer.named_modules():
+        if not getattr(module, "pf_tokenwise", False):
+            continue
+        whole = [n for n, p in module.named_parameters()
+                 if split_of(p) is None and not getattr(p, "pf_partial_gradient", False)]
+        if whole:
+            raise ConfigError(
+                f"{where}.{name}: a tokenwise module sums its output over the tensor group, "
+                f"but its parameters {whole} are neither cut (Shard) nor added once (Once): "
+                f"each rank would add them whole; give them a tp_plan entry")
 
 
 # -- the vocabulary cut: logits stay in slices into the loss --------------------------------
