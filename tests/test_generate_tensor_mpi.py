@@ -19,9 +19,8 @@ from mpi4py import MPI
 import pipeflow as pf
 from pipeflow.cli import main
 from pipeflow.models import gpt_loss
-from pipeflow.runtime import kv_cache
 
-from test_generate import PROMPTS, gpt_model, greedy_reference
+from test_generate import PROMPTS, Caches, gpt_model, greedy_reference
 from test_generate_mpi import SAMPLING, assert_on_every_rank
 from test_sample import RUN, greedy_ids
 from toy import allgather, barrier, bcast, sgd
@@ -31,27 +30,6 @@ N = WORLD.size
 # (pipeline, data, tensor) grids of this world with tensor 2
 GRIDS = {2: [(1, 1, 2)], 4: [(2, 1, 2), (1, 2, 2)]}.get(N, [])
 NEW = 10
-
-
-class _Caches:
-    """The key/value caches made while it is entered (`KeyValues`, which the GPT's blocks
-    and the HF blocks' caches both keep): each one's keys buffer shape, whole."""
-
-    def __enter__(self) -> "_Caches":
-        self.shapes: list[tuple[int, ...]] = []
-        real = self.real = kv_cache.KeyValues.extend
-
-        def extend(kv, keys, values):
-            new = kv.keys is None
-            out = real(kv, keys, values)
-            if new:
-                self.shapes.append(tuple(kv.keys.shape))
-            return out
-        kv_cache.KeyValues.extend = extend
-        return self
-
-    def __exit__(self, *exc) -> None:
-        kv_cache.KeyValues.extend = self.real
 
 
 def _engine(layers, state, grid, comm=WORLD):
@@ -64,7 +42,7 @@ def _engine(layers, state, grid, comm=WORLD):
 
 def _one_process(layers, state, prompts, **args):
     single = _engine(layers, state, (1, 1, 1), comm=MPI.COMM_SELF)
-    with _Caches() as caches:
+    with Caches() as caches:
         out = single.generate(prompts, NEW, **args)
     single.close()
     return out, caches.shapes
@@ -86,7 +64,7 @@ def _check(engine, prompts, want_greedy, layers, state, kv_heads, head_dim, bloc
     free, _ = _one_process(layers, state, prompts, **SAMPLING)
     eos = next(t for t in free[0][2:] if t not in free[1])
     one, one_caches = _one_process(layers, state, prompts, eos=eos, **SAMPLING)
-    with _Caches() as caches:
+    with Caches() as caches:
         sampled = engine.generate(prompts, NEW, eos=eos, **SAMPLING)
     where = engine.stage.describe()
     assert_on_every_rank(greedy == want_greedy, f"{where}: greedy {greedy} != {want_greedy}")
