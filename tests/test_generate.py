@@ -1,7 +1,9 @@
 """`engine.generate` in one process: greedy equals `build_sequential`'s greedy loop token for
 token (with and without the key/value cache, cropping past the positions), sampling is
-repeatable and restricted as asked, `eos` stops a prompt, bad arguments are named; and a
-random-weights Llama and GPT-2 generate what `transformers.generate` does."""
+repeatable and restricted as asked, `eos` stops a prompt, bad arguments are named; a
+random-weights Llama and GPT-2 generate what `transformers.generate` does; each key/value
+cache is allocated once at the call's positions, and the host reads the tokens once a call
+(once a token only for an `eos`)."""
 
 from __future__ import annotations
 
