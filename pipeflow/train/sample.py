@@ -3,8 +3,9 @@
 `CKPT` is a checkpoint folder (or the save_dir whose latest it is) written by `pipeflow
 train`, which records the run's tables in its `data.json`, or a Hugging Face folder
 (`config.json` and safetensors weights). Every rank builds its own layers on the grid of
-this launch (`--pipeline P`, default every rank; the rest are replicas), reads only their
-tensors, and `engine.generate` writes the continuation. The tokenizer is the run's data's
+this launch (`--tensor T` ranks cut each layer, `--pipeline P` stages, default every tensor
+group of the launch; the rest are replicas), reads only their tensors, and `engine.generate`
+writes the continuation. The tokenizer is the run's data's
 (`meta.json` beside `[data] train`, written by `pipeflow prepare`), the Hugging Face
 folder's `tokenizer.json`, or bytes for a run on the byte corpus; `--tokenizer` overrides.
 The text goes to stdout on rank 0 only.
@@ -75,8 +76,9 @@ class SampleArgs:
     eos: list[int] = dataclasses.field(default_factory=list)
     tokenizer: str = ""
     config: str = ""              # the run's TOML, for a checkpoint that records none
-    pipeline: int = 0             # 0: every rank of the launch in one pipeline
+    pipeline: int = 0             # 0: every rank of the launch (over the tensor degree)
     ids: bool = False             # print the new token ids (JSON) instead of the text
+    tensor: int = 1               # the tensor degree: each layer cut over this many ranks
 
 
 @dataclasses.dataclass
@@ -117,7 +119,7 @@ def sample(args: SampleArgs, comm: MPI.Comm | None = None,
     if empty:
         raise ConfigError(f"--prompt {empty[0]} is no token with tokenizer "
                           f"{tokenizer.spec!r}; give at least one character")
-    config = _grid(args.pipeline, comm.size, source.precision)
+    config = _grid(args.pipeline, args.tensor, comm.size, source.precision)
     engine = Engine(source.model.layers, source.model.loss_fn,
                     lambda ps: torch.optim.SGD(ps, lr=0.0), config, comm=comm)
     from pipeflow.runtime.generate import VocabularyError
@@ -147,12 +149,19 @@ def sample(args: SampleArgs, comm: MPI.Comm | None = None,
     return new
 
 
-def _grid(pipeline: int, ranks: int, precision: str) -> Config:
-    p = pipeline or ranks
-    if p < 1 or ranks % p:
+def _grid(pipeline: int, tensor: int, ranks: int, precision: str) -> Config:
+    if tensor < 1 or ranks % tensor:
+        raise ConfigError(f"--tensor {tensor}: the launch has {ranks} rank(s), which must be "
+                          f"a multiple of the tensor degree; use a divisor of {ranks}")
+    groups = ranks // tensor              # the launch's ranks in tensor groups
+    p = pipeline or groups
+    if p < 1 or groups % p:
         raise ConfigError(f"--pipeline {pipeline}: the launch has {ranks} rank(s), which must "
-                          f"be a multiple of the pipeline's stages; use a divisor of {ranks}")
-    return Config(pipeline=p, data=ranks // p, microbatches=1, precision=precision)
+                          f"be a multiple of the pipeline's stages"
+                          f"{f' times --tensor {tensor}' if tensor > 1 else ''}; use a "
+                          f"divisor of {groups}")
+    return Config(pipeline=p, data=groups // p, tensor=tensor, microbatches=1,
+                  precision=precision)
 
 
 _ATTEMPTS = 4    # reads of a save_dir's latest checkpoint, where a run removes it meanwhile
