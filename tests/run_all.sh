@@ -80,8 +80,8 @@ FAMILIES=("test_engine_mpi"
         "test_data_parallel_mpi test_shard_mpi test_collective_order_mpi"
         "test_hf_mpi test_hf_cli_mpi test_generate_mpi"
         "test_recompute_mpi test_compile_mpi test_trainer_mpi"
-        "test_tensor_mpi test_tensor_hf_dense_mpi test_tensor_hf_fused_mpi test_tensor_hf_moe_mpi test_tensor_hub_mpi
-         test_generate_tensor_mpi")
+        "test_tensor_mpi test_tensor_hf_dense_mpi test_tensor_hf_fused_mpi test_tensor_hf_moe_mpi"
+        "test_tensor_hub_mpi test_generate_tensor_mpi test_planner_calibrate_mpi")
 JOBS=()      # one entry a job: its files, space-separated
 grouped=" ${FAMILIES[*]} "
 for group in "${FAMILIES[@]}"; do
