@@ -343,7 +343,7 @@ def test_pruned_search_ranks_the_same_plans_as_the_exhaustive_one(params, gpus, 
     prec, usable = PRECISIONS["bf16"], cluster.hardware.usable_memory
     for e in full.ranked:
         table = stage_table(shape, cluster, prec, e.boundaries, e.grid.micro_batch_size,
-                            cost.RECOMPUTE)
+                            cost.RECOMPUTE, e.grid.tensor, e.grid.sequence_parallel)
         picks, _ = table.fit(e.grid, prec, usable)
         assert [table.modes[i] for i in picks] == e.recompute
         assert table.step_time_bound(cluster, e.grid, picks) <= e.step_time_s
@@ -410,8 +410,10 @@ def test_memory_error_names_the_gpu_count_that_fits():
 
 
 def test_nothing_fits_at_any_depth_says_how_much_memory_would():
-    small_gpu = dataclasses.replace(H100, memory_bytes=2 * GB, name="tiny")
-    with pytest.raises(PlanError, match=r"No pipeline depth fits .* at least \d+ GB"):
+    # 13B has 36 heads: tensor groups of 4 at most; 2 GB fits it on 52 stages × 4, 1 GB never.
+    small_gpu = dataclasses.replace(H100, memory_bytes=1 * GB, name="tiny")
+    with pytest.raises(PlanError, match=r"No pipeline depth fits .* tensor groups of up to 4 "
+                                        r"GPUs.* at least \d+ GB"):
         search(shape_for_params(13e9), Cluster(small_gpu, 8), 256)
 
 
@@ -558,7 +560,8 @@ def test_search_shards_only_where_that_makes_a_grid_fit():
     n = shape.params
     tight = dataclasses.replace(H100, memory_bytes=n * 12 / (1 - H100.memory_reserve_fraction))
     cluster = Cluster(tight, 4, 4)
-    one = SearchOptions(schedules=("1f1b",), prune=False)
+    # Without a tensor axis: cutting the matrices would make the unsharded grids fit too.
+    one = SearchOptions(schedules=("1f1b",), prune=False, tensor=(1,))
     found = search(shape, cluster, 16, one)
     assert found.best.grid.shard_optimizer and found.best.grid.data > 1
     for e in found.ranked:           # each sharded plan fits no other way
