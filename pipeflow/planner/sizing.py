@@ -73,6 +73,7 @@ class Sizing:
     # The fastest plan without a tensor axis (t = 1), what the best plan is compared with;
     # None when nothing fits without one.
     without_tensor: Estimate | None = None
+    tensor_tried: tuple[int, ...] = (1,)    # the tensor degrees the search considered
 
     @property
     def best(self) -> Estimate:
@@ -145,7 +146,8 @@ def size_run(cluster: Cluster, *, compute: float | None = None, days: float | No
         raise AssertionError("search returned a grid for another batch")
     return Sizing(alloc, optimal, source, shaped, cluster, batch, result, options.precision,
                   mfu_used, _notes(shaped, result, cluster, batch),
-                  _without_tensor(shaped, cluster, batch, options, result))
+                  _without_tensor(shaped, cluster, batch, options, result),
+                  options.tensors(shaped, cluster))
 
 
 def _without_tensor(shape: Shape, cluster: Cluster, batch: int, options: SearchOptions,
@@ -304,6 +306,7 @@ def to_json(sizing: Sizing, config_path: str = "plan.toml", top: int = 5) -> dic
         "pipeline": g.pipeline, "data": g.data, "tensor": g.tensor,
         "sequence_parallel": g.sequence_parallel, "microbatches": g.microbatches,
         "micro_batch_size": g.micro_batch_size, "schedule": g.schedule,
+        "tensor_tried": list(sizing.tensor_tried),
         "partition": best.boundaries, "recompute": best.recompute,
         "precision": sizing.precision, "global_batch": sizing.global_batch,
         "global_batch_tokens": sizing.batch_tokens, "steps": sizing.steps,
@@ -408,14 +411,17 @@ def _tensor_line(sizing: Sizing) -> str:
 
     def figures(est: Estimate) -> str:
         util = "" if hw.calibrated else f", MFU {sizing.mfu_of(est):.0%}"
-        return (f"{est.peak_memory_bytes / GB:.1f} GB per GPU, {_compact(est.recompute)} "
-                f"recomputation{util}")
+        modes = _compact(est.recompute)
+        return (f"{est.peak_memory_bytes / GB:.1f} GB per GPU, "
+                f"{'no' if modes == 'none' else modes} recomputation{util}")
 
     chosen = (f"  tensor {best.grid.tensor}"
               + (" (sequence parallel)" if best.grid.sequence_parallel else "")
               + f": {figures(best)}")
     if best.grid.tensor == 1:
-        return chosen + "; no tensor degree gave a faster plan"
+        tried = sizing.tensor_tried
+        return chosen + ("; no tensor axis asked for" if tried == (1,) else
+                         f"; tensor degrees {', '.join(map(str, tried))} tried, none faster")
     if other is None:
         return chosen + "; without a tensor axis no plan fits"
     return (chosen + f"; without a tensor axis: {_grid_words(other.grid)}, {figures(other)}, "
