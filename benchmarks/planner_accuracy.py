@@ -3,11 +3,13 @@
 # Run: mpirun -n 2 python benchmarks/planner_accuracy.py   (writes BENCHMARKS.md; --help)
 #
 # 1. Calibrate this machine for the benchmark's GPT (pipeflow.planner.calibrate): layer
-#    times on rank 0 (one torch thread), the optimizer step, and the MPI link by ping-pong.
+#    times on rank 0 (one torch thread; the block and head also cut for tensor = 2), the
+#    optimizer step, the MPI link by ping-pong and the tensor group's all-reduce.
 # 2. Every grid the planner would consider for 2 ranks and the global batch (pipeline 1 or
-#    2, data 1 or 2 when the engine reduces gradients, every micro-batch size, 1F1B, GPipe
-#    and ZB-H1): predict its step time from the calibration, then run the real engine on it
-#    (1-rank grids on COMM_SELF while rank 1 sleeps) and time its steps.
+#    2, data 1 or 2 when the engine reduces gradients, tensor 1 or 2 with and without
+#    sequence parallelism, every micro-batch size, 1F1B, GPipe and ZB-H1): predict its step
+#    time from the calibration, then run the real engine on it (1-rank grids on COMM_SELF
+#    while rank 1 sleeps) and time its steps.
 # 3. Report the error per grid, and whether the planner's first choice was the fastest.
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ def parse_args() -> argparse.Namespace:
                         "the cores")
     p.add_argument("--tries", type=int, default=4,
                    help="attempts per sample before a disturbed one is kept (and marked)")
+    p.add_argument("--tensor", default="1,2",
+                   help="tensor degrees of the grids compared (comma-separated)")
     p.add_argument("--output", default="BENCHMARKS.md", help="'' to skip writing")
     return p.parse_args()
 
@@ -133,8 +137,10 @@ def build_engine(shape: Shape, grid: Grid, boundaries: list[int]):
     comm = COMM if grid.gpus == COMM.size else (MPI.COMM_SELF if COMM.rank == 0 else None)
     if comm is None:
         return None
-    config = pf.Config(pipeline=grid.pipeline, data=grid.data, microbatches=grid.microbatches,
-                       schedule=grid.schedule, partition=boundaries)
+    config = pf.Config(pipeline=grid.pipeline, data=grid.data, tensor=grid.tensor,
+                       sequence_parallel=grid.sequence_parallel,
+                       microbatches=grid.microbatches, schedule=grid.schedule,
+                       partition=boundaries)
     return pf.Engine(gpt_layers(_gpt(shape)), gpt_loss,
                      lambda ps: torch.optim.AdamW(ps, lr=1e-4), config, comm=comm)
 
@@ -183,13 +189,14 @@ def main() -> int:
         monitor.wait_quiet(args.quiet_wait)
     sleeping_barrier(COMM)
     sizes = [b for b in divisors(args.batch) if b <= args.max_micro_batch]
+    tensors = tuple(int(t) for t in args.tensor.split(","))
     hw = calibrate(shape, comm=COMM, ranks_per_node=2, micro_batch_sizes=sizes, repeats=3,
-                   log=log)
+                   log=log, tensors=tensors)
     dp = data_parallel_works(shape, args.batch)
     keep = (lambda g: True) if dp else (lambda g: g.data == 1)
     # Every grid that fits is measured: the exhaustive search ranks them all.
     options = SearchOptions("fp32", SCHEDULES, ("none",), args.max_micro_batch,
-                            grid_filter=keep, prune=False)
+                            grid_filter=keep, prune=False, tensor=tensors)
     first = search(shape, Cluster(hw, 2, 2), args.batch, options)
     grids = [e.grid for e in first.ranked]
     bounds = {e.grid: e.boundaries for e in first.ranked}
@@ -211,7 +218,7 @@ def main() -> int:
         if COMM.rank != 0:
             return None
         t0 = time.perf_counter()
-        latest["times"] = measure_layer_times(shape, sizes, repeats=1)
+        latest["times"] = measure_layer_times(shape, sizes, repeats=1, tensors=tensors)
         return time.perf_counter() - t0
 
     for r in range(args.rounds):
@@ -282,7 +289,12 @@ def report(args, shape: Shape, hw, dp: bool, rows, choice: Grid, best_measured,
         f"sizes {sorted({r[0].micro_batch_size for r in rows})}, one torch thread; the "
         f"optimizer at {lt.optimizer_s_per_param * 1e9:.2f} ns/parameter; the MPI link at "
         f"{hw.intra_node_bandwidth / 1e9:.2f} GB/s and {hw.intra_node_latency * 1e6:.1f} µs "
-        f"latency by ping-pong), then predicts every grid it considers for 2 ranks, and the "
+        f"latency by ping-pong"
+        + (f"; at tensor 2 the block and head cut as one rank holds them, and the tensor "
+           f"group's all-reduce on the engine's MPI communicator at "
+           f"{hw.tensor_bandwidth / 1e9:.2f} GB/s and {hw.tensor_latency * 1e6:.1f} µs a "
+           f"ring step" if hw.tensor_bandwidth is not None else "")
+        + "), then predicts every grid it considers for 2 ranks, and the "
         f"engine runs each: one warm-up step, then {args.rounds} rounds timing one step of "
         f"every grid, each round followed by a repeat of the layer calibration. The machine "
         f"is shared with other jobs, so every sample waits for the other processes to leave "
