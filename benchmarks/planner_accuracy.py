@@ -210,6 +210,7 @@ def main() -> int:
     samples: dict[Grid, list[float]] = {g: [] for g in grids}
     disturbed: dict[Grid, int] = {g: 0 for g in grids}
     clean_times = None          # the layer calibration from undisturbed passes only
+    any_times = None            # from every pass: used when none was undisturbed
     calib_passes = 0
 
     latest: dict[str, object] = {}
@@ -230,8 +231,10 @@ def main() -> int:
         # The calibration is repeated every round, so that both sides of the comparison take
         # the fastest of as many undisturbed samples spread over the same stretch of time.
         _, clean = sample(monitor, args, calibration_pass)
-        if COMM.rank == 0 and clean:
+        if COMM.rank == 0:
             lt = latest["times"]
+            any_times = lt if any_times is None else any_times.fastest(lt)
+        if COMM.rank == 0 and clean:
             clean_times = lt if clean_times is None else clean_times.fastest(lt)
             calib_passes += 1
         if log and (r + 1) % 2 == 0:
@@ -241,8 +244,8 @@ def main() -> int:
             engine.close()
     if COMM.rank != 0:
         return 0
-    if clean_times is not None:
-        hw = dataclasses.replace(hw, layer_times=clean_times)
+    # On a machine never quiet, both sides take the fastest of their disturbed samples alike.
+    hw = dataclasses.replace(hw, layer_times=clean_times or any_times or hw.layer_times)
     cluster = Cluster(hw, gpus=2, gpus_per_node=2)
     final = search(shape, cluster, args.batch, options)
     choice = final.best.grid
@@ -300,8 +303,12 @@ def report(args, shape: Shape, hw, dp: bool, rows, choice: Grid, best_measured,
         f"is shared with other jobs, so every sample waits for the other processes to leave "
         f"the cores and is retried (up to {args.tries} times) when they took more than 2% of "
         f"its time (CPU accounting from /proc); measured = the fastest step, predicted = from "
-        f"the fastest samples of the {calib_passes} undisturbed calibration passes, the median "
-        f"step alongside; † marks a grid with a disturbed sample kept after the retries."
+        + (f"the fastest samples of the {calib_passes} undisturbed calibration passes"
+           if calib_passes else
+           f"the fastest samples of all {args.rounds} calibration passes (none was "
+           f"undisturbed)")
+        + "; the median step alongside; † marks a grid with a disturbed sample kept after "
+          "the retries."
         + ("" if dp else " Data-parallel grids are left out: this engine does not yet "
                          "all-reduce gradients across replicas (checked by a probe)."),
         "",
