@@ -185,6 +185,7 @@ def main() -> int:
     log = (lambda msg: print(msg, flush=True)) if COMM.rank == 0 else None
     shape = Shape(args.layers, args.width, args.heads, args.seq, args.vocab)
     monitor = Monitor(COMM.allgather(os.getpid()))
+    load_before = os.getloadavg()[0]
     if COMM.rank == 0:
         monitor.wait_quiet(args.quiet_wait)
     sleeping_barrier(COMM)
@@ -261,7 +262,8 @@ def main() -> int:
         log(f"note: the final calibration partitions {choice.describe()} as "
             f"{final.best.boundaries}, the engine ran {bounds[choice]}")
     best_measured = min(rows, key=lambda row: row[2])
-    text = report(args, shape, hw, dp, rows, choice, best_measured, calib_passes)
+    text = report(args, shape, hw, dp, rows, choice, best_measured, calib_passes,
+                  (load_before, os.getloadavg()[0]))
     print(text)
     if args.output:
         write_section(args.output, text, "planner-accuracy")
@@ -269,7 +271,7 @@ def main() -> int:
 
 
 def report(args, shape: Shape, hw, dp: bool, rows, choice: Grid, best_measured,
-           calib_passes: int) -> str:
+           calib_passes: int, load: tuple[float, float]) -> str:
     errors = [abs(r[4]) for r in rows]
     within = sum(e <= TARGET for e in errors)
     measured_of = {r[0]: r[2] for r in rows}
@@ -308,7 +310,10 @@ def report(args, shape: Shape, hw, dp: bool, rows, choice: Grid, best_measured,
            f"the fastest samples of all {args.rounds} calibration passes (none was "
            f"undisturbed)")
         + "; the median step alongside; † marks a grid with a disturbed sample kept after "
-          "the retries."
+          f"the retries. Load average (1 min) {load[0]:.1f} at the start, {load[1]:.1f} at "
+          f"the end, on {os.cpu_count()} cores: a grid that synchronises its ranks often "
+          f"(the tensor group's collectives, several per layer) waits, each time, until both "
+          f"ranks hold a core again."
         + ("" if dp else " Data-parallel grids are left out: this engine does not yet "
                          "all-reduce gradients across replicas (checked by a probe)."),
         "",

@@ -254,7 +254,13 @@ def measure_tensor_allreduce(comm: Any, sizes: Sequence[int],
         group.free()
         pair.Free()
         if rank == 0:
-            c0, c1 = fit_relative([float(max(4, n)) for n in sizes], times)
+            xs = [float(max(4, n)) for n in sizes]
+            c0, c1 = fit_relative(xs, times)
+            if c1 <= 0:
+                # Noise hid the bytes' share (small sizes on a loaded machine): the least
+                # time as the latency, the largest size's excess over it as the bandwidth.
+                c0 = min(times)
+                c1 = (times[xs.index(max(xs))] - c0) / max(xs)
             result = (1.0 / max(c1, 1e-15), max(c0, 0.0) / 2)
     return waiting.bcast(comm, result, 0)
 
@@ -308,7 +314,9 @@ def calibrate(shape: Shape, comm: Any = None, ranks_per_node: int = 1,
         layer_times = waiting.bcast(comm, layer_times, 0)
         bandwidth, latency = measure_link(comm)
         link_note = f"measured by ping-pong between 2 of {ranks} MPI ranks"
-        sizes = [b * shape.seq_len * shape.d_model * 4 for b in micro_batch_sizes]
+        # The activations the layers sum, and 4 MiB to pin the bandwidth down.
+        sizes = sorted({b * shape.seq_len * shape.d_model * 4 for b in micro_batch_sizes}
+                       | {1 << 22})
         tensor_bw, tensor_lat = measure_tensor_allreduce(comm, sizes)
     else:
         bandwidth, latency = estimate_shared_memory_link()
