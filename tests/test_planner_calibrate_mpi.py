@@ -14,6 +14,8 @@ from pipeflow.planner.hardware import Cluster
 from pipeflow.planner.search import SearchOptions, search
 from pipeflow.planner.shapes import Shape
 
+from toy import allgather
+
 WORLD = MPI.COMM_WORLD
 TINY = Shape(2, 64, 4, seq_len=16, vocab_size=64)
 
@@ -25,13 +27,13 @@ def test_calibration_measures_the_tensor_allreduce_and_plans_tensor_two():
     bandwidth, latency = measure_tensor_allreduce(WORLD, sizes, repeats=3)
     assert bandwidth > 0 and latency >= 0
     # Every rank has the answer rank 0 fitted.
-    assert WORLD.allgather((bandwidth, latency)) == [(bandwidth, latency)] * WORLD.size
+    assert allgather(WORLD, (bandwidth, latency)) == [(bandwidth, latency)] * WORLD.size
     # The fit is a two-rank ring: n/bandwidth + 2·latency grows with the bytes.
     assert ring_allreduce_time(sizes[-1], 2, bandwidth, latency) > \
         ring_allreduce_time(sizes[0], 2, bandwidth, latency)
     hw = calibrate(TINY, comm=WORLD, ranks_per_node=WORLD.size, micro_batch_sizes=(1, 2),
                    repeats=1)
-    assert WORLD.allgather(hw.to_dict()) == [hw.to_dict()] * WORLD.size
+    assert allgather(WORLD, hw.to_dict()) == [hw.to_dict()] * WORLD.size
     assert hw.tensor_bandwidth > 0 and hw.tensor_latency is not None
     assert "block@2" in hw.layer_times.samples and "tensor" in hw.sources
     cluster = Cluster(hw, 2, 2)

@@ -250,7 +250,7 @@ def measure_tensor_allreduce(comm: Any, sizes: Sequence[int],
             once()
             # Both ranks take their fastest; the all-reduce ends for the group when the
             # slower one's does.
-            times.append(max(pair.allgather(_best_of(once, repeats))))
+            times.append(max(waiting.allgather(pair, _best_of(once, repeats))))
         group.free()
         pair.Free()
         if rank == 0:
