@@ -61,6 +61,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tensor", default="1,2",
                    help="tensor degrees of the grids compared (comma-separated)")
     p.add_argument("--output", default="BENCHMARKS.md", help="'' to skip writing")
+    p.add_argument("--section", default="planner-accuracy",
+                   help="the BENCHMARKS.md section written (e.g. planner-accuracy-tensor for a "
+                        "run of --tensor 2 alone, which keeps the other's figures)")
     return p.parse_args()
 
 
@@ -266,7 +269,7 @@ def main() -> int:
                   (load_before, os.getloadavg()[0]))
     print(text)
     if args.output:
-        write_section(args.output, text, "planner-accuracy")
+        write_section(args.output, text, args.section)
     return 0
 
 
@@ -281,7 +284,8 @@ def report(args, shape: Shape, hw, dp: bool, rows, choice: Grid, best_measured,
     lt = hw.layer_times
     rows = sorted(rows, key=lambda r: r[1])
     lines = [
-        "## Planner: predicted against measured step time (CPU, calibrated)",
+        "## Planner: predicted against measured step time (CPU, calibrated"
+        + ("" if args.tensor == "1,2" else f", tensor {args.tensor}") + ")",
         "",
         f"`mpirun -n 2 python benchmarks/planner_accuracy.py` · {datetime.date.today()} · "
         f"torch {torch.__version__} · {platform.processor() or platform.machine()} "
