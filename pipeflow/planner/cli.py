@@ -218,7 +218,7 @@ def _plan(args: argparse.Namespace, rank: int) -> int:
     shape = _shape_from_args(args)
     if args.gpus is not None and args.gpus < 1:
         raise PlanError(f"--gpus must be at least 1, found {args.gpus}: a plan runs on "
-                        f"pipeline × data ≥ 1 GPUs. {_what_fits(args)}")
+                        f"pipeline × data × tensor ≥ 1 GPUs. {_what_fits(args)}")
     precision = args.precision or ("fp32" if args.calibrate else "bf16")
     if args.calibrate:
         cluster, shape = _calibrated_cluster(args, shape)
@@ -302,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="pipeflow plan",
         description="Size a model for a compute budget (Chinchilla) and plan its pipeline × "
-                    "data grid on a cluster.")
+                    "data × tensor grid on a cluster.")
     add_arguments(parser)
     from pipeflow.logs import configured
     with configured():              # the calibration's lines, as `pipeflow plan` shows them

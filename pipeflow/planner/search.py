@@ -1,4 +1,5 @@
-"""The search: every grid, micro-batching, schedule and per-stage recomputation; fastest fit."""
+"""The search: every pipeline × data × tensor grid, micro-batching, schedule and per-stage
+recomputation; fastest fit."""
 
 from __future__ import annotations
 
