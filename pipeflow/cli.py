@@ -259,7 +259,8 @@ def _sample(args: argparse.Namespace) -> int:
     try:
         sample(SampleArgs(args.checkpoint, args.prompt or ["\n"], args.max_new_tokens,
                           args.temperature, args.top_k, args.top_p, args.seed, args.eos or [],
-                          args.tokenizer or "", args.config or "", args.pipeline, args.ids))
+                          args.tokenizer or "", args.config or "", args.pipeline, args.ids,
+                          tensor=args.tensor))
     except (ConfigError, OSError, ValueError) as exc:
         return _error(exc) if rank0 else 2
     return 0
@@ -287,7 +288,11 @@ def _add_sample(sub) -> None:
     sample.add_argument("--config", metavar="RUN.toml",
                         help="the run's TOML, for a checkpoint that records none")
     sample.add_argument("--pipeline", type=int, default=0, metavar="P",
-                        help="pipeline stages (default: every rank of the launch)")
+                        help="pipeline stages (default: every rank of the launch over "
+                        "--tensor)")
+    sample.add_argument("--tensor", type=int, default=1, metavar="T",
+                        help="tensor degree: each layer cut over T ranks, its key/value "
+                        "cache 1/T of the heads a rank (default 1)")
     sample.add_argument("--ids", action="store_true",
                         help="print each prompt's new token ids (JSON) instead of the text")
     sample.set_defaults(func=_sample)

@@ -202,12 +202,30 @@ class Engine:
                 if n in splits else v for n, v in values.items()}
 
     def _cut(self, values: Mapping[str, Any]) -> dict[str, Any]:
-        """Tensor-parallel: this rank's slice of each whole value of a cut parameter."""
+        """Tensor-parallel: this rank's slice of each whole value of a cut parameter (a value
+        that is already this rank's slice, as a slice reader gives it, kept as it is)."""
         if self.stage.tensor_comm is None:
             return dict(values)
-        splits, group = self._splits(), self.stage.tensor
-        return {n: tp.cut(v, *splits[n], group.size, group.rank) if n in splits else v
-                for n, v in values.items()}
+        splits, group, whole = self._splits(), self.stage.tensor, self._whole_shapes()
+        return {n: tp.cut(v, *splits[n], group.size, group.rank)
+                if n in splits and v.shape == whole[n] else v for n, v in values.items()}
+
+    def _whole_shapes(self) -> dict[str, torch.Size]:
+        """Each parameter's and buffer's whole shape by name (a cut one's before the cut)."""
+        splits, size = self._splits(), self.stage.tensor.size
+        return {n: tp.whole_shape(v.shape, splits[n][0], size) if n in splits else v.shape
+                for n, v in self.stage.module.state_dict(keep_vars=True).items()}
+
+    def kept_ranges(self, name: str, shape: Sequence[int]) -> tuple[int, list] | None:
+        """The part of the whole tensor `name` (of `shape`, as a file states it before it is
+        read) this tensor rank keeps: `(dim, [(start, stop), ...])` along `dim`
+        (`tensor_parallel.kept_ranges`); None: read it whole (a parameter not cut, or a
+        layout without ranges: `load_state_dict` cuts it). A reader that reads only these
+        parts (`pipeflow.train.hub`) passes them to `load_state_dict`."""
+        split = self._splits().get(name)
+        if split is None:
+            return None
+        return tp.kept_ranges(shape, split, self.stage.tensor.size, self.stage.tensor.rank)
 
     def _splits(self) -> dict[str, tuple[int, int]]:
         return {n: tp.split_of(p) for n, p in
@@ -269,6 +287,7 @@ class Engine:
         with self.watchdog:
             self.stage.module.eval()
             st = self._start("eval_step", inputs, targets, side, train=False)
+            self._weights_ready()
             # Whether targets were given is the agreed view of the ranks holding the last
             # stage, never this rank's own: a rank in the middle passes none either way.
             keep = st.keep_outputs = return_outputs or not st.batches.has_targets
@@ -451,18 +470,24 @@ class Engine:
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load a whole model's state dict (keys as in `build_sequential`, e.g. from
         `gather_state_dict` or `models.hf.from_hf_state_dict`): each rank takes its layers'
-        entries; masters and working copies are both set. Pass it on every rank."""
+        entries; masters and working copies are both set. Pass it on every rank.
+
+        Tensor-parallel, a cut parameter's value is its whole tensor (cut here), or this
+        tensor rank's slice of it (`kept_ranges` says which: a reader that reads only its
+        slices passes those); its shape tells which."""
         module = self.stage.module
         mine = {k: v for k, v in state.items() if _key_order(k) in set(module.indices)}
-        expected = set(module.state_dict())
+        local = module.state_dict()
+        expected = set(local)
         missing, unexpected = sorted(expected - set(mine)), sorted(set(mine) - expected)
         if missing or unexpected:
             raise ConfigError(
                 f"{self.stage.describe()}: load_state_dict expected the keys of layers "
                 f"{module.indices[0]}..{module.indices[-1]}; missing {missing[:5]}, "
                 f"unexpected {unexpected[:5]}; use build_sequential's keys ('<layer>.<name>')")
-        wrong = [f"{k}: given {list(mine[k].shape)}, the model's {list(v.shape)}"
-                 for k, v in module.state_dict().items() if mine[k].shape != v.shape]
+        whole = self._whole_shapes() if self.stage.tensor_comm is not None else {}
+        wrong = [f"{k}: given {list(mine[k].shape)}, the model's {list(whole.get(k, v.shape))}"
+                 for k, v in local.items() if mine[k].shape not in (v.shape, whole.get(k))]
         if wrong:
             raise ConfigError(
                 f"{self.stage.describe()}: load_state_dict: {len(wrong)} tensor(s) of another "
@@ -474,6 +499,7 @@ class Engine:
     def _load_params(self, params: Mapping[str, torch.Tensor]) -> None:
         """Full-precision values by name: the working weights (cast) and the masters."""
         stage = self.stage
+        self._weights_ready()            # no gather may write the weights after this
         params = self._cut(params)
         stage.module.load_state_dict({k: v.to(stage.device) for k, v in params.items()})
         values = {id(p): params[n].to(stage.device) for n, p in
@@ -626,6 +652,15 @@ class Engine:
                        self.config.agree_s if deadline_s is None else deadline_s)
         except waiting.NotJoined as exc:
             self._not_joined(call, exc, failing)
+        self._weights_ready()
+
+    def _weights_ready(self) -> None:
+        """Sharded: the all-gathers of the working weights that the last step launched (and
+        the next step's forwards would wait for, layer by layer) completed, before a call
+        other than a training step reads or writes the weights. Every rank of the data
+        group launched them, so every rank's wait completes."""
+        if self.stage.shards is not None:
+            self.stage.shards.wait_gathers()
 
     def _check_open(self, call: str) -> None:
         if self not in _OPEN:

@@ -71,13 +71,15 @@ def token_file(folder: str, n: int = 4000, eot: int | None = None) -> str:
 
 
 def run_toml(folder: str, model: str, *, pipeline: int = 1, steps: int = 3,
-             train_extra: str = "", data_extra: str = "", tokens: str = "") -> str:
+             train_extra: str = "", data_extra: str = "", tokens: str = "",
+             engine_extra: str = "") -> str:
     path = os.path.join(folder, "run.toml")
     with open(path, "w") as f:
         f.write(f"""
 [engine]
 pipeline = {pipeline}
 microbatches = 2
+{engine_extra}
 [model]
 kind = "hf"
 {model}
@@ -125,3 +127,58 @@ def logits_of(loop, ids: torch.Tensor) -> torch.Tensor | None:
 def safetensors_of(folder: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
     return load_file(os.path.join(folder, "model.safetensors"))
+
+
+class CountingOpen:
+    """`safetensors.safe_open`, recording every read as (key, bytes): a whole tensor
+    (`get_tensor`) or a slice of one (`get_slice(key)[...]`, its bytes only)."""
+
+    def __init__(self, real) -> None:
+        self.real, self.reads = real, []
+
+    @property
+    def keys(self) -> list[str]:
+        """The keys read, each once, sorted."""
+        return sorted({key for key, _ in self.reads})
+
+    @property
+    def bytes(self) -> int:
+        return sum(n for _, n in self.reads)
+
+    def __call__(self, *args, **kwargs):
+        counting, handle = self, self.real(*args, **kwargs)
+
+        class Slice:
+            def __init__(self, key, view):
+                self.key, self.view = key, view
+
+            def get_shape(self):
+                return self.view.get_shape()
+
+            def get_dtype(self):
+                return self.view.get_dtype()
+
+            def __getitem__(self, box):
+                out = self.view[box]
+                counting.reads.append((self.key, out.nbytes))
+                return out
+
+        class Handle:
+            def __enter__(self):
+                self.f = handle.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return handle.__exit__(*exc)
+
+            def keys(self):
+                return self.f.keys()
+
+            def get_tensor(self, key):
+                out = self.f.get_tensor(key)
+                counting.reads.append((key, out.nbytes))
+                return out
+
+            def get_slice(self, key):
+                return Slice(key, self.f.get_slice(key))
+        return Handle()

@@ -68,7 +68,7 @@ fi
 # swallow with the process. The files share a few mpirun jobs per rank count, each job about
 # a minute on 2 cores (every job pays about 4 s of start-up: Python, torch, MPI and
 # collection): the engine's file alone, then families that share their imports and fixtures
-# (data parallelism, Hugging Face, recomputation/compile/trainer), then every other file in
+# (data parallelism, Hugging Face, recomputation/compile/trainer, the tensor axis), then every other file in
 # one job, a new file included. A failure in a shared job is named by its test id; an abort or
 # a hang (ended by the watchdog or the test's timeout) ends that job only, the others still
 # run, the report names the test that job had begun last (conftest.py writes it to
@@ -79,7 +79,9 @@ mapfile -t MPI_FILES < <(grep -l "mark.mpi" tests/test_*.py)
 FAMILIES=("test_engine_mpi"
         "test_data_parallel_mpi test_shard_mpi test_collective_order_mpi"
         "test_hf_mpi test_hf_cli_mpi test_generate_mpi"
-        "test_recompute_mpi test_compile_mpi test_trainer_mpi")
+        "test_recompute_mpi test_compile_mpi test_trainer_mpi"
+        "test_tensor_mpi test_tensor_hf_dense_mpi test_tensor_hf_fused_mpi test_tensor_hf_moe_mpi test_tensor_hub_mpi
+         test_generate_tensor_mpi")
 JOBS=()      # one entry a job: its files, space-separated
 grouped=" ${FAMILIES[*]} "
 for group in "${FAMILIES[@]}"; do
@@ -152,7 +154,7 @@ done
 if [[ "$parts" == *" strict "* ]]; then
   STRICT_FILES="tests/test_engine_mpi.py tests/test_data_parallel_mpi.py \
 tests/test_checkpoint_mpi.py tests/test_shard_mpi.py tests/test_collective_order_mpi.py tests/test_tensor_mpi.py \
-tests/test_trainer_mpi.py"
+tests/test_tensor_hf_moe_mpi.py tests/test_trainer_mpi.py"
   export PIPEFLOW_STRICT_COMM=1
   echo "== strict mode (PIPEFLOW_STRICT_COMM=1), mpirun -n 2"
   run_job 2 "$STRICT_FILES" "$@"

@@ -1,7 +1,9 @@
 """`engine.generate` in one process: greedy equals `build_sequential`'s greedy loop token for
 token (with and without the key/value cache, cropping past the positions), sampling is
-repeatable and restricted as asked, `eos` stops a prompt, bad arguments are named; and a
-random-weights Llama and GPT-2 generate what `transformers.generate` does."""
+repeatable and restricted as asked, `eos` stops a prompt, bad arguments are named; a
+random-weights Llama and GPT-2 generate what `transformers.generate` does; each key/value
+cache is allocated once at the call's positions, and the host reads the tokens once a call
+(once a token only for an `eos`)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import torch
 
 import pipeflow as pf
 from pipeflow.models import GPTConfig, gpt_layers, gpt_loss
-from pipeflow.runtime.generate import Request, prompt_generator, sample_next
+from pipeflow.runtime import kv_cache
+from pipeflow.runtime.generate import Decoding, Request, prompt_generator, sample_next
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
 
@@ -41,6 +44,27 @@ def gpt_engine(seq_len: int = 24, comm=None, **config):
     engine = pf.Engine(layers, gpt_loss, sgd, pf.Config(**config), comm=comm)
     engine.load_state_dict(state)
     return engine, ref
+
+
+class Caches:
+    """The key/value caches made while it is entered (`KeyValues`, which the GPT's blocks
+    and the HF blocks' caches both keep): each one's keys buffer shape, whole."""
+
+    def __enter__(self) -> "Caches":
+        self.shapes: list[tuple[int, ...]] = []
+        real = self.real = kv_cache.KeyValues.extend
+
+        def extend(kv, keys, values):
+            new = kv.keys is None
+            out = real(kv, keys, values)
+            if new:
+                self.shapes.append(tuple(kv.keys.shape))
+            return out
+        kv_cache.KeyValues.extend = extend
+        return self
+
+    def __exit__(self, *exc) -> None:
+        kv_cache.KeyValues.extend = self.real
 
 
 def greedy_reference(model, prompt, n, window=None):
@@ -211,4 +235,72 @@ def test_a_tiny_temperature_samples_the_most_likely_token(temperature):
     engine, ref = gpt_engine()
     assert engine.generate([[1, 2]], 3, temperature=temperature) == \
         engine.generate([[1, 2]], 3, temperature=0.0)
+    engine.close()
+
+
+# -- what the host does per token (issue 45 item 7) ----------------------------------------
+
+class _Concatenations:
+    """`torch.cat` calls from pipeflow's own files while it is entered."""
+
+    def __enter__(self) -> "_Concatenations":
+        import os
+        import sys
+        package = os.path.dirname(os.path.abspath(pf.__file__)) + os.sep
+        self.count, real = 0, torch.cat
+        self.real = real
+
+        def cat(*args, **kwargs):
+            if sys._getframe(1).f_code.co_filename.startswith(package):
+                self.count += 1
+            return real(*args, **kwargs)
+        torch.cat = cat
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.cat = self.real
+
+
+@pytest.mark.parametrize("preallocate", [True, False], ids=["preallocated", "concatenated"])
+def test_each_cache_is_allocated_once_at_the_calls_positions(preallocate, monkeypatch):
+    """A key/value buffer per prompt and block, of the prompt's positions for the call,
+    written in place: no `torch.cat` a token (the old path, kept for the benchmark, grows by
+    one a token and layer)."""
+    monkeypatch.setattr(Decoding, "preallocate", preallocate)
+    engine, ref = gpt_engine()
+    with Caches() as caches, _Concatenations() as cats:
+        got = engine.generate(PROMPTS, 12)
+    assert got == [greedy_reference(ref, p, 12) for p in PROMPTS]
+    extra = 11 if preallocate else 0          # positions held beyond the prompt's at first
+    assert sorted(caches.shapes) == sorted((1, 2, len(p) + extra, 16) for p in PROMPTS
+                                           for _block in range(2))
+    # Concatenated: keys and values, of 2 blocks, for each of 11 tokens after the prompt.
+    assert cats.count == (0 if preallocate else 2 * 2 * 11 * len(PROMPTS))
+    engine.close()
+
+
+def test_a_cache_refuses_positions_past_its_allocation():
+    kv = kv_cache.KeyValues(4)
+    k = torch.ones(1, 2, 3, 8)
+    keys, _ = kv.extend(k, k)
+    assert keys.shape == (1, 2, 3, 8) and kv.keys.shape == (1, 2, 4, 8)
+    with pytest.raises(ValueError, match="3 positions held and 3 more asked, past the 4"):
+        kv.extend(k, k)
+
+
+def test_one_process_reads_the_device_once_a_call_and_a_token_only_for_an_eos():
+    """Greedy tokens stay on the device until the call ends (one read of them all); an eos
+    that may stop a prompt needs each token's value (one read a token)."""
+    from test_data_parallel_mpi import _HostSyncs
+    engine, ref = gpt_engine()
+    never = next(t for t in range(40) if all(t not in greedy_reference(ref, p, 12)
+                                             for p in PROMPTS))
+    reads = {}
+    for eos in (None, never):
+        for n in (4, 12):
+            with _HostSyncs() as syncs:
+                engine.generate(PROMPTS, n, eos=eos)
+            reads[eos, n] = syncs.count
+    assert reads[None, 4] == reads[None, 12] == 1, reads
+    assert reads[never, 12] - reads[never, 4] == 8 * len(PROMPTS), reads
     engine.close()

@@ -1,7 +1,9 @@
 """`engine.generate` on a grid: greedy tokens equal `build_sequential`'s greedy loop, and
 sampled tokens (with an `eos` that stops some prompts early) equal one process's, on every
 grid 2 ranks hold (pipeline 2 with one chunk, interleaved and V-shaped chunks, data 2), with
-and without the cache, over MPI, NCCL's rules (strict) and gloo.
+and without the cache, over MPI, NCCL's rules (strict) and gloo; a call agrees each link's
+headers once, whatever the tokens, and reads a token on the host only to hand it back to a
+first stage on another rank.
 
 Run under `mpirun -n 2` (or `-n 4`: each grid's replicas fill the world) with `--with-mpi`.
 """
@@ -72,7 +74,7 @@ def test_sampled_tokens_are_the_same_on_every_grid(grid, backend):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("grid", GRIDS, ids=lambda g: "-".join(f"{k}{v}" for k, v in g.items()))
 def test_prompts_that_stop_at_the_same_step(grid):
-    """Two finished markers in a row on one link (each travels as a header alone)."""
+    """Two prompts stopped at one step (every rank told by the last stage's hand-back)."""
     _, _, ref = gpt_model()
     full = greedy_reference(ref, PROMPTS[1], 10)
     k = next(i for i in range(1, 10) if full[i] not in full[:i])
@@ -90,3 +92,69 @@ def test_different_arguments_on_two_ranks_are_refused_on_both():
     # The engine still works: the refusal came before any message.
     assert engine.generate(PROMPTS, 2)[0] == engine.generate(PROMPTS, 2)[0]
     engine.close()
+
+
+# -- what the host does per token (issue 45 item 7) ----------------------------------------
+
+def _sends(engine) -> list[int]:
+    """The rank each of this rank's virtual stages sends its activations to, a token and
+    prompt, while generating (none from the last, nor to itself)."""
+    plan, me = engine.plan, engine.stage.index
+    return [plan.owner(v + 1)[0] for v in plan.programs.layout[me]
+            if v != plan.last_virtual and plan.owner(v + 1)[0] != me]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("backend", ["strict", "gloo", "mpi"])
+@pytest.mark.parametrize("grid", GRIDS[:3], ids=lambda g: "-".join(f"{k}{v}" for k, v in g.items()))
+def test_a_call_agrees_each_links_header_once_not_each_token(grid, backend):
+    """Where a receiver cannot probe (torch.distributed, NCCL's rules) a header went with
+    every message, a pickled one a token a stage: now once a link per number of positions
+    (the prompts' lengths, 3, 5 and 1, and one decode step) whatever the tokens asked."""
+    engine = grid_engine(backend, **grid)
+    comm = engine.stage.pipe_comm
+    real, sent = comm.send_message, []
+    comm.send_message = lambda header, *rest: sent.append(header is not None) or \
+        real(header, *rest)
+    counts = {}
+    for n in (4, 12):
+        sent.clear()
+        engine.generate(PROMPTS, n)
+        counts[n] = (sum(sent), len(sent))
+    del comm.send_message
+    mine = [PROMPTS[j] for j in range(engine.stage.topo.replica, len(PROMPTS),
+                                      engine.stage.topo.data)]
+    sends = _sends(engine)
+    most = (len({len(p) for p in mine}) + 1) * len(set(sends))
+    engine.close()
+    assert_on_every_rank(counts[4][0] == counts[12][0] <= most and
+                         counts[12][1] - counts[4][1] == 8 * len(mine) * len(sends),
+                         f"{grid}, {backend}: (headers, messages) {counts}, at most {most}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: "-".join(f"{k}{v}" for k, v in g.items()))
+def test_the_host_reads_a_token_only_to_hand_it_to_another_rank(grid):
+    """A token read from the device (`_HostSyncs`: item, tolist, int... from pipeflow's
+    files) once a token and prompt on the last stage where the first is on another rank (the
+    hand-back), never elsewhere; the tokens left on the device read once a call."""
+    from test_data_parallel_mpi import _HostSyncs
+    engine = grid_engine("gloo", **grid)
+    engine.generate(PROMPTS, 2)
+    reads = {}
+    for n in (4, 12):
+        with _HostSyncs() as syncs:
+            engine.generate(PROMPTS, n)
+        reads[n] = syncs.count
+    plan, me, topo = engine.plan, engine.stage.index, engine.stage.topo
+    last = plan.holds_last(me)
+    hands_back = last and plan.owner(0)[0] != me
+    mine = len(range(topo.replica, len(PROMPTS), topo.data))
+    engine.close()
+    # The hand-back of every token but the last of each prompt; the rest read in one go
+    # (none on a replica with no prompt: 3 prompts over 4 replicas).
+    want = {n: (mine * (n - 1) if hands_back else 0) + (1 if last and mine else 0)
+            for n in reads}
+    assert_on_every_rank(reads == want, f"{grid}: reads {reads}, expected {want}")

@@ -17,37 +17,12 @@ from mpi4py import MPI
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
 
-from hub_run import SEQ, VOCAB, logits_of, run_toml, save_hub, train_keeping_engine  # noqa
+from hub_run import (SEQ, VOCAB, CountingOpen, logits_of, run_toml, save_hub,  # noqa
+                     train_keeping_engine)
 from pipeflow.train import hub as hub_io                                             # noqa
 from toy import bcast, gather                                                        # noqa
 
 WORLD = MPI.COMM_WORLD
-
-
-class _CountingOpen:
-    """`safetensors.safe_open`, recording every key whose tensor is read."""
-
-    def __init__(self, real, read: list[str]) -> None:
-        self.real, self.read = real, read
-
-    def __call__(self, *args, **kwargs):
-        counting, handle = self, self.real(*args, **kwargs)
-
-        class Handle:
-            def __enter__(self):
-                self.f = handle.__enter__()
-                return self
-
-            def __exit__(self, *exc):
-                return handle.__exit__(*exc)
-
-            def keys(self):
-                return self.f.keys()
-
-            def get_tensor(self, key):
-                counting.read.append(key)
-                return self.f.get_tensor(key)
-        return Handle()
 
 
 @pytest.mark.mpi(min_size=2)
@@ -67,8 +42,8 @@ def test_each_rank_reads_only_its_layers_and_the_run_exports_what_it_trained(tmp
     path = run_toml(folder, f'pretrained = "{hub}"', pipeline=2,
                     train_extra=f'export_hf = "{out}"') if comm.rank == 0 else None
     path = bcast(comm, path)
-    read: list[str] = []
-    monkeypatch.setattr(safetensors, "safe_open", _CountingOpen(safetensors.safe_open, read))
+    counting = CountingOpen(safetensors.safe_open)
+    monkeypatch.setattr(safetensors, "safe_open", counting)
     ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(5))
     seen = {}
 
@@ -82,7 +57,7 @@ def test_each_rank_reads_only_its_layers_and_the_run_exports_what_it_trained(tmp
     train_keeping_engine(path, comm, before, after)
     # Every key this rank read belongs to one of its own layers, and it read all of them.
     index = hub_io.weight_index(hub)
-    views = gather(comm, (seen["layers"], sorted(read)), root=0)
+    views = gather(comm, (seen["layers"], sorted(k for k, _ in counting.reads)), root=0)
     if comm.rank == 0:
         config = reference.config
         sources, _ = hub_io.layer_sources(index, config)

@@ -85,6 +85,9 @@ def test_sample_errors_are_one_line(tmp_path, capsys):
     assert "--prompt '' is no token" in capsys.readouterr().err
     assert main(["sample", ck, "--top-p", "2", "--max-new-tokens", "2"]) == 2
     assert "top_p must be None or a number in (0, 1]" in capsys.readouterr().err
+    assert main(["sample", ck, "--tensor", "3", "--max-new-tokens", "2"]) == 2
+    assert "--tensor 3: the launch has 1 rank(s), which must be a multiple of the tensor " \
+        "degree; use a divisor of 1" in capsys.readouterr().err
 
 
 def test_sample_of_a_hugging_face_folder_equals_transformers(tmp_path, capsys):

@@ -469,3 +469,231 @@ def test_a_sharded_resume_keeps_each_groups_own_and_changed_settings(tmp_path_fa
         resumed.close()
     comm.Free()
     _verdict(not problems, "; ".join(problems))
+
+
+# -- one step, the all-gather overlapped with the next step's forwards ----------------------
+
+class _Logged:
+    """A collective's request that logs its tests and waits (`_record_gathers`)."""
+
+    def __init__(self, inner, key, log) -> None:
+        self.inner, self.key, self.log = inner, key, log
+
+    def test(self) -> bool:
+        self.log.append(("test", self.key))
+        return self.inner.test()
+
+    def wait(self):
+        self.log.append(("wait", self.key))
+        return self.inner.wait()
+
+
+def _record(engine, log, op: str = "iallgather_"):
+    """Log the launch, tests and waits of the data group's `op` collectives in `log`."""
+    comm = engine.stage.shards.comm
+    real = getattr(comm, op)
+
+    def launch(*args, key=None):
+        log.append(("launch", key))
+        return _Logged(real(*args, key=key), key, log)
+    setattr(comm, op, launch)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_one_optimizer_step_per_engine_step():
+    # Many buckets in two parameter groups: the optimizer steps once a train_step (its step
+    # hooks run once, as unsharded), not once a bucket.
+    pipeline, data = GRIDS[0]
+    engine = pf.Engine(toy_layers(), loss_fn, _two_groups,
+                       pf.Config(pipeline=pipeline, data=data, microbatches=3, bucket_mb=1e-9,
+                                 shard_optimizer=True, clip=0.3))     # a bucket a parameter
+    calls = []
+    engine.stage.optimizer.register_step_post_hook(
+        lambda opt, args, kwargs: calls.append(engine.stats.step))
+    for x, y in batches(3, BATCH):
+        engine.train_step(x, y)
+    buckets = len(engine.stage.shards.buckets)
+    engine.close()
+    assert buckets >= 4, "a bucket or two: the test would prove little"
+    assert calls == [0, 1, 2], f"{buckets} buckets: optimizer.step ran at steps {calls}"
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("pipeline,data", GRIDS)
+@pytest.mark.parametrize("backend", ["mpi", "gloo", "strict"])
+def test_the_all_gather_runs_into_the_next_steps_forwards(pipeline, data, backend):
+    # train_step returns with every bucket's all-gather in flight; the next step waits for
+    # a bucket just before the first forward of a layer it holds, on the first stage
+    # (whose first instruction is a forward) layer by layer: later layers' gathers are
+    # still in flight while the earlier layers run. A gather_state_dict right after a step
+    # is one process's model, and so are the working weights it leaves.
+    layers = toy_layers(tied=True)
+    steps = batches(3, BATCH)
+    engine = pf.Engine(layers, loss_fn, adamw,
+                       pf.Config(pipeline=pipeline, data=data, microbatches=3, bucket_mb=TINY,
+                                 shard_optimizer=True, clip=0.3, backend=backend))
+    shards, log = engine.stage.shards, []
+    _record(engine, log)
+    layer_of = {}
+    for name, layer in engine.stage.module.named_children():
+        layer.register_forward_pre_hook(
+            lambda m, args, i=int(name): log.append(("forward", i)))
+        for p in layer.parameters():
+            layer_of.setdefault(id(p), set()).add(int(name))   # a tied weight: both layers
+    problems = []
+    for k, (x, y) in enumerate(steps[:2]):
+        engine.train_step(x, y)
+        in_flight = [b.index for b in shards.buckets if b.gather is not None]
+        if len(in_flight) != len(shards.buckets) or not shards.gathering:
+            problems.append(f"step {k}: {len(in_flight)} of {len(shards.buckets)} gathers "
+                            f"in flight when train_step returned")
+        log.append(("return", k))
+    engine.train_step(*steps[2])
+    # Step 1's forwards, against the gathers step 0 launched.
+    start, end = log.index(("return", 0)), log.index(("return", 1))
+    part = log[start:end]
+    waited = {key: i for i, (what, key) in reversed(list(enumerate(part)))
+              if what == "wait"}
+    first_forward = {key: i for i, (what, key) in reversed(list(enumerate(part)))
+                     if what == "forward"}
+    for b in shards.buckets:
+        key = f"gradient bucket {b.index}"
+        users = set().union(*(layer_of[id(p)] for p in b.params))
+        if key not in waited:
+            problems.append(f"{key} never waited in step 1")
+            continue
+        late = [i for i in sorted(users) if first_forward.get(i, len(part)) < waited[key]]
+        if late:
+            problems.append(f"layer(s) {late} ran before {key} (theirs) was waited")
+    if engine.stage.index == 0 and not problems:
+        head = min(first_forward.values())
+        if all(i < head for i in waited.values()):
+            problems.append("the first stage waited for every gather before its first "
+                            "forward: nothing overlapped the forwards")
+    state = engine.gather_state_dict()
+    working = {k: v.detach().clone() for k, v in engine.stage.module.state_dict().items()}
+    engine.close()
+    reference, _ = train_reference(layers, steps, clip=0.3, optimizer=adamw)
+    ref = reference.state_dict()
+    mine = {k: ref[k] for k in working}
+    ok, text = _same(working, mine, 1e-5)
+    if not ok:
+        problems.append(f"working weights after gather_state_dict: {text}")
+    if state is not None:
+        ok, text = _same(state, ref, 1e-5)
+        if not ok:
+            problems.append(f"gather_state_dict right after train_step: {text}")
+    _verdict(not problems, f"backend {backend}: " + "; ".join(problems))
+
+
+READS = ["eval_step", "gather_state_dict", "state_dict", "save", "load", "load_state_dict",
+         "generate", "named_master_parameters", "close"]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(180)
+def test_every_read_between_steps_waits_for_the_gathers(tmp_path_factory):
+    # After each train_step the gathers are in flight; each way of reading or writing the
+    # weights between steps completes them first, and leaves the working weights equal to
+    # the whole fp32 masters (fp32: the working weights are the masters, gathered).
+    pipeline, data = GRIDS[0]
+    folder = bcast(WORLD, str(tmp_path_factory.mktemp("reads")) if WORLD.rank == 0 else None)
+    layers = toy_layers()
+    engine = pf.Engine(layers, loss_fn, adamw,
+                       pf.Config(pipeline=pipeline, data=data, microbatches=3, bucket_mb=TINY,
+                                 shard_optimizer=True))
+    shards, module = engine.stage.shards, engine.stage.module
+    x, y = batches(1, BATCH)[0]
+    problems = []
+    for read in READS:
+        engine.train_step(x, y)
+        if not shards.gathering:
+            problems.append(f"before {read}: no gather in flight, the test proves nothing")
+        if read == "eval_step":
+            engine.eval_step(x, y)
+        elif read == "gather_state_dict":
+            whole = engine.gather_state_dict()
+        elif read == "state_dict":
+            module.state_dict()
+        elif read == "save":
+            engine.save(folder)
+        elif read == "load":
+            engine.load(folder)
+        elif read == "load_state_dict":
+            engine.load_state_dict(bcast(WORLD, whole))
+        elif read == "generate":
+            engine.generate(x[:2, :3].tolist(), max_new_tokens=2)
+        elif read == "named_master_parameters":
+            engine.named_master_parameters()
+        else:
+            engine.close()
+        pending = [b.index for b in shards.buckets if b.gather is not None]
+        if pending or shards.gathering:
+            problems.append(f"{read} left the gathers of buckets {pending} in flight")
+        if read == "close":
+            break
+        working = {n: p.detach().clone() for n, p in module.named_parameters()}
+        masters = dict(engine.named_master_parameters())
+        wrong = [n for n in working if not torch.equal(working[n], masters[n])]
+        if wrong:
+            problems.append(f"after {read}: working weights {wrong[:3]} are not the masters")
+    _verdict(not problems, "; ".join(problems))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_the_gathers_and_reduce_scatters_cost_linear_bookkeeping():
+    # One bucket a parameter, 69 of them: the requests of a step's collectives are tested
+    # and waited O(buckets + instructions) times, not once per pending gather at every
+    # launch (n^2 / 2: 2,380 at n = 69) nor every bucket at every poll.
+    comm = pair()
+    engine = pf.Engine(toy_layers(blocks=16), loss_fn, sgd,
+                       pf.Config(pipeline=1, data=2, microbatches=3, bucket_mb=1e-9,
+                                 shard_optimizer=True), comm=comm)
+    n = len(engine.stage.shards.buckets)
+    steps = batches(3, BATCH)
+    engine.train_step(*steps[0])
+    gathers, scatters = [], []
+    _record(engine, gathers)
+    _record(engine, scatters, "ireduce_scatter_")
+    engine.train_step(*steps[1])      # launches the gathers at its end
+    engine.train_step(*steps[2])      # waits for them in its forwards
+    engine.close()
+    comm.Free()
+    program = len(engine.plan.programs[0])
+    ops = {what: sum(1 for w, _ in log if w == what) for log in (gathers,)
+           for what in ("launch", "test", "wait")}
+    scatter_tests = sum(1 for w, _ in scatters if w == "test")
+    assert n >= 64, n
+    assert ops["launch"] == 2 * n and ops["wait"] <= 2 * n, ops
+    print(f"{n} buckets, {program} instructions: gathers {ops}, reduce-scatter tests "
+          f"{sum(1 for w, _ in scatters if w == 'test')}")
+    assert ops["test"] <= n + 2 * program, (n, program, ops)
+    # Each poll (an instruction, a gradient hook) tests the first reduction in flight.
+    params = sum(1 for _ in engine.stage.module.parameters())
+    assert scatter_tests <= 2 * (n + program + params), (n, program, params, scatter_tests)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(240)
+def test_compiled_layers_wait_for_their_gathers_too():
+    # Under torch.compile the layers' pre-hook runs eagerly (a wait is not traceable): the
+    # compiled sharded run is the eager one's, gathers in flight between its steps.
+    comm = pair()
+    results = {}
+    for compile in (False, "aot_eager"):
+        engine = pf.Engine(toy_layers(blocks=2), loss_fn, adamw,
+                           pf.Config(pipeline=1, data=2, microbatches=2, bucket_mb=TINY,
+                                     shard_optimizer=True, compile=compile), comm=comm)
+        in_flight = []
+        for x, y in batches(3, BATCH):
+            engine.train_step(x, y)
+            in_flight.append(engine.stage.shards.gathering)
+        results[compile] = (in_flight, engine.gather_state_dict())
+        engine.close()
+    comm.Free()
+    assert results[False][0] == results["aot_eager"][0] == [True] * 3
+    if results[False][1] is not None:
+        assert_same_parameters(results["aot_eager"][1], results[False][1], rtol=1e-6)

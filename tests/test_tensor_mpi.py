@@ -310,17 +310,17 @@ def test_fp16_overflow_on_one_tensor_rank_skips_the_step_on_every_rank(sp):
     engine.close()
 
 
-# -- transformers models: the Llama-shaped families split, every other one refused ----------
+# -- transformers models: the Llama-shaped families split, a config that cannot is refused --
 
 def _hf_config(kind: str):
     transformers = pytest.importorskip("transformers")
     shape = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
                  num_attention_heads=4, num_key_value_heads=N, vocab_size=VOCAB,
                  max_position_embeddings=SEQ * 2)
-    if kind == "gpt2":
-        return transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB,
-                                       n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
-                                       attn_pdrop=0.0)
+    if kind == "falcon":     # multi_query: one key/value head for every query head
+        return transformers.FalconConfig(num_hidden_layers=2, hidden_size=32,
+                                         num_attention_heads=4, vocab_size=VOCAB,
+                                         multi_query=True, new_decoder_architecture=False)
     return {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
             "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[kind](
                 **shape, **({"head_dim": 8} if kind == "qwen3" else {}))
@@ -363,10 +363,11 @@ def test_llama_shaped_transformers_families_split_like_one_process(kind, sp):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_family_without_a_tensor_plan_is_refused_with_the_reason():
+def test_a_config_without_a_tensor_plan_is_refused_with_the_reason():
     from pipeflow.models import hf
-    cfg = _hf_config("gpt2")
-    with pytest.raises(pf.ConfigError, match="'gpt2' has no tensor-parallel plan"):
+    cfg = _hf_config("falcon")
+    with pytest.raises(pf.ConfigError, match="'falcon' splits over a tensor group, but not "
+                                             "this config: multi_query=True keeps one"):
         pf.Engine(hf.causal_lm_layers(cfg), hf.causal_lm_loss_sum, sgd, pf.Config(tensor=N),
                   count_items=hf.num_valid_tokens)
 
@@ -450,3 +451,122 @@ if not FOUR:       # not collected at all (a skip under mpirun is an error)
     del (test_pipeline_by_tensor_every_schedule,
          test_checkpoint_of_p2xt2_resumes_on_other_tensor_degrees,
          test_sharded_optimizer_at_d2xt2_trains_like_one_process)
+
+
+# -- dropout: one mask where the activation is whole, each rank its own on slices ----------
+
+MASKS: dict[str, list] = {}
+
+
+class DropMLP(UserMLP):
+    """Dropout on the inner slice (between the column and the row layer) and on the whole
+    output; each records which of its outputs it dropped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner_drop, self.outer_drop = nn.Dropout(0.5), nn.Dropout(0.5)
+        for name in ("inner_drop", "outer_drop"):
+            getattr(self, name).register_forward_hook(
+                lambda _m, _args, out, name=name: MASKS.setdefault(name, []).append(
+                    (out == 0).tolist()))
+
+    def forward(self, x):
+        # + 1: no input entry is 0, so an output 0 is a dropped entry
+        inner = torch.relu(self.up(self.norm(x))) + 1.0
+        return x + self.outer_drop(self.down(self.inner_drop(inner)) + 1.0)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_dropout_draws_one_mask_on_whole_activations_and_its_own_on_slices(sp):
+    """On a whole activation every tensor rank must drop the same entries (or their copies
+    of it part); on a slice (this rank's inner features; under sequence parallelism, its
+    positions) the ranks' masks must differ, as one process's masks differ between heads or
+    positions. With one shared stream, slices would all be dropped alike. The masks come back
+    when the layer is recomputed, and the tensor ranks' whole weights stay equal."""
+    layers = [pf.LayerSpec(UserEmbed), pf.LayerSpec(DropMLP), pf.LayerSpec(UserHead)]
+    runs = {}
+    for recompute in ("none", "full"):
+        MASKS.clear()
+        engine = pf.Engine(layers, gpt_loss, sgd,
+                           pf.Config(tensor=N, sequence_parallel=sp, recompute=recompute,
+                                     microbatches=2))
+        losses = [engine.train_step(x, y) for x, y in data(2)]
+        runs[recompute] = (losses, engine.gather_state_dict(), dict(MASKS))
+        whole = {k: v for k, v in engine.stage.module.state_dict().items()
+                 if "norm" in k or "down.bias" in k}
+        views = allgather(WORLD, whole)
+        for k in whole:
+            assert all(torch.equal(v[k], views[0][k]) for v in views), k
+        engine.close()
+    (losses, state, masks), (re_losses, re_state, re_masks) = runs["none"], runs["full"]
+    assert losses == re_losses
+    # full recomputation runs each forward twice: the replay drew the same masks
+    for name in masks:
+        assert sorted(map(str, re_masks[name])) == sorted(map(str, masks[name] * 2)), name
+    if WORLD.rank == 0:
+        for k in state:
+            assert torch.equal(state[k], re_state[k]), k
+    inner = allgather(WORLD, masks["inner_drop"])
+    outer = allgather(WORLD, masks["outer_drop"])
+    assert all(m != inner[0] for m in inner[1:]), "slices dropped alike on every rank"
+    if sp:
+        assert all(m != outer[0] for m in outer[1:]), "positions dropped alike on every rank"
+    else:
+        assert all(m == outer[0] for m in outer[1:]), "a whole activation dropped apart"
+
+
+class RoutedBiases(UserMLP):
+    """A whole weight that only some positions reach: each position adds the bias of its
+    expert, expert 0 for the first half of the sequence, 1 for the second, 2 for position 0
+    alone, 3 never. Under sequence parallelism a rank's slice reaches only some experts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.biases = nn.ParameterList(nn.Parameter(torch.randn(24) * 0.1) for _ in range(4))
+
+    def forward(self, x):
+        h = super().forward(x)
+        group = getattr(self, "pf_sequence_group", None)     # this rank's place in it
+        size, rank = (group.size, group.rank) if group is not None else (1, 0)
+        length = h.shape[1] * size
+        where = torch.arange(h.shape[1]) + rank * h.shape[1]    # whole-sequence positions
+        choice = torch.where(where < length // 2, 0, 1).masked_fill(where == 0, 2)
+        for e, bias in enumerate(self.biases):
+            picked = (choice == e)[None, :, None]
+            if picked.any():
+                h = h + picked * bias
+        return h
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_a_whole_weight_only_some_slices_reach_trains_like_one_process():
+    """The tensor group sums every whole weight's gradient, zeros where a rank had none,
+    and a weight no rank reached (expert 3) keeps no gradient: weight decay skips it as
+    torch.optim does in one process."""
+    layers = [pf.LayerSpec(UserEmbed), pf.LayerSpec(RoutedBiases), pf.LayerSpec(UserHead)]
+    decayed = lambda ps: torch.optim.SGD(ps, lr=0.05, weight_decay=0.5)     # noqa: E731
+    engine = check(layers, (1, 1, N), decayed, 1e-5, sequence_parallel=True, microbatches=2)
+    state = engine.stage.module.state_dict()
+    start = pf.build_sequential(layers, 0).state_dict()
+    assert torch.equal(state["1.biases.3"], start["1.biases.3"])       # never reached
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_a_transformers_model_built_sequence_parallel_generates_as_one_process():
+    """Generation turns sequence parallelism off for the call: the attention's
+    `gather_sequence` must gather nothing then (it gathered, and rotary failed on the
+    doubled length)."""
+    from pipeflow.models import hf
+    layers = hf.causal_lm_layers(_hf_config("llama"))
+    tokens = {}
+    for t, comm in ((1, MPI.COMM_SELF), (N, WORLD)):
+        engine = pf.Engine(layers, hf.causal_lm_loss_sum, sgd,
+                           pf.Config(tensor=t, sequence_parallel=t > 1), comm=comm,
+                           count_items=hf.num_valid_tokens)
+        tokens[t] = engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=4)
+        engine.close()
+    assert tokens[N] == tokens[1]

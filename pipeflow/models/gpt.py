@@ -9,6 +9,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pipeflow.layers import LayerSpec
+from pipeflow.runtime.kv_cache import POSITIONS, KeyValues
 from pipeflow.runtime.tensor_parallel import Split, cross_entropy
 from pipeflow.models.gpt_shape import GPTConfig, flops_per_token, layer_parameters, num_parameters
 
@@ -90,14 +91,16 @@ class AttentionCore(nn.Module):
 
     def decode(self, qkv: torch.Tensor, cache: dict) -> torch.Tensor:
         """Attention of T new positions over the cached keys and values and their own; the
-        cache (`{"k", "v"}`: [B, heads, positions, head_dim]) grows by T."""
+        cache (`cache["kv"]`: [B, heads, positions, head_dim], this rank's heads where the
+        block is cut) grows by T in place, allocated once for the call's positions."""
         B, T, three_d = qkv.shape
         d = three_d // 3
         h = self.heads(d)
         q, k, v = (t.view(B, T, h, d // h).transpose(1, 2) for t in qkv.split(d, dim=2))
-        if "k" in cache:
-            k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
-        cache["k"], cache["v"] = k, v
+        kv = cache.get("kv")
+        if kv is None:
+            kv = cache["kv"] = KeyValues(cache.get(POSITIONS))
+        k, v = kv.extend(k, v)
         past = k.shape[2] - T
         if past == 0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import sys
 from typing import Any, Iterable
@@ -33,6 +34,7 @@ from torch.nn import functional as F
 from pipeflow.aux_loss import add_aux_loss
 from pipeflow.layers import LayerSpec
 from pipeflow.models import hf_checkpoint, hf_families, hf_moe, hf_tensor
+from pipeflow.runtime.kv_cache import POSITIONS, KeyValues
 from pipeflow.runtime.tensor_parallel import cross_entropy
 from pipeflow.models.hf_families import (FAMILIES, Family, family, local_name, positions,
                                          refusal, submodule)
@@ -41,7 +43,7 @@ __all__ = ["causal_lm_layers", "from_hf_state_dict", "to_hf_state_dict", "memory
            "pipeflow_keys", "causal_lm_loss",
            "causal_lm_loss_sum", "num_valid_tokens", "Embedding", "DecoderLayer", "Head",
            "Arch", "arch", "refusal", "supported_model_types", "attention_implementation",
-           "IGNORE_INDEX", "TIE_KEY"]
+           "decode_cache", "IGNORE_INDEX", "TIE_KEY"]
 
 IGNORE_INDEX = -100     # labels with this value count for no loss (HF's convention)
 TIE_KEY = "wte"         # the tie key of the input embedding and the output head
@@ -340,11 +342,12 @@ class DecoderLayer(nn.Module):
 
     def decode(self, hidden: Any, cache: dict, position: int) -> Any:
         """Generation (`engine.generate`): the block on new positions starting at `position`,
-        its keys and values kept in a transformers `DynamicCache` in `cache`."""
+        its keys and values kept in a transformers `DynamicCache` in `cache`, this block's
+        entry preallocated to the call's positions (`decode_cache`)."""
         hidden, sums = _split(hidden)
         kv = cache.get("kv")
         if kv is None:
-            kv = cache["kv"] = _transformers().DynamicCache(config=self.config)
+            kv = cache["kv"] = decode_cache(self.config, self.index, cache.get(POSITIONS))
         position_ids = _positions_from(hidden, position)
         # No padding: every position so far is seen (Bloom sizes its ALiBi biases by it).
         seen = torch.ones(hidden.shape[0], position + hidden.shape[1], dtype=torch.long,
@@ -379,7 +382,9 @@ class DecoderLayer(nn.Module):
         with hf_moe.capture_router_logits(self.layer, self.router) as routed:
             out = self._block(hidden, mask, position_ids, extra)
         top_k = self.config.num_experts_per_tok      # as the causal LM's loss counts them
+        group = getattr(self, "pf_sequence_group", None)     # sequence parallelism
         for logits, _ in routed:
+            logits = hf_moe.whole_sequence_logits(logits, hidden, group)
             sums = hf_moe.add_router_logits(sums, logits, top_k, attention_mask)
         return out, sums
 
@@ -387,6 +392,47 @@ class DecoderLayer(nn.Module):
                extra: dict[str, Any]) -> torch.Tensor:
         out = self.layer(hidden, attention_mask=mask, position_ids=position_ids, **extra)
         return out[0] if isinstance(out, tuple) else out
+
+
+def decode_cache(config: Any, index: int, positions: int | None) -> Any:
+    """A transformers `DynamicCache` for block `index` whose entry keeps its keys and values
+    in a `KeyValues` of `positions` (written in place, never concatenated); None: the entry
+    transformers makes, grown by `torch.cat` each token. A sliding-window block's entry then
+    holds every position too, the window applied by its mask."""
+    kv = _transformers().DynamicCache(config=config)
+    if positions is None:
+        return kv
+    cache_utils = _transformers().cache_utils
+    while len(kv.layers) <= index:              # a config without layer types: grown lazily
+        kv.layers.append(cache_utils.DynamicLayer())
+    before = kv.layers[index]
+    if type(before) in (cache_utils.DynamicLayer, cache_utils.DynamicSlidingWindowLayer):
+        kv.layers[index] = _preallocated_layer()(positions, before.is_sliding)
+    return kv
+
+
+@functools.cache
+def _preallocated_layer() -> type:
+    """transformers' `DynamicLayer` over a `KeyValues` (made once: transformers is imported
+    only where a function here needs it)."""
+
+    class PreallocatedLayer(_transformers().cache_utils.DynamicLayer):
+        """Keys and values written in place into buffers of the call's positions; `keys`
+        and `values` are views of the positions filled, as `DynamicLayer`'s tensors are."""
+
+        def __init__(self, positions: int, sliding: bool) -> None:
+            super().__init__()
+            self.kv = KeyValues(positions)
+            self.is_sliding = sliding
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            self.keys, self.values = self.kv.extend(key_states, value_states)
+            return self.keys, self.values
+
+    return PreallocatedLayer
 
 
 def _whole_sequence(layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-__all__ = ["Source", "load_plan", "realize", "to_memory_layout", "to_checkpoint"]
+__all__ = ["Source", "load_plan", "renamed_key", "realize", "to_memory_layout", "to_checkpoint"]
 
 
 @dataclasses.dataclass
@@ -85,15 +85,21 @@ def load_plan(file_keys: Iterable[str], config: Any) -> tuple[dict[str, Source],
     return plan, model
 
 
+def renamed_key(target: str, source: Source) -> str:
+    """The one checkpoint key whose tensor is `target` as it is (a `source` without a
+    converter: renamed at most), or a ValueError."""
+    if len(source.keys) != 1:
+        raise ValueError(f"checkpoint keys {source.keys} all load into {target!r}; expected "
+                         f"one (does the folder hold the same tensor twice?)")
+    return source.keys[0]
+
+
 def realize(target: str, source: Source, tensors: Mapping[str, torch.Tensor],
             model: nn.Module) -> dict[str, torch.Tensor]:
     """The in-memory tensor(s) of `target` from its checkpoint tensors (`tensors[key]` for
     each of `source.keys`), converted as `from_pretrained` converts them."""
     if source.converter is None:
-        if len(source.keys) != 1:
-            raise ValueError(f"checkpoint keys {source.keys} all load into {target!r}; expected "
-                             f"one (does the folder hold the same tensor twice?)")
-        return {target: tensors[source.keys[0]]}
+        return {target: tensors[renamed_key(target, source)]}
     converter = copy.deepcopy(source.converter)
     for key, pattern in zip(source.keys, source.patterns):
         converter.add_tensor(target, key, pattern, tensors[key])

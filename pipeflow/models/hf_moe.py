@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 __all__ = ["aux_loss_on", "num_experts", "initial_state", "router_class", "capture_router_logits",
-           "add_router_logits", "balance_loss"]
+           "whole_sequence_logits", "add_router_logits", "balance_loss"]
 
 
 def router_class(base: type) -> tuple[type, int] | None:
@@ -81,6 +81,20 @@ def capture_router_logits(block: nn.Module, router: tuple[type, int]) -> Iterato
     finally:
         for handle in handles:
             handle.remove()
+
+
+def whole_sequence_logits(logits: torch.Tensor, hidden: torch.Tensor, group: Any) -> torch.Tensor:
+    """A router's logits (B*T, E) for the whole sequence. Under sequence parallelism (`group`,
+    the block's tensor group, with it on) the router saw this rank's slice of the sequence
+    (`hidden`: B, T/t, ...), while the sums count every token against the whole mask: the
+    slices gathered (backward: this rank's slice of the gradient, alike on every rank)."""
+    if group is None or not group.sequence_parallel:
+        return logits
+    from pipeflow.runtime.tensor_parallel import leave_sequence
+    batch, length = hidden.shape[:2]
+    whole = leave_sequence(logits.reshape(batch, length, -1), group,
+                           "tensor group: router logits for the load-balancing loss")
+    return whole.reshape(-1, whole.shape[-1])
 
 
 def add_router_logits(state: dict[str, torch.Tensor], logits: torch.Tensor, top_k: int,

@@ -94,6 +94,10 @@ class GradReducer:
         # sharded optimizer leaves its ties' to `finish`); index of the next launch in it.
         self._ordered: list[_Bucket] = self.buckets
         self._next = 0
+        self._done = 0                       # of `_ordered`'s launched, how many seen done
+        # Collectives in flight between steps (the sharded optimizer's all-gathers): `poll`
+        # is then called after each instruction even when not armed.
+        self.gathering = False
         self._armed_ids: set[int] = set()    # parameters in their step's last backward
         self._lock = threading.Lock()
         self._bucket_of: dict[int, _Bucket] = {}   # watched parameter -> its bucket
@@ -131,7 +135,7 @@ class GradReducer:
         if not self.armed:
             self.armed = True
             self.events = []
-            self._next = 0
+            self._next = self._done = 0
             self._armed_ids = set()
             for b in self.buckets:
                 b.pending = len(b.params)
@@ -191,9 +195,16 @@ class GradReducer:
         if threading.get_ident() != self.thread:
             return
         self._launch_ready()
-        for b in self.buckets:
-            if b.request is not None:
-                b.request.test()
+        self._test_launched()
+
+    def _test_launched(self) -> None:
+        """Test the launched reductions in order of launch, from the first not seen done, up
+        to the first still in flight: one test a call while one is in flight (on MPI a test
+        drives every request's progress), each request passed once a step; not every bucket
+        every instruction."""
+        ordered = self._ordered
+        while self._done < self._next and ordered[self._done].request.test():
+            self._done += 1
 
     def finish(self) -> None:
         """Launch what is left in order (buckets some of whose parameters got no gradient in

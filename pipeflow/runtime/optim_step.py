@@ -49,6 +49,8 @@ class StepStage(Protocol):
     ties: list[Any]                     # `runtime.stage.Tie`: weights shared across stages
     norm_params: list[nn.Parameter]     # the masters the gradient norm counts (ties once)
     finite_only: list[nn.Parameter]     # masters it only checks for a non-finite gradient
+    # (masters, their "gradient present" counts over the tensor group), read with the norm
+    sequence_present: tuple[list[nn.Parameter], torch.Tensor] | None
 
     def describe(self) -> str: ...
 
@@ -106,15 +108,26 @@ def _step(stage: StepStage, coef: float) -> None:
 def _sum_sequence_parallel(stage: StepStage) -> None:
     """Sequence parallelism: a whole weight inside a cut layer (a norm, a row layer's bias)
     saw only this rank's slice of the sequence; its gradient is the sum over the tensor
-    group (one all-reduce of them all)."""
-    params = [stage.precision.master_of(p) for p in stage.sequence_params]
-    grads = [p.grad for p in params if p.grad is not None]
-    if stage.tensor_comm is None or not grads:
+    group (one all-reduce of them all). Every rank sends every such weight, zeros where it
+    has no gradient (a norm over heads it does not hold, an expert bias no token of its
+    slice picked), so the sums line up, and a "gradient present" count each, read with the
+    norm: a weight no rank reached stays without a gradient, as torch.optim needs."""
+    stage.sequence_present = None
+    pairs = [(p, stage.precision.master_of(p)) for p in stage.sequence_params
+             if p.requires_grad]
+    if stage.tensor_comm is None or not pairs:
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    masters = [m for _, m in pairs]
+    present = [m.grad is not None for m in masters]
+    grads = [m.grad if m.grad is not None else torch.zeros_like(m) for m in masters]
+    flags = torch.tensor(present, dtype=grads[0].dtype).to(grads[0].device, non_blocking=True)
+    flat = torch.cat([g.reshape(-1) for g in grads] + [flags])
     stage.tensor_comm.allreduce_(flat)
-    torch._foreach_copy_(grads, [v.view_as(g) for v, g in
-                                 zip(flat.split([g.numel() for g in grads]), grads)])
+    sums = flat.split([g.numel() for g in grads] + [len(masters)])
+    torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(sums, grads)])
+    for master, grad in zip(masters, grads):
+        master.grad = grad
+    stage.sequence_present = (masters, flat[-len(masters):])
 
 
 def _sum_ties(stage: StepStage) -> None:
@@ -181,13 +194,26 @@ def grad_norm(stage: StepStage) -> float:
 
 def _read_with_flags(stage: StepStage, sq: torch.Tensor) -> float:
     """`sq`'s value, read in one host synchronisation with the replicas' "gradient present"
-    counts (which the optimizer's step needs on the host), not one each."""
+    counts and the tensor group's (which the optimizer's step needs on the host), not one
+    each."""
     holder = stage.shards if stage.shards is not None else stage.reducer
     flags = holder.flag_buffer if holder is not None else None
-    if flags is None or flags.numel() == 0:
+    flags = flags if flags is not None and flags.numel() else None
+    tensor = getattr(stage, "sequence_present", None)
+    if flags is None and tensor is None:
         return sq.item()
-    values = torch.cat([sq.double(), flags.to(sq.device, torch.float64)]).tolist()
-    holder.present = values[1:]
+    parts = [sq.double()] + [f.to(sq.device, torch.float64)
+                             for f in (flags, tensor and tensor[1]) if f is not None]
+    values = torch.cat(parts).tolist()
+    n = 0 if flags is None else flags.numel()
+    if flags is not None:
+        holder.present = values[1:1 + n]
+    if tensor is not None:
+        # a whole weight no tensor rank reached: no gradient, as torch.optim skips it
+        for master, count in zip(tensor[0], values[1 + n:]):
+            if count == 0:
+                master.grad = None
+        stage.sequence_present = None
     return values[0]
 
 

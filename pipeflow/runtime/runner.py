@@ -217,10 +217,11 @@ class Runner:
             if i in windows:
                 self._post_ahead(windows[i], st)
             self._handlers[act.op](self, act, st)
-            # Let finished sends go and reductions in flight progress, without blocking.
+            # Let finished sends go and reductions in flight progress, without blocking (and
+            # the sharded optimizer's all-gathers, in flight from the last step's end).
             st.sends[:] = [s for s in st.sends if not _finished(s)]
             reducer = self.stage.reducer
-            if reducer is not None and reducer.armed:
+            if reducer is not None and (reducer.armed or reducer.gathering):
                 reducer.poll()
             if self.trace:
                 self._timeline.append((repr(act), t0, self.clock.mark()))

@@ -13,13 +13,20 @@ multiple of d x SHARD_ALIGN elements, so that every block starts aligned), each 
 
 A step: after the last backward each bucket is reduce-scattered over the data group as soon
 as it is final (overlapping the rest of the backward, as the all-reduce did); the gradient
-norm is summed from the blocks (each element counted once); each bucket's block is stepped,
-cast to the working dtype and all-gathered into `weights` while the next bucket is stepped.
+norm is summed from the blocks (each element counted once); one `optimizer.step()` steps
+every block; each block is cast to the working dtype and all-gathered into `weights`.
 
 What overlaps: reduce-scatters with the last backward (bucket by bucket, as `GradReducer`);
-each bucket's all-gather with the optimizer step of the buckets after it. MPI moves
-non-blocking collectives only inside MPI calls, so on the MPI backend the all-gathers
-progress at the `test()` between buckets; NCCL runs them on the communication stream.
+the all-gathers with whatever comes before the next step's forwards read the weights (the
+batch agreement, a training loop's own work, a later stage's first receive) and with the
+forwards of the layers before (Megatron-Core's `overlap_param_gather`). `step` launches
+them in the order the next forwards need them and returns; a forward pre-hook on each layer
+waits for that layer's buckets just before it runs, and `wait_gathers` for all of them
+before anything else reads or writes the weights (eval, generation, state dicts,
+checkpoints, loading, close, the next optimizer step). MPI moves non-blocking collectives
+only inside MPI calls: the runner's `poll` after each instruction tests the first gather
+still in flight (one test; each gather passed once a step); NCCL runs them on the
+communication stream, and a wait there orders the compute stream after them.
 
 A weight tied across stages has a bucket of its own, launched by `finish` only: its whole
 gradient is first summed over the stages that hold it (one replica's holders), then
@@ -29,12 +36,13 @@ holder only.
 
 Optimizers: any whose state is per element (SGD, Adam, AdamW, ... see ELEMENTWISE), built by
 the user's factory and then rebuilt over the blocks with every parameter group's settings
-kept. The optimizer is stepped once per bucket (the other blocks' `.grad` hidden), so a
-step hook registered on it runs once per bucket.
+kept. It is stepped once a step over every block, so a step hook registered on it runs once
+a step, as unsharded.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Sequence
 
 import torch
@@ -160,7 +168,17 @@ class ShardedOptimizer(GradReducer):
         self._grad_view = {id(p): b.flat[start:end].view_as(p)
                            for b in self.buckets for p, start, end in b.offsets()}
         self.optimizer = self._rebuild(probe)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for p in working]
+        # The all-gathers of the working weights (`step`): launched in `_gather_order` (the
+        # next forwards' order once `watch_layers` has said it; else the reverse of backward's),
+        # in flight in `_gathers` from its `_seen`-th on, `_left` not yet waited. With
+        # `overlap_gather` False `step` waits for them itself (the weights whole when
+        # train_step returns, at the cost of the overlap; benchmarks compare the two).
+        self.overlap_gather = True
+        self._layer_buckets: dict[int, list[_ShardBucket]] = {}
+        self._gather_order: list[_ShardBucket] = self.buckets[::-1]
+        self._gathers: list[_ShardBucket] = []
+        self._seen = self._left = 0
+        self._hooks += [p.register_post_accumulate_grad_hook(self._accumulate) for p in working]
         self._watch(working, working)
 
     # -- construction ---------------------------------------------------------------------
@@ -273,34 +291,105 @@ class ShardedOptimizer(GradReducer):
         return sq
 
     def step(self, coef: float = 1.0) -> None:
-        """Clip the blocks by `coef` (< 1), step each bucket's block and all-gather its working
-        weights while the next bucket is stepped; return once every gather is done."""
+        """Clip the blocks by `coef` (< 1), step them all (one `optimizer.step()`, as
+        unsharded), then launch the all-gathers of the working weights and return: each is
+        waited by the first forward that reads its bucket (`_before_forward`), or by
+        `wait_gathers`, whatever reads the weights first."""
+        self.wait_gathers()          # none left, unless a stage never ran a forward
         grads = [b.master.grad for b in self.buckets]
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-        for b in self.buckets:
-            b.master.grad = None
+        if coef < 1.0 and grads:
+            torch._foreach_mul_(grads, coef)
         skipped = {id(p) for p in self.untouched()}
-        try:
-            for b, g in zip(self.buckets, grads):
-                b.master.grad = g
-                kept = self._untouched_elements(b, skipped)
-                self.optimizer.step()
-                self._restore(b, kept)
-                b.master.grad = None
-                b.gather = self.comm.iallgather_(self._outgoing(b), b.weights,
-                                                 key=self._key(b))
-                for other in self.buckets:
-                    if other.gather is not None:
-                        other.gather.test()
-        finally:
-            for b, g in zip(self.buckets, grads):
-                b.master.grad = g
-        for b in self.buckets:
+        kept = [(b, self._untouched_elements(b, skipped)) for b in self.buckets]
+        self.optimizer.step()
+        for b, elements in kept:
+            self._restore(b, elements)
+        self._launch_gathers()
+        if not self.overlap_gather:
+            self.wait_gathers()
+
+    # -- the all-gather, overlapped with the next step's forwards --------------------------
+    def watch_layers(self, layers: Sequence[nn.Module], compiled: bool = False) -> None:
+        """Wait for a layer's buckets just before its forward (a forward pre-hook) and before
+        its state dict is read or loaded: the gathers launched by `step` then run while the
+        next step begins (its batch agreement, receives, the forwards of earlier layers).
+        `layers` in the order the next step's first forwards run them (the stage's layers
+        in index order): the gathers are launched in that order. `compiled` (the layers run
+        under torch.compile): the pre-hook stays eager, a wait is MPI's or a stream's and
+        not traceable (`torch.compiler.disable`, imported only then: it loads dynamo)."""
+        before = self._before_forward
+        if compiled:
+            before = torch.compiler.disable(before)
+        bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        order: dict[int, _ShardBucket] = {}
+        for layer in layers:
+            mine = {id(bucket_of[id(p)]): bucket_of[id(p)] for p in layer.parameters()
+                    if id(p) in bucket_of}
+            self._layer_buckets[id(layer)] = list(mine.values())
+            order.update(mine)
+            self._hooks += [layer.register_forward_pre_hook(before),
+                            layer.register_state_dict_pre_hook(self._before_state),
+                            layer.register_load_state_dict_pre_hook(self._before_state)]
+        order.update({id(b): b for b in self.buckets})     # any bucket no layer named
+        self._gather_order = list(order.values())
+
+    def _launch_gathers(self) -> None:
+        """Every bucket's all-gather of its updated block, in `_gather_order` (the same on
+        every replica); `_gathers` keeps them in that order for `poll`'s tests."""
+        for b in self._gather_order:
+            b.gather = self.comm.iallgather_(self._outgoing(b), b.weights, key=self._key(b))
+        self._gathers, self._seen, self._left = list(self._gather_order), 0, len(self.buckets)
+        self.gathering = self._left > 0
+
+    def _complete(self, b: _ShardBucket) -> None:
+        b.gather.wait()
+        b.gather = None
+        self._left -= 1
+        self.gathering = self._left > 0
+
+    def _before_forward(self, layer: nn.Module, args: Any) -> None:
+        """A layer's forward pre-hook: its buckets' gathers complete before it reads them.
+        O(its buckets) while gathers are in flight, one test of a flag otherwise."""
+        if self.gathering:
+            for b in self._layer_buckets.get(id(layer), ()):
+                if b.gather is not None:
+                    self._complete(b)
+
+    def _before_state(self, layer: nn.Module, *args: Any) -> None:
+        """A layer's state-dict pre-hook (read or loaded): as before its forward."""
+        self._before_forward(layer, ())
+
+    def poll(self) -> None:
+        """As `GradReducer.poll` while armed; while gathers are in flight, test them in order
+        of launch from the first not seen done to the first still in flight (each passed
+        once: linear in the buckets over a step, not a scan of every gather each time)."""
+        if threading.get_ident() != self.thread:
+            return
+        if self.armed:
+            super().poll()
+        gathers = self._gathers
+        while self.gathering and self._seen < len(gathers):
+            b = gathers[self._seen]
             if b.gather is not None:
-                b.gather.wait()
-                b.gather = None
+                if not b.gather.test():
+                    return
+                self._complete(b)
+            self._seen += 1
+
+    def wait_gathers(self) -> None:
+        """Complete every all-gather still in flight: the working weights are whole after it.
+        The engine calls it before anything but a training step reads or writes them (eval,
+        generation, state dicts, checkpoints, close); a user reading `stage.module`'s
+        parameters directly between steps calls it first (a layer's `state_dict()` waits by
+        itself)."""
+        for b in self._gathers[self._seen:] if self.gathering else ():
+            if b.gather is not None:
+                self._complete(b)
+        self._gathers, self._seen = [], 0
+
+    def close(self) -> None:
+        self.wait_gathers()
+        super().close()
 
     def _untouched_elements(self, b: _ShardBucket, skipped: set[int]) -> list[tuple]:
         """The block's elements of parameters no replica had a gradient for this step, with
@@ -350,6 +439,7 @@ class ShardedOptimizer(GradReducer):
     def full_masters(self) -> dict[int, torch.Tensor]:
         """Every trainable parameter's whole fp32 master, by id of its working parameter.
         Collective over the data group."""
+        self.wait_gathers()
         out = {}
         for b in self.buckets:
             whole = self._gathered(b, b.master)
@@ -361,10 +451,12 @@ class ShardedOptimizer(GradReducer):
         """(state, group settings) per trainable parameter (by id of its working parameter),
         whole, as an unsharded optimizer would hold them: per-element tensors gathered and
         cut per parameter, anything else (a step count) copied. Collective over the group."""
+        self.wait_gathers()
         states: dict[int, dict] = {}
         settings: dict[int, dict] = {}
+        group_of = self._group_of()
         for b in self.buckets:
-            group = self.optimizer.param_groups[self._group_index(b)]
+            group = group_of[id(b.master)]
             kept = {k: v for k, v in group.items() if k != "params"}
             state = self.optimizer.state.get(b.master, {})
             whole = {k: self._gathered(b, v) for k, v in sorted(state.items())
@@ -377,16 +469,16 @@ class ShardedOptimizer(GradReducer):
                                      for k, v in state.items()}
         return states, settings
 
-    def _group_index(self, b: _ShardBucket) -> int:
-        for i, g in enumerate(self.optimizer.param_groups):
-            if any(m is b.master for m in g["params"]):
-                return i
-        raise KeyError(f"{self.where}: a bucket's master is in no parameter group")
+    def _group_of(self) -> dict[int, dict]:
+        """Each block's parameter group in the optimizer, by id of the block (looked up once
+        a call, not scanned for every bucket)."""
+        return {id(m): g for g in self.optimizer.param_groups for m in g["params"]}
 
     @torch.no_grad()
     def load_full(self, values: dict[int, torch.Tensor]) -> None:
         """Set this replica's blocks of the masters from whole values (by id of the working
         parameter; the working weights themselves are set by `Precision.load_masters`)."""
+        self.wait_gathers()
         for b in self.buckets:
             kept = any(id(p) not in values for p in b.params)   # alike on every replica
             full = self._gathered(b, b.master) if kept else \
@@ -403,13 +495,15 @@ class ShardedOptimizer(GradReducer):
         Loaded through the optimizer's own `load_state_dict`, so its rules hold as in an
         unsharded resume (a fused or capturable AdamW's `step` on the parameters' device,
         state cast to the parameters' dtype) and its load hooks run."""
+        self.wait_gathers()
         blocks: dict[int, dict[str, Any]] = {}
+        group_of = self._group_of()
         for b in self.buckets:
             found = [(states[id(p)], start, end) for p, start, end in b.offsets()
                      if id(p) in states]
             for p, _, _ in b.offsets():
                 if id(p) in settings:
-                    self.optimizer.param_groups[self._group_index(b)].update(settings[id(p)])
+                    group_of[id(b.master)].update(settings[id(p)])
                     break
             if found:
                 blocks[id(b.master)] = self._block_state(b, found)

@@ -187,6 +187,9 @@ class Stage:
                                        self.data_comm, int(self.settings.bucket_mb * 2**20),
                                        probe, self.describe(), self._reduce_dtype(),
                                        counts=self._counts)
+        # The all-gathers a step launches are waited by the next step's forwards, layer by
+        # layer, in the order the stage runs its layers.
+        self.shards.watch_layers(list(self.module.children()), bool(self.settings.compile))
         self.reducer, self.optimizer = self.shards, self.shards.optimizer
 
     def describe(self) -> str:
@@ -231,6 +234,7 @@ class Stage:
         self.tensor = TensorGroup(self.topo.tensor, self.topo.tensor_rank,
                                   self.settings.sequence_parallel)
         self.sequence_params: list[nn.Parameter] = []   # summed over the tensor group
+        self.sequence_present = None     # optim_step: their "gradient present" counts
         self.vocab_logits = False        # this stage's logits come cut along the vocabulary
         if self.topo.tensor > 1:
             self._cut(built)
@@ -249,6 +253,8 @@ class Stage:
                 planned[i] = planned[i] and (in_region(layer) or "plan only")
             for i, layer in built.items():
                 check_cut_consistent(layer, f"layer {i} ({type(layer).__name__})")
+            if self.settings.shard_optimizer and self.topo.data > 1:
+                _refuse_sharded_partial(built)
         except ConfigError as exc:
             problem = f"{self.describe()}: {exc}"
         views = waiting.allgather(self.topo.world, (problem, planned))
@@ -332,6 +338,21 @@ class Stage:
         for comm in self.tie_comms.values():
             comm.Free()
         self.topo.free()
+
+
+def _refuse_sharded_partial(built: dict[int, nn.Module]) -> None:
+    """The sharded optimizer reduce-scatters gradients during the backward, before the step
+    sums a `partial_gradient` weight's over the tensor group (a norm over each head of q):
+    refused, naming the weights, as sequence parallelism is (`Config`)."""
+    partial = [f"layer {i}: {name}" for i, layer in built.items()
+               for name, p in layer.named_parameters()
+               if getattr(p, "pf_partial_gradient", False)]
+    if partial:
+        raise ConfigError(
+            f"shard_optimizer with data > 1 cannot sum over the tensor group the gradients of "
+            f"whole weights that act on a slice of the features (tp_plan "
+            f"\"partial_gradient\": {', '.join(partial[:3])}{', ...' if partial[3:] else ''}); "
+            f"set shard_optimizer = false, or tensor = 1")
 
 
 def mark_selective(module: nn.Module, names: Sequence[Any], policy: str, where: str) -> None:

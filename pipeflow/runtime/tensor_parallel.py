@@ -14,6 +14,10 @@ names (fnmatch patterns, as transformers' `base_model_tp_plan`) to a style, with
   `copy_to_tensor_model_parallel_region`). `("colwise", k)`: the output is `k` fused blocks
   (q, k, v) and each block is cut, so rank r holds its slice of every block.
   `("colwise", k, unit)`: each rank's slice of a block is a whole number of `unit`s (a head).
+  `("colwise", (q, k, v), unit)`: fused blocks of unequal widths (Phi-3's q, k and v with
+  fewer key/value heads), each cut alike. A layout interleaved per head ([h0: q k v][h1: q
+  k v]...: GPT-NeoX, Bloom, Falcon's groups) is plain `("colwise", 1, unit)` with `unit` a
+  head's q, k and v together: a rank's contiguous run of whole heads.
 - `"rowwise"` on `nn.Linear`: input features cut (weight columns); the partial products are
   summed over the group (`reduce_from`: all-reduce forward, identity backward), then the
   whole bias added once.
@@ -22,9 +26,18 @@ names (fnmatch patterns, as transformers' `base_model_tp_plan`) to a style, with
   and its column layers take it as it is; without sequence parallelism nothing.
 - `"partial_gradient"` on any module: its whole weights act on this rank's slice of the
   features (a norm over each head of q and k), so their gradient is summed over the group.
+- `"tokenwise"` on any module that acts on each token (row) alone, with its weights cut by
+  `Shard` entries (an expert bank, a shared expert): each rank computes every token with its
+  slices and the group sums the outputs (copy-to of its floating inputs, reduce-from of its
+  output; under sequence parallelism every rank's tokens gathered in, each rank's sums
+  scattered out). See "Parameter cuts" below.
 - `"rowwise"` on `nn.Embedding`: the vocabulary cut (a vocabulary-parallel embedding: ids
   outside a rank's rows give zeros, the group sums); `"colwise"` on `nn.Embedding`: the
   embedding width cut, the slices gathered.
+
+`register_linear` lets a plan cut other linear maps: a subclass of `nn.Linear` with its own
+forward (Falcon's `FalconLinear`), or one that stores its weight (in, out) (transformers'
+`Conv1D`: GPT-2's dimensions transposed).
 
 Everything the plan does not name is replicated: every tensor rank holds it whole, computes
 it alike and gets the same gradient. Each layer is built whole under its own seed (as
@@ -39,7 +52,7 @@ import dataclasses
 import fnmatch
 import functools
 import weakref
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -47,23 +60,27 @@ from torch.nn import functional as F
 
 from pipeflow.comm.base import Communicator
 from pipeflow.config import ConfigError
+from pipeflow.layers import layer_seed
 
-__all__ = ["TensorGroup", "Split", "plan_of", "shard_layer", "split_of", "cut", "join",
-           "gather_whole", "check_cut_consistent",
-           "copy_to", "reduce_from"]
+__all__ = ["TensorGroup", "Split", "plan_of", "shard_layer", "split_of", "cut", "kept_ranges",
+           "join", "gather_whole", "check_cut_consistent", "register_linear",
+           "copy_to", "reduce_from", "Shard", "Once"]
 
-STYLES = ("colwise", "rowwise", "gather_sequence", "partial_gradient")
+STYLES = ("colwise", "rowwise", "gather_sequence", "partial_gradient", "tokenwise")
 
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-    """One `tp_plan` entry: the style, the fused blocks of the cut dimension, and the unit
-    each rank's slice of a block must be a whole number of (a head's width)."""
+    """One `tp_plan` entry: the style, the fused blocks of the cut dimension (`k` equal
+    blocks, or a tuple of the blocks' whole widths), and the unit each rank's slice of a
+    block must be a whole number of (a head's width)."""
 
     style: str
-    parts: int = 1
+    parts: int | tuple[int, ...] = 1
     unit: int = 1
     optional: bool = False      # a degree that does not divide leaves the module whole
+    # the pattern may name nothing in a layer (a plan shared by dense and MoE blocks)
+    if_present: bool = False
 
     @classmethod
     def parse(cls, value: Any, where: str) -> "Split":
@@ -72,14 +89,126 @@ class Split:
         items = (value,) if isinstance(value, str) else tuple(value) \
             if isinstance(value, (tuple, list)) else None
         ok = (items is not None and 1 <= len(items) <= 3 and items[0] in STYLES
-              and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
-                      for n in items[1:]))
+              and all(_whole(n) for n in items[2:])
+              and (len(items) < 2 or _whole(items[1]) or _widths_given(items[1])))
         if not ok:
             raise ConfigError(
                 f"{where}: expected \"colwise\", \"rowwise\" or (style, fused blocks[, unit]) "
-                f"with whole numbers >= 1, found {value!r}; e.g. \"colwise\" or "
-                f"(\"colwise\", 3, head_dim) for a fused q, k, v projection")
+                f"with whole numbers >= 1 (the blocks a count or a tuple of widths), found "
+                f"{value!r}; e.g. \"colwise\", (\"colwise\", 3, head_dim) for a fused q, k, v "
+                f"projection or (\"colwise\", (q_width, kv_width, kv_width), head_dim)")
+        if len(items) > 1 and isinstance(items[1], list):
+            items = (items[0], tuple(items[1]), *items[2:])
         return cls(*items)
+
+
+def _whole(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+
+
+def _widths_given(parts: Any) -> bool:
+    return isinstance(parts, (tuple, list)) and len(parts) >= 1 and all(map(_whole, parts))
+
+
+class RankRandom:
+    """Random draws on slices: each tensor rank its own stream (Megatron's model-parallel
+    random state), everywhere else the stream the group shares.
+
+    The tensor ranks of a group share one random stream (`Engine` seeds them alike), so a
+    dropout on a whole, replicated activation draws the same mask on every rank, as it must.
+    On a slice (this rank's heads, between a column layer and its row layer; under sequence
+    parallelism, this rank's positions anywhere in the layer) the same stream would draw the
+    same mask on every rank: heads h and h + H/t, or positions i and i + S/t, dropped alike.
+    There each rank draws from its own stream instead, seeded from one draw of the shared
+    stream and the tensor rank: the shared stream advances alike on every rank, and a
+    recomputed layer (its random state replayed) draws again what it drew."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.depth = 0                   # nested stretches (a layer, a cut region inside)
+        self.cut_open = False            # between a column layer and its row layer
+        self._saved: list[tuple[Any, torch.Tensor]] = []
+
+    @staticmethod
+    def _generators() -> list[Any]:
+        gens = [torch.default_generator]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            gens.append(torch.cuda.default_generators[torch.cuda.current_device()])
+        return gens
+
+    def enter(self) -> None:
+        self.depth += 1
+        if self.depth > 1:
+            return
+        shared = int(torch.randint(0, 2**62, ()))       # the shared stream moves alike
+        seed = layer_seed(shared, self.rank)
+        self._saved = [(g, g.get_state()) for g in self._generators()]
+        for g, _ in self._saved:
+            g.manual_seed(seed)
+
+    def leave(self) -> None:
+        if self.depth == 0:
+            return
+        self.depth -= 1
+        if self.depth == 0:
+            for g, state in self._saved:
+                g.set_state(state)
+            self._saved = []
+
+    def open_cut(self) -> None:
+        """A column layer's output: this rank's slice of the features from here on."""
+        if not self.cut_open:
+            self.cut_open = True
+            self.enter()
+
+    def close_cut(self) -> None:
+        """A row layer's input (its output is whole again), or the layer's end."""
+        if self.cut_open:
+            self.cut_open = False
+            self.leave()
+
+
+def draws_random(layer: nn.Module) -> bool:
+    """Whether `layer` draws random numbers in training (a dropout): an `nn.Dropout` of
+    p > 0, or a float attribute `dropout` / `attention_dropout` / `dropout_p` > 0 (what
+    attention code passes to `scaled_dot_product_attention`, transformers' attention
+    modules). `tp_random = True / False` on the layer says it outright."""
+    said = getattr(layer, "tp_random", None)
+    if said is not None:
+        return bool(said)
+    for module in layer.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return True
+        for field in ("dropout", "attention_dropout", "dropout_p"):
+            value = getattr(module, field, None)
+            if isinstance(value, float) and value > 0:
+                return True
+    return False
+
+
+def _own_random_stretches(layer: nn.Module, group: "TensorGroup") -> None:
+    """A layer that draws random numbers draws its own on this rank's slices (`RankRandom`):
+    its column layers open a stretch, its row layers close it, and under sequence
+    parallelism the whole layer (its positions are this rank's) is one."""
+    for module in layer.modules():
+        module.pf_random = True
+    inner = layer.forward
+    random = group.random
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not layer.training:
+            return inner(*args, **kwargs)
+        sliced = group.sequence_parallel and getattr(layer, "pf_in_region", False)
+        if sliced:
+            random.enter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            random.close_cut()         # a column layer with no row layer after it
+            if sliced:
+                random.leave()
+    layer.forward = forward
 
 
 class TensorGroup:
@@ -92,6 +221,7 @@ class TensorGroup:
         self.gathered = 0        # inside a `gather_sequence` module (sequence parallelism)
         self.waiting = ""        # the collective this rank waits in (the watchdog says it)
         self._copied: tuple[Any, Any] | None = None    # the last input copied to the group
+        self.random = RankRandom(rank)    # this rank's own masks on slices (dropout)
 
     def allreduce(self, x: torch.Tensor, key: str) -> torch.Tensor:
         """A new tensor: `x` summed over the group. Halves are summed in fp32 over MPI (which
@@ -178,21 +308,32 @@ def _allgather(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
     return out.view(group.size, *shard.shape)
 
 
+def _seq_dim(x: torch.Tensor) -> int:
+    """The dimension a column or row layer's input is gathered and scattered along: the
+    sequence of [batch, sequence, features], or the tokens of [tokens, features] (a block
+    that flattens batch and sequence before its MLP, as OPT's: its rows are per token, so
+    any order works that the scatter undoes)."""
+    return SEQ if x.dim() > 2 else 0
+
+
 def _seq_gather(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
     """Every rank's slice of the sequence, whole (in rank order)."""
-    shard = _wide(x.detach(), group).transpose(0, SEQ)
+    dim = _seq_dim(x)
+    shard = _wide(x.detach(), group).transpose(0, dim)
     out = _allgather(shard, group, key)
     whole = out.reshape(group.size * shard.shape[0], *shard.shape[1:])
-    return whole.transpose(0, SEQ).to(x.dtype)
+    return whole.transpose(0, dim).to(x.dtype)
 
 
 def _seq_reduce_scatter(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
     """The sum over the group of `x` (whole sequence), this rank's slice of it."""
-    whole = _wide(x.detach(), group).transpose(0, SEQ).contiguous()
+    dim = _seq_dim(x)
+    whole = _wide(x.detach(), group)
+    whole = (whole.transpose(0, dim) if dim else whole).contiguous()
     out = torch.empty((whole.shape[0] // group.size, *whole.shape[1:]), dtype=whole.dtype,
                       device=whole.device)
     group.wait(group.comm.ireduce_scatter_(whole.view(-1), out.view(-1), key=key), key)
-    return out.transpose(0, SEQ).to(x.dtype)
+    return (out.transpose(0, dim) if dim else out).to(x.dtype)
 
 
 def _seq_slice(x: torch.Tensor, group: TensorGroup) -> torch.Tensor:
@@ -248,7 +389,9 @@ class _ScatterSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
         ctx.group, ctx.key = group, key
-        return _seq_reduce_scatter(x, group, key)
+        y = _seq_reduce_scatter(x, group, key)
+        # not a view: blocks add into their row layers' outputs in place (Falcon's MLP)
+        return y.contiguous() if y._is_view() else y
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -301,22 +444,64 @@ def _sequence(module: nn.Module) -> bool:
     return module.pf_tensor.sequence_parallel and getattr(module, "pf_in_region", False)
 
 
+def _open_cut(module: nn.Module) -> None:
+    if getattr(module, "pf_random", False) and module.training:
+        module.pf_tensor.random.open_cut()
+
+
+def _close_cut(module: nn.Module) -> None:
+    if getattr(module, "pf_random", False) and module.training:
+        module.pf_tensor.random.close_cut()
+
+
+def _colwise(module: nn.Module, x: torch.Tensor, weight: torch.Tensor,
+             bias: torch.Tensor | None) -> torch.Tensor:
+    """A column layer's product (`weight` (out, in), this rank's output features)."""
+    _open_cut(module)
+    if module.pf_tensor.gathered:      # inside `gather_sequence`: the whole input is here
+        return F.linear(x, weight, bias)
+    if _sequence(module):
+        return _SeqColwise.apply(x, weight, bias, module.pf_tensor, module.pf_key)
+    return F.linear(copy_to(x, module.pf_tensor, module.pf_key), weight, bias)
+
+
+def _rowwise(module: nn.Module, x: torch.Tensor, weight: torch.Tensor,
+             bias: torch.Tensor | None) -> torch.Tensor:
+    """A row layer's product (`weight` (out, in), this rank's input features), summed."""
+    _close_cut(module)
+    if _sequence(module):
+        y = _ScatterSeq.apply(F.linear(x, weight), module.pf_tensor, module.pf_key)
+    else:
+        y = reduce_from(F.linear(x, weight), module.pf_tensor, module.pf_key)
+    return y if bias is None else y + bias
+
+
 class ColwiseLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.pf_tensor.gathered:      # inside `gather_sequence`: the whole input is here
-            return F.linear(x, self.weight, self.bias)
-        if _sequence(self):
-            return _SeqColwise.apply(x, self.weight, self.bias, self.pf_tensor, self.pf_key)
-        return F.linear(copy_to(x, self.pf_tensor, self.pf_key), self.weight, self.bias)
+        return _colwise(self, x, self.weight, self.bias)
 
 
 class RowwiseLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _sequence(self):
-            y = _ScatterSeq.apply(F.linear(x, self.weight), self.pf_tensor, self.pf_key)
-        else:
-            y = reduce_from(F.linear(x, self.weight), self.pf_tensor, self.pf_key)
-        return y if self.bias is None else y + self.bias
+        return _rowwise(self, x, self.weight, self.bias)
+
+
+class ColwiseTransposed(nn.Module):
+    """`colwise` on a linear map with its weight stored (in, out) (transformers' Conv1D)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _colwise(self, x, self.weight.t(), self.bias)
+
+
+class RowwiseTransposed(nn.Module):
+    """`rowwise` on a linear map with its weight stored (in, out) (transformers' Conv1D)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _rowwise(self, x, self.weight.t(), self.bias)
+
+
+_ROW_CLASSES = (RowwiseLinear, RowwiseTransposed)
+_COLUMN_CLASSES = (ColwiseLinear, ColwiseTransposed)
 
 
 class VocabEmbedding(nn.Embedding):
@@ -348,6 +533,22 @@ _CUTS: dict[tuple[type, str], tuple[type, dict[str, int], str]] = {
     (nn.Embedding, "rowwise"): (VocabEmbedding, {"weight": 0}, "num_embeddings"),
     (nn.Embedding, "colwise"): (ColwiseEmbedding, {"weight": 1}, "embedding_dim"),
 }
+
+
+def register_linear(kind: type, transposed: bool = False,
+                    fields: tuple[str, str] = ("out_features", "in_features")) -> None:
+    """Let a `tp_plan` cut modules of `kind` (exactly that type) as linear maps: `x @ W.T +
+    b` as `nn.Linear` computes it (a subclass with its own forward, as Falcon's
+    `FalconLinear`), or with `transposed`, `x @ W + b` with the weight stored (in, out)
+    (transformers' `Conv1D`); `fields` name its output and input widths. Once cut, the
+    module computes through the group's collectives like a cut `nn.Linear`."""
+    out_field, in_field = fields
+    if transposed:
+        _CUTS[(kind, "colwise")] = (ColwiseTransposed, {"weight": 1, "bias": 0}, out_field)
+        _CUTS[(kind, "rowwise")] = (RowwiseTransposed, {"weight": 0}, in_field)
+    else:
+        _CUTS[(kind, "colwise")] = (ColwiseLinear, {"weight": 0, "bias": 0}, out_field)
+        _CUTS[(kind, "rowwise")] = (RowwiseLinear, {"weight": 1}, in_field)
 
 
 def enter_sequence(value: Any, group: TensorGroup, key: str) -> Any:
@@ -398,7 +599,7 @@ def in_region(layer: nn.Module) -> bool:
     """Whether a cut layer runs on sequence slices under sequence parallelism: one with a
     row layer (whose output is then reduce-scattered); an embedding or a head cut along the
     vocabulary is not."""
-    return any(isinstance(m, RowwiseLinear) for m in layer.modules())
+    return any(isinstance(m, _ROW_CLASSES) for m in layer.modules())
 
 
 def sequence_boundaries(layer: nn.Module, index: int, planned: list[bool],
@@ -432,20 +633,57 @@ def plan_of(layer: nn.Module) -> Mapping[str, Any]:
     return plan
 
 
-def split_of(param: torch.Tensor) -> tuple[int, int] | None:
+def split_of(param: torch.Tensor) -> tuple[int, int | tuple[int, ...]] | None:
     """(dimension, fused blocks) a cut parameter was cut along; None where it is whole."""
     return getattr(param, "pf_tensor_split", None)
 
 
-def cut(whole: torch.Tensor, dim: int, parts: int, size: int, rank: int) -> torch.Tensor:
-    """Rank `rank`'s slice of `whole`: each of its `parts` blocks along `dim` cut in `size`."""
-    return torch.cat([b.chunk(size, dim)[rank] for b in whole.chunk(parts, dim)], dim)
+def _widths(parts: int | tuple[int, ...], length: int) -> list[int]:
+    """The whole widths of the fused blocks along a dimension of `length`."""
+    return [length // parts] * parts if isinstance(parts, int) else list(parts)
 
 
-def join(slices: list[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
+def cut(whole: torch.Tensor, dim: int, parts: int | tuple[int, ...], size: int,
+        rank: int) -> torch.Tensor:
+    """Rank `rank`'s slice of `whole`: each of its `parts` blocks along `dim` (a count of
+    equal blocks, or their widths) cut in `size`."""
+    blocks = whole.split(_widths(parts, whole.shape[dim]), dim)
+    return torch.cat([b.chunk(size, dim)[rank] for b in blocks], dim)
+
+
+def kept_ranges(shape: Sequence[int], split: Any, size: int,
+                rank: int) -> tuple[int, list[tuple[int, int]]] | None:
+    """Which part of a whole tensor of `shape` rank `rank` of `size` keeps, before the tensor
+    is read: `(dim, [(start, stop), ...])`, the ranges along `dim` whose pieces, concatenated
+    in order, are `cut`'s slice (one range a fused block). `split` is the parameter's
+    `split_of`. None where this function does not know the layout, or the degree does not
+    divide it evenly: the reader then reads the whole tensor and `cut`s it.
+
+    The one place a reader learns what to read (`pipeflow.train.hub` reads a Hub folder's
+    safetensors files in these ranges, `get_slice(key)[...]`): a new layout of `cut` gives
+    its ranges here, and `tests/test_tensor_hub_mpi.py` checks both agree."""
+    if not (isinstance(split, tuple) and len(split) == 2 and isinstance(split[0], int)
+            and (isinstance(split[1], int) or _widths_given(split[1]))):
+        return None
+    dim, parts = split
+    width = shape[dim] if 0 <= dim < len(shape) else 0
+    widths = _widths(parts, width) if width else []
+    if not widths or sum(widths) != width or any(w % size for w in widths):
+        return None              # `cut`'s uneven chunks: left to it
+    ranges, start = [], 0
+    for w in widths:             # each fused block (equal ones, or Phi-3's q | k | v)
+        piece = w // size
+        ranges.append((start + rank * piece, start + (rank + 1) * piece))
+        start += w
+    return dim, ranges
+
+
+def join(slices: list[torch.Tensor], dim: int, parts: int | tuple[int, ...]) -> torch.Tensor:
     """The whole tensor from every rank's slice (the inverse of `cut`)."""
-    blocks = [s.chunk(parts, dim) for s in slices]
-    return torch.cat([torch.cat([b[p] for b in blocks], dim) for p in range(parts)], dim)
+    widths = [w // len(slices) for w in _widths(parts, slices[0].shape[dim] * len(slices))]
+    blocks = [s.split(widths, dim) for s in slices]
+    return torch.cat([torch.cat([b[p] for b in blocks], dim) for p in range(len(widths))],
+                     dim)
 
 
 def whole_shape(shape: torch.Size, dim: int, size: int) -> torch.Size:
@@ -453,8 +691,8 @@ def whole_shape(shape: torch.Size, dim: int, size: int) -> torch.Size:
     return torch.Size(n * size if i == dim else n for i, n in enumerate(shape))
 
 
-def gather_whole(group: TensorGroup, value: torch.Tensor, dim: int, parts: int,
-                 key: str) -> torch.Tensor:
+def gather_whole(group: TensorGroup, value: torch.Tensor, dim: int,
+                 parts: int | tuple[int, ...], key: str) -> torch.Tensor:
     """The whole tensor from this rank's slice `value` and the group's (every rank calls it)."""
     return join(list(_allgather(value.detach(), group, f"tensor group: {key}").unbind(0)),
                 dim, parts)
@@ -472,8 +710,13 @@ def shard_layer(layer: nn.Module, group: TensorGroup, index: int) -> None:
     where = f"layer {index} ({name})"
     named = dict(layer.named_modules())
     for pattern, value in plan.items():
+        if isinstance(value, (Shard, Once)):
+            _cut_parameters(layer, pattern, value, group, where)
+            continue
         split = Split.parse(value, f"{where}: tp_plan[{pattern!r}]")
         hits = [n for n in named if n and fnmatch.fnmatchcase(n, pattern)]
+        if not hits and split.if_present:
+            continue
         if not hits:
             raise ConfigError(
                 f"{where}: tp_plan entry {pattern!r} names no submodule; its submodules are "
@@ -481,20 +724,28 @@ def shard_layer(layer: nn.Module, group: TensorGroup, index: int) -> None:
         for sub_name in hits:
             _cut_module(named[sub_name], split, group, f"{where}.{sub_name}",
                         f"layer {index}.{sub_name}")
+    _check_tokenwise(layer, where)
     after = getattr(layer, "tp_after_cut", None)
     if after is not None:         # what the layer's code reads from its whole shape
         after(group)
+    if plan and draws_random(layer):
+        _own_random_stretches(layer, group)
 
 
 def _gather_sequence(module: nn.Module, group: TensorGroup, key: str) -> None:
     """`gather_sequence`: under sequence parallelism the module's input (its first argument
     or `hidden_states`) is gathered whole on entry (code that reshapes by its input's length,
     as transformers' attention does, sees the whole sequence) and its column layers take it
-    as it is; its row layers still scatter their output. Without it, nothing."""
+    as it is; its row layers still scatter their output. Without it, nothing; nor while it
+    is off for the moment (`whole_sequence`: generation)."""
     if not group.sequence_parallel:
         return
+    entered: list[bool] = []      # per call: whether this one gathered (calls nest in recompute)
 
-    def enter(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def enter(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        entered.append(group.sequence_parallel)
+        if not entered[-1]:
+            return None
         group.gathered += 1
         if args:
             return (_GatherSeq.apply(args[0], group, key), *args[1:]), kwargs
@@ -503,7 +754,8 @@ def _gather_sequence(module: nn.Module, group: TensorGroup, key: str) -> None:
         return args, kwargs
 
     def leave(_m: nn.Module, _args: tuple, out: Any) -> Any:
-        group.gathered -= 1
+        if entered.pop():
+            group.gathered -= 1
         return out
 
     module.register_forward_pre_hook(enter, with_kwargs=True)
@@ -519,10 +771,14 @@ def _cut_module(module: nn.Module, split: Split, group: TensorGroup, where: str,
         for param in module.parameters():
             param.pf_partial_gradient = True
         return
-    kind = next((k for k in (nn.Linear, nn.Embedding) if type(module) is k), None)
+    if split.style == "tokenwise":
+        _tokenwise(module, group, f"tensor group: {key} (tokenwise)")
+        return
+    kind = next((k for k, _ in _CUTS if type(module) is k), None)
     if kind is None:
+        kinds = ", ".join(dict.fromkeys(k.__name__ for k, _ in _CUTS))
         raise ConfigError(
-            f"{where}: tp_plan cuts nn.Linear and nn.Embedding, found {type(module).__name__}; "
+            f"{where}: tp_plan cuts {kinds}, found {type(module).__name__}; "
             f"name its Linear submodules instead, or leave it out of the plan (replicated)")
     if kind is nn.Embedding and (split.parts != 1 or module.max_norm is not None or
                                  (split.style == "rowwise" and module.padding_idx is not None)):
@@ -533,7 +789,7 @@ def _cut_module(module: nn.Module, split: Split, group: TensorGroup, where: str,
             f"leave it replicated (out of the plan)")
     cls, dims, field = _CUTS[(kind, split.style)]
     total = getattr(module, field)
-    if split.optional and total % (split.parts * split.unit * group.size):
+    if split.optional and not _divides(total, split, group.size):
         return                  # left whole: e.g. a vocabulary of 50257 at tensor = 2
     _check_divides(total, split, group.size, where, field)
     for pname, dim in dims.items():
@@ -553,13 +809,24 @@ def _cut_module(module: nn.Module, split: Split, group: TensorGroup, where: str,
     module.pf_tensor, module.pf_key = group, f"tensor group: {key} ({split.style})"
 
 
+def _divides(total: int, split: Split, t: int) -> bool:
+    """Whether each fused block of a `total` wide dimension cuts in `t` whole units."""
+    if isinstance(split.parts, int):
+        return total % (split.parts * split.unit * t) == 0
+    return sum(split.parts) == total and all(w % (split.unit * t) == 0 for w in split.parts)
+
+
 def _check_divides(total: int, split: Split, t: int, where: str, field: str) -> None:
-    step = split.parts * split.unit
-    if total % (step * t) == 0:
+    if _divides(total, split, t):
         return
-    fits = [d for d in range(1, 129) if total % (step * d) == 0 and d > 1][:8] or [1]
+    if not isinstance(split.parts, int) and sum(split.parts) != total:
+        raise ConfigError(f"{where}: {split.style} cuts {field} = {total} as fused blocks of "
+                          f"widths {split.parts}, which sum to {sum(split.parts)}; give the "
+                          f"blocks' widths as the module holds them")
+    fits = [d for d in range(2, 129) if _divides(total, split, d)][:8] or [1]
     unit = f" in units of {split.unit}" if split.unit > 1 else ""
-    blocks = f" ({split.parts} fused blocks)" if split.parts > 1 else ""
+    blocks = "" if split.parts == 1 else f" (fused blocks of widths {split.parts})" \
+        if isinstance(split.parts, tuple) else f" ({split.parts} fused blocks)"
     raise ConfigError(
         f"{where}: {split.style} cuts {field} = {total}{blocks}{unit} over tensor = {t}, "
         f"which does not divide it; tensor degrees that would: {fits}; change "
@@ -574,11 +841,183 @@ def check_cut_consistent(module: nn.Module, where: str) -> None:
         if isinstance(sub, cut_classes):
             continue
         for pname, param in sub.named_parameters(recurse=False):
-            if split_of(param) is not None:
+            if split_of(param) is not None and not getattr(param, "pf_shard", False):
                 raise ConfigError(
                     f"{where}: {name}.{pname} is a weight tied to one cut by a tp_plan, but "
                     f"{name} ({type(sub).__name__}) is not cut; give every holder of a tied "
                     f"weight the same tp_plan style")
+
+
+# -- parameter cuts: an expert bank's 3-D weights, a vector per head, a bias added once ------
+#
+# transformers 5 keeps a mixture's experts as fused 3-D parameters of one module
+# (`gate_up_proj` (experts, 2 x inner, hidden), `down_proj` (experts, hidden, inner)), not as
+# `nn.Linear`s, and some blocks read a parameter per head (GPT-OSS's attention sinks). A
+# `Shard` entry names parameters (not modules) and cuts each along a dimension; its module
+# computes with the slice as it is, with no collective of its own: the boundary is the
+# `tokenwise` module around it (an expert bank: the inner width cut, the group sums), or the
+# cut layers beside it (a sink per head of a head-cut attention).
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """A `tp_plan` entry naming parameters: each cut along `dim` (its `parts` fused blocks each
+    cut, every slice a whole number of `unit`s), e.g. `Shard(1, 2)` for an expert bank's
+    fused gate and up, `Shard(2)` for its down projection, `Shard(0)` for a vector per head."""
+
+    dim: int
+    parts: int = 1
+    unit: int = 1
+    if_present: bool = False    # the pattern may name nothing in a layer
+
+    @property
+    def style(self) -> str:
+        return "shard"
+
+
+@dataclasses.dataclass(frozen=True)
+class Once:
+    """A `tp_plan` entry naming whole parameters that a `tokenwise` module adds to each
+    token's output (an expert bank's down-projection bias): tensor rank 0 adds them, the
+    others add zeros, and their gradient is summed over the group, so the sum counts them
+    once."""
+
+    if_present: bool = False
+
+
+def _cut_parameters(layer: nn.Module, pattern: str, entry: "Shard | Once", group: TensorGroup,
+                    where: str) -> None:
+    named = dict(layer.named_parameters())
+    hits = [n for n in named if fnmatch.fnmatchcase(n, pattern)]
+    if not hits and not entry.if_present:
+        raise ConfigError(
+            f"{where}: tp_plan entry {pattern!r} ({entry}) names no parameter; its parameters "
+            f"are {list(named)[:12]}; fix the pattern")
+    for name in hits:
+        param, here = named[name], f"{where}.{name}"
+        if isinstance(entry, Once):
+            owner, _, attr = name.rpartition(".")
+            _added_once(layer.get_submodule(owner), attr, group)
+            continue
+        if not 0 <= entry.dim < param.dim():
+            raise ConfigError(f"{here}: Shard cuts dimension {entry.dim} of a parameter of "
+                              f"shape {tuple(param.shape)}; name a dimension it has")
+        if split_of(param) is not None:
+            raise ConfigError(f"{here}: cut twice (tp_plan patterns overlap); name it once")
+        _check_divides(param.shape[entry.dim], entry, group.size, here,
+                       f"dimension {entry.dim}")
+        param.data = cut(param.data, entry.dim, entry.parts, group.size, group.rank).clone()
+        param.pf_tensor_split, param.pf_shard = (entry.dim, entry.parts), True
+
+
+def _added_once(owner: nn.Module, name: str, group: TensorGroup) -> None:
+    """`Once`: while `owner` runs on a tensor rank other than 0, its parameter `name` reads as
+    zeros (still in the graph, so its gradient exists, zero, for the group's sum)."""
+    getattr(owner, name).pf_partial_gradient = True
+    if group.rank == 0:
+        return
+    held: list[Any] = []
+
+    def enter(module: nn.Module, _args: tuple) -> None:
+        held.append(module._parameters[name])
+        module._parameters[name] = held[-1] * 0
+
+    def leave(module: nn.Module, _args: tuple, _out: Any) -> None:
+        module._parameters[name] = held.pop()
+
+    owner.register_forward_pre_hook(enter)
+    owner.register_forward_hook(leave)
+
+
+def _rows_gather(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
+    """Every rank's rows (dimension 0) after one another, in rank order."""
+    out = _allgather(_wide(x.detach(), group), group, key)
+    return out.reshape(group.size * x.shape[0], *x.shape[1:]).to(x.dtype)
+
+
+def _rows_reduce_scatter(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
+    """The sum over the group of `x`, this rank's block of its rows."""
+    whole = _wide(x.detach(), group).contiguous()
+    out = whole.new_empty((whole.shape[0] // group.size, *whole.shape[1:]))
+    group.wait(group.comm.ireduce_scatter_(whole.view(-1), out.view(-1), key=key), key)
+    return out.to(x.dtype)
+
+
+class _GatherRows(torch.autograd.Function):
+    """Into a `tokenwise` module under sequence parallelism: every rank's tokens forward; the
+    gradient's sum over the group, this rank's tokens, backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
+        ctx.group, ctx.key = group, key
+        return _rows_gather(x, group, key)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return (_rows_reduce_scatter(grad, ctx.group, f"{ctx.key} (input gradient)"),
+                None, None)
+
+
+class _ScatterRows(torch.autograd.Function):
+    """Out of a `tokenwise` module under sequence parallelism: the partial outputs summed,
+    this rank's tokens, forward; every rank's gradient rows gathered backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
+        ctx.group, ctx.key = group, key
+        return _rows_reduce_scatter(x, group, key)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _rows_gather(grad, ctx.group, f"{ctx.key} (output gradient)"), None, None
+
+
+def _tokenwise(module: nn.Module, group: TensorGroup, key: str) -> None:
+    """`tokenwise`: the module's floating inputs (the tokens, an expert bank's routing
+    weights) are copied to the group (their gradients summed) and its output is summed over
+    it. Under sequence parallelism (its layer in the region) every rank's tokens are gathered
+    along dimension 0 first, integer inputs (expert indices) too, and each rank keeps the
+    sums of its own tokens: a per-token module does not mind their order."""
+    module.pf_tensor, module.pf_key, module.pf_tokenwise = group, key, True
+
+    def one(x: Any, rows: bool) -> Any:
+        if not torch.is_tensor(x):
+            return x
+        if rows:
+            return _GatherRows.apply(x, group, key) if x.is_floating_point() \
+                else _rows_gather(x, group, f"{key} (indices)")
+        return copy_to(x, group, key) if x.is_floating_point() else x
+
+    def enter(m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        rows = _sequence(m)
+        return (tuple(one(a, rows) for a in args),
+                {k: one(v, rows) for k, v in kwargs.items()})
+
+    def leave(m: nn.Module, _args: tuple, out: Any) -> Any:
+        if not torch.is_tensor(out):
+            raise ConfigError(f"{key}: a tokenwise module returns one tensor (its output for "
+                              f"every token), found {type(out).__name__}; name the module "
+                              f"inside it that does")
+        if _sequence(m):
+            return _ScatterRows.apply(out, group, key)
+        return reduce_from(out, group, key)
+
+    module.register_forward_pre_hook(enter, with_kwargs=True)
+    module.register_forward_hook(leave)
+
+
+def _check_tokenwise(layer: nn.Module, where: str) -> None:
+    """Inside a `tokenwise` module every parameter is cut (`Shard`) or added once (`Once`):
+    a whole one would be counted once per tensor rank in the sum."""
+    for name, module in layer.named_modules():
+        if not getattr(module, "pf_tokenwise", False):
+            continue
+        whole = [n for n, p in module.named_parameters()
+                 if split_of(p) is None and not getattr(p, "pf_partial_gradient", False)]
+        if whole:
+            raise ConfigError(
+                f"{where}.{name}: a tokenwise module sums its output over the tensor group, "
+                f"but its parameters {whole} are neither cut (Shard) nor added once (Once): "
+                f"each rank would add them whole; give them a tp_plan entry")
 
 
 # -- the vocabulary cut: logits stay in slices into the loss --------------------------------
@@ -644,7 +1083,7 @@ def vocab_output(layer: nn.Module) -> bool:
     """Whether a cut layer's output is logits cut along the vocabulary: it declares
     `tp_output = "vocab"` and its column layer was cut (an optional cut may stay whole)."""
     return getattr(layer, "tp_output", None) == "vocab" and \
-        any(isinstance(m, ColwiseLinear) for m in layer.modules())
+        any(isinstance(m, _COLUMN_CLASSES) for m in layer.modules())
 
 
 def gather_vocab(logits: torch.Tensor, group: TensorGroup) -> torch.Tensor:

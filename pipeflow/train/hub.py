@@ -1,9 +1,9 @@
 """Hugging Face Hub folders in and out: `[model] pretrained = "folder"` (each rank reads only
-its own layers' tensors from the safetensors files, converted from the layout
-`save_pretrained` writes) and `export_hf` / `pipeflow export` (weights in that layout, in the
-run's precision, sharded past `max_shard_size`, `config.json`, and the source folder's
-tokenizer and other files; `pipeflow.train.export`: never destroying what it did not
-write).
+its own layers' tensors from the safetensors files, at `tensor > 1` only the slices it keeps,
+converted from the layout `save_pretrained` writes) and `export_hf` / `pipeflow export`
+(weights in that layout, in the run's precision, sharded past `max_shard_size`,
+`config.json`, and the source folder's tokenizer and other files; `pipeflow.train.export`:
+never destroying what it did not write).
 
 A Hub folder, as `save_pretrained` writes it:
 
@@ -22,7 +22,7 @@ import json
 import os
 import re
 import shutil
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -82,14 +82,22 @@ def _opened(path: str) -> Iterator[Any]:
         yield f
 
 
-def _tensor(f: Any, path: str, key: str) -> torch.Tensor:
+@contextlib.contextmanager
+def _reading(path: str, key: str) -> Iterator[None]:
+    """A tensor's read (whole, its shape, or a slice), its errors as one ValueError naming
+    the file and what to do."""
     from safetensors import SafetensorError
     try:
-        return f.get_tensor(key)
+        yield
     except (SafetensorError, OSError) as exc:
         raise ValueError(f"{path!r}: cannot read tensor {key!r} ({exc}); the file is "
                          f"truncated or damaged, or its index names a tensor it lacks: "
                          f"download or save the folder again") from None
+
+
+def _tensor(f: Any, path: str, key: str) -> torch.Tensor:
+    with _reading(path, key):
+        return f.get_tensor(key)
 
 
 def read_tensor(path: str, key: str) -> torch.Tensor:
@@ -122,36 +130,83 @@ def layer_sources(index: Iterable[str], hf_config: Any) -> tuple[dict[str, list[
     return {pf: list(plan[mem].keys) for pf, mem in names.items()}, (plan, model, names)
 
 
-def read_layers(folder: str, hf_config: Any, layers: Iterable[int]) -> tuple[
-        dict[str, torch.Tensor], list[str]]:
+# (pipeflow key, the file tensor's shape) -> the ranges along one dimension a rank keeps
+# (`Engine.kept_ranges`), or None: the whole tensor.
+Ranges = Callable[[str, Sequence[int]], "tuple[int, list[tuple[int, int]]] | None"]
+
+
+def read_layers(folder: str, hf_config: Any, layers: Iterable[int],
+                ranges: Ranges | None = None) -> tuple[dict[str, torch.Tensor], list[str]]:
     """The tensors of `layers` only, from the folder's safetensors files, keyed as
     `build_sequential`; and the files' keys read (each file opened once, only these keys read).
+
+    With `ranges` (`Engine.kept_ranges`: tensor-parallel), each tensor is read only in the
+    rows or columns this tensor rank keeps (`safe_open(...).get_slice(key)[...]`), never
+    whole and then cut: a rank's share of the folder's bytes is about `1/(p·t)`, plus what
+    it keeps whole (norms, a replicated embedding).
 
     The files may hold the layout `save_pretrained` writes (per-expert tensors, renamed heads):
     they are converted as `from_pretrained` converts them (`hf_checkpoint`)."""
     from pipeflow.models import hf_checkpoint
     index = weight_index(folder)
-    sources, (plan, model, names) = layer_sources(index, hf_config)
+    _, (plan, model, names) = layer_sources(index, hf_config)
     wanted = set(layers)
     mine = {pf: mem for pf, mem in names.items() if _layer_of(pf) in wanted}
-    read = _read_keys(index, sorted({k for pf in mine for k in sources[pf]}))
+    # A renamed tensor is the file's tensor as it is: read in this rank's ranges. One a
+    # conversion makes of several (experts merged into one bank) is read whole and
+    # converted; `Engine.load_state_dict` cuts it (its ranges are the merged tensor's, not
+    # the files'; reading each expert's rows is the step past this).
+    direct = {pf: mem for pf, mem in mine.items() if plan[mem].converter is None}
+    wants = {pf: (hf_checkpoint.renamed_key(mem, plan[mem]), ranges)
+             for pf, mem in direct.items()}
+    converted = sorted({mem for pf, mem in mine.items() if pf not in direct})
+    wants.update({key: (key, None) for mem in converted for key in plan[mem].keys})  # file keys
+    read = _read_keys(index, wants)
+    out = {pf: read.pop(pf) for pf in direct}
     memory: dict[str, torch.Tensor] = {}
-    for mem in sorted(set(mine.values())):
+    for mem in converted:
         memory.update(hf_checkpoint.realize(mem, plan[mem], read, model))
-    return {pf: memory[mem] for pf, mem in mine.items()}, sorted(read)
+    out.update({pf: memory[mem] for pf, mem in mine.items() if pf not in direct})
+    return out, sorted({key for key, _ in wants.values()})
 
 
-def _read_keys(index: Mapping[str, str], keys: Iterable[str]) -> dict[str, torch.Tensor]:
-    """The tensors of `keys` from the files `index` names, each file opened once."""
+def _read_keys(index: Mapping[str, str], wants: Mapping[str, tuple[str, Ranges | None]]
+               ) -> dict[str, torch.Tensor]:
+    """name -> the file tensor `key` of `wants[name] = (key, ranges)`: whole, or only the
+    pieces `ranges(name, shape)` names, concatenated. Each file is opened once, and a piece
+    two names want alike (a tied embedding and head) is read once."""
     by_file: dict[str, list[str]] = {}
-    for key in keys:
-        by_file.setdefault(index[key], []).append(key)
+    for name, (key, _) in wants.items():
+        by_file.setdefault(index[key], []).append(name)
     read: dict[str, torch.Tensor] = {}
     for path, names in sorted(by_file.items()):
         with _opened(path) as f:
-            for key in names:
-                read[key] = _tensor(f, path, key)
+            done: dict[Any, torch.Tensor] = {}
+            for name in names:
+                key, ranges = wants[name]
+                kept = None if ranges is None else ranges(name, _shape(f, path, key))
+                at = (key, None if kept is None else (kept[0], tuple(kept[1])))
+                if at not in done:
+                    done[at] = _tensor(f, path, key) if kept is None else \
+                        _pieces(f, path, key, *kept)
+                read[name] = done[at]
     return read
+
+
+def _pieces(f: Any, path: str, key: str, dim: int,
+            spans: list[tuple[int, int]]) -> torch.Tensor:
+    """The ranges `spans` along `dim` of the file tensor `key`, concatenated: only their
+    bytes are read (`get_slice`)."""
+    lead = (slice(None),) * dim
+    with _reading(path, key):
+        view = f.get_slice(key)
+        parts = [view[(*lead, slice(start, stop))] for start, stop in spans]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _shape(f: Any, path: str, key: str) -> list[int]:
+    with _reading(path, key):
+        return list(f.get_slice(key).get_shape())
 
 
 def hf_tensors(state: Mapping[str, torch.Tensor], hf_config: Any,

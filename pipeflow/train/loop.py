@@ -531,11 +531,13 @@ def _start(run: RunConfig, comm: MPI.Comm, log: Callable) -> _Loop:
 
 
 def _load_pretrained(engine: Engine, model: Model) -> None:
-    """Every rank reads its own layers' tensors of the Hub folder and loads them as the
-    engine's masters and working weights; a problem on any rank is raised on every rank."""
+    """Every rank reads its own layers' tensors of the Hub folder (tensor-parallel: only the
+    slices it keeps) and loads them as the engine's masters and working weights; a problem
+    on any rank is raised on every rank."""
     problem = None
     try:
-        state, _ = hub.read_layers(model.pretrained, model.hf_config, engine.stage.module.indices)
+        state, _ = hub.read_layers(model.pretrained, model.hf_config,
+                                   engine.stage.module.indices, engine.kept_ranges)
         engine.load_state_dict(state)
     except (ConfigError, OSError, ValueError, RuntimeError) as exc:
         problem = f"rank {engine.stage.topo.rank}: {exc}"

@@ -3,8 +3,9 @@
 `CKPT` is a checkpoint folder (or the save_dir whose latest it is) written by `pipeflow
 train`, which records the run's tables in its `data.json`, or a Hugging Face folder
 (`config.json` and safetensors weights). Every rank builds its own layers on the grid of
-this launch (`--pipeline P`, default every rank; the rest are replicas), reads only their
-tensors, and `engine.generate` writes the continuation. The tokenizer is the run's data's
+this launch (`--tensor T` ranks cut each layer, `--pipeline P` stages, default every tensor
+group of the launch; the rest are replicas), reads only their tensors, and `engine.generate`
+writes the continuation. The tokenizer is the run's data's
 (`meta.json` beside `[data] train`, written by `pipeflow prepare`), the Hugging Face
 folder's `tokenizer.json`, or bytes for a run on the byte corpus; `--tokenizer` overrides.
 The text goes to stdout on rank 0 only.
@@ -75,8 +76,9 @@ class SampleArgs:
     eos: list[int] = dataclasses.field(default_factory=list)
     tokenizer: str = ""
     config: str = ""              # the run's TOML, for a checkpoint that records none
-    pipeline: int = 0             # 0: every rank of the launch in one pipeline
+    pipeline: int = 0             # 0: every rank of the launch (over the tensor degree)
     ids: bool = False             # print the new token ids (JSON) instead of the text
+    tensor: int = 1               # the tensor degree: each layer cut over this many ranks
 
 
 @dataclasses.dataclass
@@ -86,7 +88,9 @@ class _Source:
     model: Any                    # pipeflow.train.model_table.Model
     precision: str
     tokenizer: str
-    read: Callable[[list[int]], dict[str, torch.Tensor]]    # layers -> their tensors
+    # (layers, Engine.kept_ranges) -> their tensors: a Hub folder's in this tensor rank's
+    # slices, a checkpoint's whole (its shards hold whole layers; load_state_dict cuts them)
+    read: Callable[[list[int], Any], dict[str, torch.Tensor]]
     folder: str | None = None     # the checkpoint read (None: a Hugging Face folder)
 
 
@@ -115,7 +119,7 @@ def sample(args: SampleArgs, comm: MPI.Comm | None = None,
     if empty:
         raise ConfigError(f"--prompt {empty[0]} is no token with tokenizer "
                           f"{tokenizer.spec!r}; give at least one character")
-    config = _grid(args.pipeline, comm.size, source.precision)
+    config = _grid(args.pipeline, args.tensor, comm.size, source.precision)
     engine = Engine(source.model.layers, source.model.loss_fn,
                     lambda ps: torch.optim.SGD(ps, lr=0.0), config, comm=comm)
     from pipeflow.runtime.generate import VocabularyError
@@ -145,12 +149,19 @@ def sample(args: SampleArgs, comm: MPI.Comm | None = None,
     return new
 
 
-def _grid(pipeline: int, ranks: int, precision: str) -> Config:
-    p = pipeline or ranks
-    if p < 1 or ranks % p:
+def _grid(pipeline: int, tensor: int, ranks: int, precision: str) -> Config:
+    if tensor < 1 or ranks % tensor:
+        raise ConfigError(f"--tensor {tensor}: the launch has {ranks} rank(s), which must be "
+                          f"a multiple of the tensor degree; use a divisor of {ranks}")
+    groups = ranks // tensor              # the launch's ranks in tensor groups
+    p = pipeline or groups
+    if p < 1 or groups % p:
         raise ConfigError(f"--pipeline {pipeline}: the launch has {ranks} rank(s), which must "
-                          f"be a multiple of the pipeline's stages; use a divisor of {ranks}")
-    return Config(pipeline=p, data=ranks // p, microbatches=1, precision=precision)
+                          f"be a multiple of the pipeline's stages"
+                          f"{f' times --tensor {tensor}' if tensor > 1 else ''}; use a "
+                          f"divisor of {groups}")
+    return Config(pipeline=p, data=groups // p, tensor=tensor, microbatches=1,
+                  precision=precision)
 
 
 _ATTEMPTS = 4    # reads of a save_dir's latest checkpoint, where a run removes it meanwhile
@@ -162,7 +173,8 @@ def _load(engine: Any, source: _Source, comm: MPI.Comm, args: SampleArgs) -> boo
     the save_dir removed it): read the new latest then."""
     problem, vanished = None, False
     try:
-        engine.load_state_dict(source.read(list(engine.stage.module.indices)))
+        engine.load_state_dict(source.read(list(engine.stage.module.indices),
+                                           engine.kept_ranges))
     except (ConfigError, OSError, ValueError, KeyError, RuntimeError) as exc:
         problem = f"rank {comm.rank}: {exc}"
         vanished = source.folder is not None and not os.path.isdir(source.folder)
@@ -231,7 +243,8 @@ def _hub_source(folder: str) -> _Source:
     model = build_model({"kind": "hf", "pretrained": folder})
     tok = os.path.join(folder, "tokenizer.json")
     return _Source(model, "fp32", f"hf:{tok}" if os.path.isfile(tok) else "",
-                   lambda layers: hub.read_layers(folder, model.hf_config, layers)[0])
+                   lambda layers, ranges: hub.read_layers(folder, model.hf_config, layers,
+                                                          ranges)[0])
 
 
 def _checkpoint_source(path: str, run_toml: str) -> _Source:
@@ -243,7 +256,7 @@ def _checkpoint_source(path: str, run_toml: str) -> _Source:
     run = _run_of(folder, run_toml)
     model = build_model(run.model, run.source)
 
-    def read(layers: list[int]) -> dict[str, torch.Tensor]:
+    def read(layers: list[int], _ranges: Any) -> dict[str, torch.Tensor]:
         return read_params(folder, layers)[0]
     return _Source(model, run.engine.precision, data_tokenizer(run), read, folder)
 

@@ -2,12 +2,15 @@
 data group's reductions against the last backward, and the allocator's memory figures.
 
     python tests/gpu/audit.py syncs --device cuda    # torch.cuda.set_sync_debug_mode("warn")
+    python tests/gpu/audit.py generate-syncs --device cuda   # none a generated token
     mpirun -n 2 python tests/gpu/audit.py overlap --device cuda --out DIR   # a profile each
     python tests/gpu/audit.py memory --device cuda   # with and without expandable_segments
 
 `syncs` trains 5 steps and lists every host synchronisation of steps 3-5 with its stack (on a
 GPU what CUDA reports; on the CPU the engine's own reads of tensor values, `item`, `tolist`,
-`float`), failing above 2 a step (the norm with the replicas' flags, the loss). `overlap`
+`float`), failing above 2 a step (the norm with the replicas' flags, the loss);
+`generate-syncs` those of greedy generation on one rank, failing where 12 new tokens take
+more than 4 (a synchronisation a token). `overlap`
 profiles a step of 2 replicas (sharing the GPU over MPI) into DIR/overlap-rank{r}.json and
 fails unless a bucket's reduction was launched before backward reached the first layer. `memory`
 prints `num_alloc_retries`, reserved minus allocated and the peak after 5 steps, each way.
@@ -58,22 +61,26 @@ def _engine_reads(found: list[str]):
     return lambda: [setattr(torch.Tensor, n, f) for n, f in real.items()]
 
 
+def _watch(device: str, found: list[str]):
+    """Record each host synchronisation into `found` (on a GPU what CUDA reports, on the CPU
+    the engine's own reads); the function that stops recording."""
+    if not device.startswith("cuda"):
+        return _engine_reads(found)
+    torch.cuda.synchronize()
+    shown = warnings.showwarning
+    warnings.showwarning = lambda msg, *a, **k: found.append(
+        f"{msg}\n" + "".join(traceback.format_stack(limit=10)[:-1]))
+    warnings.simplefilter("always")
+    torch.cuda.set_sync_debug_mode("warn")
+    return lambda: (torch.cuda.set_sync_debug_mode(0), setattr(warnings, "showwarning", shown))
+
+
 def syncs(device: str) -> int:
     engine, found = _engine(device), []
     data = [(x.to(device), y.to(device)) for x, y in batches(STEPS, 16)]
     for x, y in data[:AUDITED - 1]:
         engine.train_step(x, y)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        shown = warnings.showwarning
-        warnings.showwarning = lambda msg, *a, **k: found.append(
-            f"{msg}\n" + "".join(traceback.format_stack(limit=10)[:-1]))
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        restore = lambda: (torch.cuda.set_sync_debug_mode(0),  # noqa: E731
-                           setattr(warnings, "showwarning", shown))
-    else:
-        restore = _engine_reads(found)
+    restore = _watch(device, found)
     try:
         for x, y in data[AUDITED - 1:]:
             engine.train_step(x, y)
@@ -85,6 +92,32 @@ def syncs(device: str) -> int:
         print(f"--- sync {i + 1}: {where}")
     print(f"{len(found)} host synchronisations in {steps} steps ({len(found) / steps:.1f} a step)")
     return 0 if len(found) <= 2 * steps else 1
+
+
+def generate_syncs(device: str) -> int:
+    """Greedy generation on one rank: as many host synchronisations for 12 new tokens as for
+    4 (the prompts' copy to the device, the tokens' read at the call's end), none a token."""
+    from pipeflow.models import gpt_loss
+    from test_generate import PROMPTS, gpt_model
+    layers, state, _ = gpt_model()
+    engine = pf.Engine(layers, gpt_loss, adamw, pf.Config(), comm=MPI.COMM_SELF,
+                       device=device)
+    engine.load_state_dict(state)
+    engine.generate(PROMPTS, 2)                      # first calls: allocations, kernels
+    found: dict[int, list[str]] = {}
+    for n in (4, 12):
+        found[n] = []
+        restore = _watch(device, found[n])
+        try:
+            engine.generate(PROMPTS, n)
+        finally:
+            restore()
+    engine.close()
+    for i, where in enumerate(found[12]):
+        print(f"--- sync {i + 1} of the 12-token call: {where}")
+    print(f"host synchronisations a call of {len(PROMPTS)} prompts: {len(found[4])} for 4 new "
+          f"tokens, {len(found[12])} for 12")
+    return 0 if len(found[12]) == len(found[4]) else 1
 
 
 def overlap(device: str, out: str) -> int:
@@ -143,11 +176,13 @@ def memory_one(device: str) -> int:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["syncs", "overlap", "memory", "memory-one"])
+    parser.add_argument("what", choices=["syncs", "generate-syncs", "overlap", "memory",
+                                         "memory-one"])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="runs/first_run")
     args = parser.parse_args()
     if args.what == "overlap":
         sys.exit(overlap(args.device, args.out))
-    run = {"syncs": syncs, "memory": memory, "memory-one": memory_one}[args.what]
+    run = {"syncs": syncs, "generate-syncs": generate_syncs, "memory": memory,
+           "memory-one": memory_one}[args.what]
     sys.exit(run(args.device))

@@ -29,7 +29,8 @@
 #      (torch.cuda.set_sync_debug_mode("warn"); at most 2 a step: tests/gpu/audit.py syncs);
 #   6. the data group's reductions against the last backward: a profile of each of 2 ranks
 #      (audit.py overlap), a bucket launched before backward reaches the first layer;
-#   7. generation on 2 ranks sharing the GPU over MPI equal to one rank, and the MPI path that
+#   7. generation: no host synchronisation a token on one rank (audit.py generate-syncs), on
+#      2 ranks sharing the GPU over MPI equal to one rank, and the MPI path that
 #      withdraws a posted receive, with changing sequence lengths (tests/gpu/test_gpu.py);
 #   8. memory: num_alloc_retries, reserved minus allocated and the peak, with and without
 #      expandable_segments (audit.py memory);
@@ -170,6 +171,7 @@ fi
 
 # 5.-8. Host syncs, overlap, generation and MPI's withdrawn receives, memory.
 step sync-audit 30 python tests/gpu/audit.py syncs --device "$DEVICE"
+step generate-syncs 20 python tests/gpu/audit.py generate-syncs --device "$DEVICE"
 step overlap 30 "$MPIRUN" $OVERSUB -n 2 python tests/gpu/audit.py overlap --device "$DEVICE" \
   --out "$OUT"
 GPU_MPI=(python -m pytest -q -p no:cacheprovider --capture=sys --with-mpi -m "gpu and mpi")

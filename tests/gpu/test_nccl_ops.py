@@ -156,12 +156,15 @@ def test_gradient_reducer_from_autograds_thread(comm, backend):
 @pytest.mark.parametrize("backend", [BACKEND])
 def test_sharded_optimizer_over_a_one_rank_group(comm, backend):
     # Reduce-scatter of the buckets, the optimizer on the block, all-gather of the weights:
-    # over one rank the step is the plain optimizer's.
+    # over one rank the step is the plain optimizer's. The gathers stay in flight after a
+    # step; the model's forward pre-hook waits for them (on NCCL: the compute stream waits
+    # for the communication stream), `wait_gathers` before the weights are read here.
     model, plain = _model(), _model()
     params = list(model.parameters())
     initial = {id(p): p.detach().clone() for p in params}
     probe = torch.optim.AdamW(params, lr=1e-2)
     shards = ShardedOptimizer(params, initial, [], comm, 256, probe, "rank 0")
+    shards.watch_layers([model])
     reference = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     x = torch.randn(8, 16, device=_device())
     for _ in range(2):
@@ -173,6 +176,8 @@ def test_sharded_optimizer_over_a_one_rank_group(comm, backend):
         reference.zero_grad()
         plain(x).square().sum().backward()
         reference.step()
+    assert shards.gathering
+    shards.wait_gathers()
     for p, q in zip(params, plain.parameters()):
         assert torch.allclose(_synced(p.detach()), _synced(q.detach()), rtol=1e-5, atol=1e-6)
     shards.close()
