@@ -31,7 +31,7 @@ def parse_args() -> argparse.Namespace:
 
 def table(params: list[float], gpus: list[int], gpu: str, method: str) -> str:
     hw = get_hardware(gpu)
-    rows = ["| model | tokens | FLOPs | GPUs | grid p × d | micro-batches × size | schedule | "
+    rows = ["| model | tokens | FLOPs | GPUs | grid p × d × t | micro-batches × size | schedule | "
             "recompute | step (s) | peak memory (GB) | MFU | days |",
             "|---|---:|---:|---:|---|---|---|---|---:|---:|---:|---:|"]
     for n in params:
@@ -43,7 +43,8 @@ def table(params: list[float], gpus: list[int], gpu: str, method: str) -> str:
             rows.append(
                 f"| {sh.params / 1e6:.0f}M ({sh.n_layers}×{sh.d_model}) "
                 f"| {plan.allocation.tokens / 1e9:.1f}B | {plan.allocation.compute:.2e} "
-                f"| {g} | {grid.pipeline} × {grid.data}"
+                f"| {g} | {grid.pipeline} × {grid.data} × {grid.tensor}"
+                + (" sp" if grid.sequence_parallel else "")
                 + (f" ({grid.gpus} used)" if grid.gpus < g else "")
                 + f" | {grid.microbatches} × {grid.micro_batch_size} | {grid.schedule} "
                 f"| {recompute} | {best.step_time_s:.3f} | {best.peak_memory_bytes / GB:.1f} "

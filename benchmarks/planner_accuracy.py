@@ -3,11 +3,13 @@
 # Run: mpirun -n 2 python benchmarks/planner_accuracy.py   (writes BENCHMARKS.md; --help)
 #
 # 1. Calibrate this machine for the benchmark's GPT (pipeflow.planner.calibrate): layer
-#    times on rank 0 (one torch thread), the optimizer step, and the MPI link by ping-pong.
+#    times on rank 0 (one torch thread; the block and head also cut for tensor = 2), the
+#    optimizer step, the MPI link by ping-pong and the tensor group's all-reduce.
 # 2. Every grid the planner would consider for 2 ranks and the global batch (pipeline 1 or
-#    2, data 1 or 2 when the engine reduces gradients, every micro-batch size, 1F1B, GPipe
-#    and ZB-H1): predict its step time from the calibration, then run the real engine on it
-#    (1-rank grids on COMM_SELF while rank 1 sleeps) and time its steps.
+#    2, data 1 or 2 when the engine reduces gradients, tensor 1 or 2 with and without
+#    sequence parallelism, every micro-batch size, 1F1B, GPipe and ZB-H1): predict its step
+#    time from the calibration, then run the real engine on it (1-rank grids on COMM_SELF
+#    while rank 1 sleeps) and time its steps.
 # 3. Report the error per grid, and whether the planner's first choice was the fastest.
 
 from __future__ import annotations
@@ -56,7 +58,12 @@ def parse_args() -> argparse.Namespace:
                         "the cores")
     p.add_argument("--tries", type=int, default=4,
                    help="attempts per sample before a disturbed one is kept (and marked)")
+    p.add_argument("--tensor", default="1,2",
+                   help="tensor degrees of the grids compared (comma-separated)")
     p.add_argument("--output", default="BENCHMARKS.md", help="'' to skip writing")
+    p.add_argument("--section", default="planner-accuracy",
+                   help="the BENCHMARKS.md section written (e.g. planner-accuracy-tensor for a "
+                        "run of --tensor 2 alone, which keeps the other's figures)")
     return p.parse_args()
 
 
@@ -133,8 +140,10 @@ def build_engine(shape: Shape, grid: Grid, boundaries: list[int]):
     comm = COMM if grid.gpus == COMM.size else (MPI.COMM_SELF if COMM.rank == 0 else None)
     if comm is None:
         return None
-    config = pf.Config(pipeline=grid.pipeline, data=grid.data, microbatches=grid.microbatches,
-                       schedule=grid.schedule, partition=boundaries)
+    config = pf.Config(pipeline=grid.pipeline, data=grid.data, tensor=grid.tensor,
+                       sequence_parallel=grid.sequence_parallel,
+                       microbatches=grid.microbatches, schedule=grid.schedule,
+                       partition=boundaries)
     return pf.Engine(gpt_layers(_gpt(shape)), gpt_loss,
                      lambda ps: torch.optim.AdamW(ps, lr=1e-4), config, comm=comm)
 
@@ -179,17 +188,19 @@ def main() -> int:
     log = (lambda msg: print(msg, flush=True)) if COMM.rank == 0 else None
     shape = Shape(args.layers, args.width, args.heads, args.seq, args.vocab)
     monitor = Monitor(COMM.allgather(os.getpid()))
+    load_before = os.getloadavg()[0]
     if COMM.rank == 0:
         monitor.wait_quiet(args.quiet_wait)
     sleeping_barrier(COMM)
     sizes = [b for b in divisors(args.batch) if b <= args.max_micro_batch]
+    tensors = tuple(int(t) for t in args.tensor.split(","))
     hw = calibrate(shape, comm=COMM, ranks_per_node=2, micro_batch_sizes=sizes, repeats=3,
-                   log=log)
+                   log=log, tensors=tensors)
     dp = data_parallel_works(shape, args.batch)
     keep = (lambda g: True) if dp else (lambda g: g.data == 1)
     # Every grid that fits is measured: the exhaustive search ranks them all.
     options = SearchOptions("fp32", SCHEDULES, ("none",), args.max_micro_batch,
-                            grid_filter=keep, prune=False)
+                            grid_filter=keep, prune=False, tensor=tensors)
     first = search(shape, Cluster(hw, 2, 2), args.batch, options)
     grids = [e.grid for e in first.ranked]
     bounds = {e.grid: e.boundaries for e in first.ranked}
@@ -203,6 +214,7 @@ def main() -> int:
     samples: dict[Grid, list[float]] = {g: [] for g in grids}
     disturbed: dict[Grid, int] = {g: 0 for g in grids}
     clean_times = None          # the layer calibration from undisturbed passes only
+    any_times = None            # from every pass: used when none was undisturbed
     calib_passes = 0
 
     latest: dict[str, object] = {}
@@ -211,7 +223,7 @@ def main() -> int:
         if COMM.rank != 0:
             return None
         t0 = time.perf_counter()
-        latest["times"] = measure_layer_times(shape, sizes, repeats=1)
+        latest["times"] = measure_layer_times(shape, sizes, repeats=1, tensors=tensors)
         return time.perf_counter() - t0
 
     for r in range(args.rounds):
@@ -223,8 +235,10 @@ def main() -> int:
         # The calibration is repeated every round, so that both sides of the comparison take
         # the fastest of as many undisturbed samples spread over the same stretch of time.
         _, clean = sample(monitor, args, calibration_pass)
-        if COMM.rank == 0 and clean:
+        if COMM.rank == 0:
             lt = latest["times"]
+            any_times = lt if any_times is None else any_times.fastest(lt)
+        if COMM.rank == 0 and clean:
             clean_times = lt if clean_times is None else clean_times.fastest(lt)
             calib_passes += 1
         if log and (r + 1) % 2 == 0:
@@ -234,8 +248,8 @@ def main() -> int:
             engine.close()
     if COMM.rank != 0:
         return 0
-    if clean_times is not None:
-        hw = dataclasses.replace(hw, layer_times=clean_times)
+    # On a machine never quiet, both sides take the fastest of their disturbed samples alike.
+    hw = dataclasses.replace(hw, layer_times=clean_times or any_times or hw.layer_times)
     cluster = Cluster(hw, gpus=2, gpus_per_node=2)
     final = search(shape, cluster, args.batch, options)
     choice = final.best.grid
@@ -251,15 +265,16 @@ def main() -> int:
         log(f"note: the final calibration partitions {choice.describe()} as "
             f"{final.best.boundaries}, the engine ran {bounds[choice]}")
     best_measured = min(rows, key=lambda row: row[2])
-    text = report(args, shape, hw, dp, rows, choice, best_measured, calib_passes)
+    text = report(args, shape, hw, dp, rows, choice, best_measured, calib_passes,
+                  (load_before, os.getloadavg()[0]))
     print(text)
     if args.output:
-        write_section(args.output, text, "planner-accuracy")
+        write_section(args.output, text, args.section)
     return 0
 
 
 def report(args, shape: Shape, hw, dp: bool, rows, choice: Grid, best_measured,
-           calib_passes: int) -> str:
+           calib_passes: int, load: tuple[float, float]) -> str:
     errors = [abs(r[4]) for r in rows]
     within = sum(e <= TARGET for e in errors)
     measured_of = {r[0]: r[2] for r in rows}
@@ -269,7 +284,8 @@ def report(args, shape: Shape, hw, dp: bool, rows, choice: Grid, best_measured,
     lt = hw.layer_times
     rows = sorted(rows, key=lambda r: r[1])
     lines = [
-        "## Planner: predicted against measured step time (CPU, calibrated)",
+        "## Planner: predicted against measured step time (CPU, calibrated"
+        + ("" if args.tensor == "1,2" else f", tensor {args.tensor}") + ")",
         "",
         f"`mpirun -n 2 python benchmarks/planner_accuracy.py` · {datetime.date.today()} · "
         f"torch {torch.__version__} · {platform.processor() or platform.machine()} "
@@ -282,14 +298,26 @@ def report(args, shape: Shape, hw, dp: bool, rows, choice: Grid, best_measured,
         f"sizes {sorted({r[0].micro_batch_size for r in rows})}, one torch thread; the "
         f"optimizer at {lt.optimizer_s_per_param * 1e9:.2f} ns/parameter; the MPI link at "
         f"{hw.intra_node_bandwidth / 1e9:.2f} GB/s and {hw.intra_node_latency * 1e6:.1f} µs "
-        f"latency by ping-pong), then predicts every grid it considers for 2 ranks, and the "
+        f"latency by ping-pong"
+        + (f"; at tensor 2 the block and head cut as one rank holds them, and the tensor "
+           f"group's all-reduce on the engine's MPI communicator at "
+           f"{hw.tensor_bandwidth / 1e9:.2f} GB/s and {hw.tensor_latency * 1e6:.1f} µs a "
+           f"ring step" if hw.tensor_bandwidth is not None else "")
+        + "), then predicts every grid it considers for 2 ranks, and the "
         f"engine runs each: one warm-up step, then {args.rounds} rounds timing one step of "
         f"every grid, each round followed by a repeat of the layer calibration. The machine "
         f"is shared with other jobs, so every sample waits for the other processes to leave "
         f"the cores and is retried (up to {args.tries} times) when they took more than 2% of "
         f"its time (CPU accounting from /proc); measured = the fastest step, predicted = from "
-        f"the fastest samples of the {calib_passes} undisturbed calibration passes, the median "
-        f"step alongside; † marks a grid with a disturbed sample kept after the retries."
+        + (f"the fastest samples of the {calib_passes} undisturbed calibration passes"
+           if calib_passes else
+           f"the fastest samples of all {args.rounds} calibration passes (none was "
+           f"undisturbed)")
+        + "; the median step alongside; † marks a grid with a disturbed sample kept after "
+          f"the retries. Load average (1 min) {load[0]:.1f} at the start, {load[1]:.1f} at "
+          f"the end, on {os.cpu_count()} cores: a grid that synchronises its ranks often "
+          f"(the tensor group's collectives, several per layer) waits, each time, until both "
+          f"ranks hold a core again."
         + ("" if dp else " Data-parallel grids are left out: this engine does not yet "
                          "all-reduce gradients across replicas (checked by a probe)."),
         "",

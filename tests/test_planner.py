@@ -343,7 +343,7 @@ def test_pruned_search_ranks_the_same_plans_as_the_exhaustive_one(params, gpus, 
     prec, usable = PRECISIONS["bf16"], cluster.hardware.usable_memory
     for e in full.ranked:
         table = stage_table(shape, cluster, prec, e.boundaries, e.grid.micro_batch_size,
-                            cost.RECOMPUTE)
+                            cost.RECOMPUTE, e.grid.tensor, e.grid.sequence_parallel)
         picks, _ = table.fit(e.grid, prec, usable)
         assert [table.modes[i] for i in picks] == e.recompute
         assert table.step_time_bound(cluster, e.grid, picks) <= e.step_time_s
@@ -410,8 +410,10 @@ def test_memory_error_names_the_gpu_count_that_fits():
 
 
 def test_nothing_fits_at_any_depth_says_how_much_memory_would():
-    small_gpu = dataclasses.replace(H100, memory_bytes=2 * GB, name="tiny")
-    with pytest.raises(PlanError, match=r"No pipeline depth fits .* at least \d+ GB"):
+    # 13B has 36 heads: tensor groups of 4 at most; 2 GB fits it on 52 stages × 4, 1 GB never.
+    small_gpu = dataclasses.replace(H100, memory_bytes=1 * GB, name="tiny")
+    with pytest.raises(PlanError, match=r"No pipeline depth fits .* tensor groups of up to 4 "
+                                        r"GPUs.* at least \d+ GB"):
         search(shape_for_params(13e9), Cluster(small_gpu, 8), 256)
 
 
@@ -455,13 +457,15 @@ def test_cli_json_has_the_promised_fields(capsys, tmp_path):
         assert key in plan
     assert len(plan["memory_gb"]) == len(plan["recompute"]) == plan["pipeline"]
     assert max(plan["memory_gb"]) <= plan["usable_memory_gb"]
-    assert plan["command"] == f"mpirun -n {plan['pipeline'] * plan['data']} pipeflow train {cfg}"
+    gpus = plan["pipeline"] * plan["data"] * plan["tensor"]
+    assert plan["command"] == f"mpirun -n {gpus} pipeflow train {cfg}"
     assert math.isclose(6 * plan["params"] * plan["tokens"], 1e21, rel_tol=1e-9)
     assert plan["method"] == "hoffmann"
     doc = tomllib.loads(cfg.read_text())
     eng, model, train = doc["engine"], doc["model"], doc["train"]
-    assert (eng["pipeline"], eng["data"], eng["microbatches"]) == (
-        plan["pipeline"], plan["data"], plan["microbatches"])
+    assert (eng["pipeline"], eng["data"], eng["tensor"], eng["sequence_parallel"],
+            eng["microbatches"]) == (plan["pipeline"], plan["data"], plan["tensor"],
+                                     plan["sequence_parallel"], plan["microbatches"])
     assert train["batch_size"] == eng["data"] * eng["microbatches"] * plan["micro_batch_size"]
     if eng["schedule"] == "zbv":       # 2p virtual stages: the engine balances them by time
         assert eng["partition"] == "time" and "'time'" in cfg.read_text()
@@ -558,7 +562,8 @@ def test_search_shards_only_where_that_makes_a_grid_fit():
     n = shape.params
     tight = dataclasses.replace(H100, memory_bytes=n * 12 / (1 - H100.memory_reserve_fraction))
     cluster = Cluster(tight, 4, 4)
-    one = SearchOptions(schedules=("1f1b",), prune=False)
+    # Without a tensor axis: cutting the matrices would make the unsharded grids fit too.
+    one = SearchOptions(schedules=("1f1b",), prune=False, tensor=(1,))
     found = search(shape, cluster, 16, one)
     assert found.best.grid.shard_optimizer and found.best.grid.data > 1
     for e in found.ranked:           # each sharded plan fits no other way
@@ -643,3 +648,157 @@ def test_a_plan_for_16384_gpus_takes_under_8_s_of_cpu():
     spent = time.process_time() - start
     assert sizing.best is not None
     assert spent < 8.0, f"planning 16384 GPUs took {spent:.1f} s of CPU, expected under 8 s"
+
+
+# -- the tensor axis --------------------------------------------------------------------
+
+WIDE = Shape(8, 8192, 64, seq_len=2048)          # Llama-70B-like: 64 heads, t up to 8
+
+
+def test_activation_formulas_korthikanti_with_tensor_and_sequence_parallelism():
+    s, b, h, a = 2048, 2, 4096, 32
+    for t in (2, 4, 8):
+        assert activation_bytes_per_layer(s, b, h, a, tensor=t) == \
+            s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+        assert activation_bytes_per_layer(s, b, h, a, tensor=t, sequence_parallel=True) == \
+            s * b * h * (34 + 5 * a * s / h) / t
+        assert activation_bytes_per_layer(s, b, h, a, "selective", tensor=t) == \
+            s * b * h * (10 + 24 / t)
+        assert activation_bytes_per_layer(s, b, h, a, "selective", tensor=t,
+                                          sequence_parallel=True) == 34 * s * b * h / t
+        assert activation_bytes_per_layer(s, b, h, a, "full", tensor=t,
+                                          sequence_parallel=True) == 2 * s * b * h / t
+    # Without sequence parallelism the norms' and dropouts' 10·s·b·h stay on every rank.
+    assert activation_bytes_per_layer(s, b, h, a, tensor=1 << 20) > 10 * s * b * h
+
+
+def test_tensor_parameters_are_what_the_engine_keeps_on_a_rank():
+    """The planner's per-rank counts against the GPT's layers cut by their tp_plan (the
+    engine's `shard_layer`): the vocabulary is cut where t divides it, else left whole."""
+    from pipeflow.models.gpt import Block, Embedding, Head
+    from pipeflow.runtime.tensor_parallel import TensorGroup, shard_layer
+    for shape in (Shape(2, 64, 4, seq_len=16, vocab_size=64),
+                  Shape(2, 64, 4, seq_len=16, vocab_size=66)):
+        for t in (1, 2, 4):
+            held = {}
+            for kind, cls in (("embed", Embedding), ("block", Block), ("head", Head)):
+                layer = cls(shape)
+                if t > 1:
+                    shard_layer(layer, TensorGroup(t, 0), 0)
+                held[kind] = sum(p.numel() for p in layer.parameters())
+            assert cost.tensor_layer_parameters(shape, t) == held, (shape.vocab_size, t)
+
+
+def test_more_tensor_lowers_memory_per_gpu():
+    prec = PRECISIONS["bf16"]
+    for sp in (False, True):
+        previous = None
+        for t in (1, 2, 4, 8):
+            grid = Grid(2, 1, 1, 8, tensor=t, sequence_parallel=sp and t > 1)
+            for mode in cost.RECOMPUTE:
+                state, acts, _ = stage_memory(WIDE, prec, grid, 0, (0, 5), mode)
+                whole = stage_memory(WIDE, prec, Grid(2, 1, 1, 8), 0, (0, 5), mode)
+                # 1/t of the model states, plus what every rank keeps whole: the positions
+                # (s·h), each block's norms and row layers' biases (6·h).
+                h = WIDE.d_model
+                whole_on_every = (WIDE.seq_len * h + 4 * 6 * h) * prec.state_bytes
+                assert whole[0] / t <= state <= whole[0] / t + whole_on_every * (1 - 1 / t)
+                if sp or mode == "full":
+                    assert acts <= whole[1] / t * (1 + 1e-12) or mode == "full" and not sp
+            peak = sum(stage_memory(WIDE, prec, grid, 0, (0, 5), "none"))
+            if previous is not None:
+                assert peak < previous, (t, sp)
+            previous = peak
+
+
+def test_tensor_communication_grows_with_t_and_stays_on_nvlink():
+    cluster = Cluster(H100, 64, 8)
+    prec = PRECISIONS["bf16"]
+    bw, lat = cluster.link([0, 7])                      # inside a node
+    assert (bw, lat) == (H100.intra_node_bandwidth * H100.link_efficiency,
+                         H100.intra_node_latency)
+    x = 2 * 2048 * 8192 * prec.act_bytes
+    last = {}
+    for t in (1, 2, 4, 8):
+        comm = {(sp, ph): cost.tensor_comm_time(WIDE, cluster, prec, "block", ph, 2, t, sp)
+                for sp in (False, True) for ph in ("forward", "backward")}
+        if t == 1:
+            assert set(comm.values()) == {0.0}
+        else:
+            # Megatron: two all-reduces of b·s·h forward and two backward; with sequence
+            # parallelism as many all-gathers + reduce-scatters, and a second all-gather of
+            # each column layer's input backward (6 halves).
+            ring = ring_allreduce_time(x, t, bw, lat)
+            assert comm[False, "forward"] == comm[False, "backward"] == pytest.approx(2 * ring)
+            assert comm[True, "forward"] == pytest.approx(2 * ring)
+            assert comm[True, "backward"] == pytest.approx(3 * ring)
+            assert all(comm[k] > last[k] for k in comm)
+        last = comm
+    # Each rank's compute is 1/t of the block's; with the communication on top the block's
+    # time per rank still falls with t here, but by less than t.
+    times = {t: cost.layer_times(WIDE, cluster, prec, 2, t)["block", "forward"]
+             for t in (1, 2, 8)}
+    assert times[1] / 8 < times[8] < times[2] < times[1]
+
+
+def test_tensor_degrees_stay_in_a_node_and_divide_the_heads():
+    assert cost.tensor_degrees(WIDE, 8, 64) == [1, 2, 4, 8]
+    assert cost.tensor_degrees(WIDE, 4, 64) == [1, 2, 4]
+    assert cost.tensor_degrees(WIDE, 8, 2) == [1, 2]
+    sixty_two = shape_for_params(70e9)
+    assert sixty_two.n_heads == 62 and cost.tensor_degrees(sixty_two, 8, 64) == [1, 2]
+    shape = Shape(4, 768, 12, seq_len=512)                  # 12 heads: t = 1, 2, 4
+    cluster = Cluster(H100, 16, 8)
+    found = search(shape, cluster, 64, SearchOptions(prune=False))
+    ts = {e.grid.tensor for e in found.ranked} | {r.grid.tensor for r in found.rejected}
+    assert ts == {1, 2, 4}
+    for e in found.ranked:
+        assert e.grid.gpus <= 16 and not (e.grid.sequence_parallel and e.grid.shard_optimizer
+                                          and e.grid.data > 1)
+        group = e.grid.ranks.group("tensor", 0)
+        assert cluster.same_node(group)
+    with pytest.raises(PlanError, match=r"tensor degree 8: .* dividing the 12 heads .* "
+                                        r"possible here: \[1, 2, 4\]"):
+        search(shape, cluster, 64, SearchOptions(tensor=(8,)))
+    with pytest.raises(PlanError, match="tensor degree 16"):
+        search(WIDE, cluster, 64, SearchOptions(tensor=(16,)))
+
+
+def test_70b_on_64_h100s_takes_a_tensor_axis_and_beats_the_plan_without(capsys):
+    sizing = size_run(Cluster(H100, 64, 8), params=70e9)
+    best, other = sizing.best, sizing.without_tensor
+    assert best.grid.tensor > 1 and best.grid.gpus <= 64 and best.fits
+    assert other is not None and other.grid.tensor == 1
+    assert sizing.mfu > sizing.mfu_of(other) and best.step_time_s < other.step_time_s
+    rank = cost.RECOMPUTE.index
+    # Less recomputation: no stage recomputes more, and some recompute less.
+    worst = max(map(rank, other.recompute))
+    assert max(map(rank, best.recompute)) < worst
+    # The plan without the axis is the search's best at t = 1.
+    alone = search(sizing.shape, sizing.cluster, sizing.global_batch,
+                   SearchOptions(tensor=(1,), rank=1)).best
+    assert alone.step_time_s == other.step_time_s
+    code, out, _ = run_cli(capsys, "--params", "70e9", "--gpus", "64", "--gpu", "h100")
+    assert code == 0
+    line = next(x for x in out.splitlines() if x.strip().startswith(f"tensor {best.grid.tensor}"))
+    assert f"{best.peak_memory_bytes / GB:.1f} GB per GPU" in line
+    assert f"MFU {sizing.mfu:.0%}" in line and f"MFU {sizing.mfu_of(other):.0%}" in line
+    assert "without a tensor axis: pipeline" in line
+
+
+def test_written_tensor_config_loads_and_runs_the_planned_grid(capsys, tmp_path):
+    from pipeflow.train.run_config import load_run_config
+    cfg = tmp_path / "plan.toml"
+    code, out, err = run_cli(capsys, "--params", "70e9", "--gpus", "64", "--gpu", "h100",
+                             "--json", "--write-config", str(cfg))
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["tensor"] > 1
+    run = load_run_config(cfg)
+    eng = run.engine
+    assert (eng.pipeline, eng.data, eng.tensor, eng.sequence_parallel) == (
+        plan["pipeline"], plan["data"], plan["tensor"], plan["sequence_parallel"])
+    assert plan["command"].startswith(f"mpirun -n {eng.pipeline * eng.data * eng.tensor} ")
+    assert f"× tensor {plan['tensor']}" in cfg.read_text()
+    assert plan["without_tensor"]["tensor"] == 1
+    assert plan["mfu"] > plan["without_tensor"]["mfu"]

@@ -65,3 +65,36 @@ def test_cli_calibrate_json_and_saved_hardware(capsys, tmp_path):
                      "--heads", "2", "--seq-len", "16", "--vocab", "64", "--global-batch",
                      "4", "--tokens", "1e5", "--gpus", "2", "--precision", "fp32"]) == 0
     assert "cpu-local" in capsys.readouterr().out
+
+
+def test_calibrated_tensor_grid_adds_the_cut_layers_and_the_measured_allreduce():
+    """At tensor 2 the calibrated estimate is the layers timed cut as one rank holds them
+    (block@2, head@2; the embedding whole) plus the tensor group's all-reduces at the
+    measured link: two ring all-reduces of b·s·h forward and two backward per block."""
+    import dataclasses
+
+    from pipeflow.planner.cost import PRECISIONS, ring_allreduce_time, tensor_comm_time
+
+    lt = measure_layer_times(TINY, micro_batch_sizes=(1, 2), repeats=1, tensors=(2, 4))
+    # TINY has 2 heads: a cut of 4 is no layout the engine builds, so it is not timed.
+    assert {"block@2", "head@2"} <= set(lt.samples) and "block@4" not in lt.samples
+    assert lt.time_at("block", "forward", 2, 2) == lt.samples["block@2"]["forward"][2]
+    hw = dataclasses.replace(calibrate(TINY, micro_batch_sizes=(1, 2), repeats=1,
+                                       layer_times=lt),
+                             tensor_bandwidth=1e9, tensor_latency=1e-5)
+    again = Hardware.from_dict(json.loads(json.dumps(hw.to_dict())))
+    assert (again.tensor_bandwidth, again.tensor_latency) == (1e9, 1e-5)
+    cluster = Cluster(hw, 2, 2)
+    prec = PRECISIONS["fp32"]
+    b = 2
+    ring = ring_allreduce_time(b * TINY.seq_len * TINY.d_model * 4, 2, 1e9, 1e-5)
+    assert tensor_comm_time(TINY, cluster, prec, "block", "forward", b, 2) == 2 * ring
+    est = estimate(TINY, cluster, Grid(1, 1, b, 3, tensor=2), "none", "fp32")
+    per_mb = sum(lt.time(k, ph, b) * n for k, n in (("embed", 1), ("block@2", 2), ("head@2", 1))
+                 for ph in ("forward", "backward"))
+    per_mb += sum(tensor_comm_time(TINY, cluster, prec, k, ph, b, 2) * n
+                  for k, n in (("embed", 1), ("block", 2), ("head", 1))
+                  for ph in ("forward", "backward"))
+    params = est.stages[0].params
+    assert params < TINY.params
+    assert est.step_time_s == pytest.approx(3 * per_mb + params * lt.optimizer_s_per_param)

@@ -125,6 +125,26 @@ def _add_search_arguments(search: Any) -> None:
                             "grid with data > 1 (default: only where a grid fits no other way)")
     shard.add_argument("--no-shard-optimizer", dest="shard_optimizer", action="store_const",
                        const=False, help="never shard the optimizer")
+    search.add_argument("--tensor", type=_degrees, default=None, metavar="T[,T...]",
+                        help="tensor degrees to consider, e.g. 1 (no tensor axis) or 2,4 "
+                             "(default: 1, 2, 4, ... up to the GPUs per node, dividing the "
+                             "heads)")
+    sp = search.add_mutually_exclusive_group()
+    sp.add_argument("--sequence-parallel", dest="sequence_parallel", action="store_const",
+                    const=True, default=None,
+                    help="at tensor > 1, always with sequence parallelism (default: the "
+                         "search tries with and without)")
+    sp.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_const",
+                    const=False, help="at tensor > 1, never with sequence parallelism")
+
+
+def _degrees(text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4]."""
+    try:
+        return [_int(t) for t in text.split(",") if t.strip()] or [_int(text)]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated tensor degrees such as 1 or 2,4, found {text!r}") from None
 
 
 def _search_options(args: argparse.Namespace, precision: str) -> SearchOptions:
@@ -132,7 +152,9 @@ def _search_options(args: argparse.Namespace, precision: str) -> SearchOptions:
     ranked exactly."""
     return SearchOptions(precision=precision, schedules=tuple(args.schedules),
                          recompute=tuple(args.recompute), max_micro_batch=args.max_micro_batch,
-                         shard_optimizer=args.shard_optimizer, rank=max(0, args.top) + 1)
+                         shard_optimizer=args.shard_optimizer, rank=max(0, args.top) + 1,
+                         tensor=None if args.tensor is None else tuple(args.tensor),
+                         sequence_parallel=args.sequence_parallel)
 
 
 def _shape_from_args(args: argparse.Namespace) -> Shape | None:
@@ -196,7 +218,7 @@ def _plan(args: argparse.Namespace, rank: int) -> int:
     shape = _shape_from_args(args)
     if args.gpus is not None and args.gpus < 1:
         raise PlanError(f"--gpus must be at least 1, found {args.gpus}: a plan runs on "
-                        f"pipeline × data ≥ 1 GPUs. {_what_fits(args)}")
+                        f"pipeline × data × tensor ≥ 1 GPUs. {_what_fits(args)}")
     precision = args.precision or ("fp32" if args.calibrate else "bf16")
     if args.calibrate:
         cluster, shape = _calibrated_cluster(args, shape)
@@ -280,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="pipeflow plan",
         description="Size a model for a compute budget (Chinchilla) and plan its pipeline × "
-                    "data grid on a cluster.")
+                    "data × tensor grid on a cluster.")
     add_arguments(parser)
     from pipeflow.logs import configured
     with configured():              # the calibration's lines, as `pipeflow plan` shows them

@@ -1,4 +1,4 @@
-"""The cost model of one pipeline × data grid: memory per stage and time per step."""
+"""The cost model of one pipeline × data × tensor grid: memory per stage and time per step."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from pipeflow.grid import Grid as RankGrid
 
 __all__ = [
     "PrecisionBytes", "PRECISIONS", "RECOMPUTE", "PLANNED_SCHEDULES", "Grid", "StageCost",
-    "Estimate", "activation_bytes_per_layer", "head_activation_bytes", "peak_stash",
+    "Estimate", "tensor_degrees", "tensor_layer_parameters", "tensor_comm_time",
+    "activation_bytes_per_layer", "head_activation_bytes", "peak_stash",
     "peak_held", "idle_units", "schedule_chunks", "exposed_allreduce_time", "bubble_fraction",
     "ring_allreduce_time", "ring_half_time", "block_forward_flops", "head_forward_flops",
     "layer_kinds", "time_balanced_boundaries", "stage_memory", "stage_bytes", "stage_compute",
@@ -100,10 +101,17 @@ class Grid:
     microbatches: int
     schedule: str = "1f1b"
     shard_optimizer: bool = False   # masters and optimizer state over the data group (d > 1)
+    tensor: int = 1                 # each stage's matrices cut over t consecutive ranks
+    sequence_parallel: bool = False  # t > 1: norms, dropout, residuals on 1/t of the sequence
 
     @property
     def gpus(self) -> int:
-        return self.pipeline * self.data
+        return self.pipeline * self.data * self.tensor
+
+    @property
+    def ranks(self) -> RankGrid:
+        """The engine's rank layout of this grid (`pipeflow.grid.Grid`, tensor innermost)."""
+        return RankGrid(self.pipeline, self.data, self.tensor)
 
     @property
     def global_batch(self) -> int:
@@ -111,40 +119,87 @@ class Grid:
         return self.data * self.microbatches * self.micro_batch_size
 
     def describe(self) -> str:
-        return (f"p={self.pipeline} d={self.data} b={self.micro_batch_size} "
-                f"m={self.microbatches} {self.schedule}"
+        return (f"p={self.pipeline} d={self.data}"
+                + (f" t={self.tensor}{' sp' if self.sequence_parallel else ''}"
+                   if self.tensor > 1 else "")
+                + f" b={self.micro_batch_size} m={self.microbatches} {self.schedule}"
                 + (" sharded" if self.shard_optimizer else ""))
 
 
 # -- formulas ---------------------------------------------------------------------------
 
 def activation_bytes_per_layer(seq_len: int, micro_batch_size: int, d_model: int, n_heads: int,
-                               recompute: str = "none", scale: float = 1.0) -> float:
-    """Bytes one transformer block keeps for its backward, per micro-batch.
+                               recompute: str = "none", scale: float = 1.0, tensor: int = 1,
+                               sequence_parallel: bool = False) -> float:
+    """Bytes one transformer block keeps for its backward, per micro-batch, on one rank.
 
     Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-    section 4 (no tensor or sequence parallelism): s·b·h·(34 + 5·a·s/h) bytes in 16-bit,
-    dropout masks included. Selective recomputation (recompute the attention core) keeps
-    34·s·b·h; full recomputation keeps only the block's input, 2·s·b·h. `scale` is 2 for
-    fp32 activations.
+    section 4, in 16-bit with dropout masks: s·b·h·(34 + 5·a·s/h) without tensor
+    parallelism (eq. 1); s·b·h·(10 + 24/t + 5·a·s/(h·t)) with tensor parallelism over t ranks
+    (eq. 2: the layer norms, dropouts and residuals, 10·s·b·h, stay whole on every rank);
+    s·b·h·(34 + 5·a·s/h)/t with sequence parallelism too (eq. 4). Selective recomputation
+    (recompute the attention core) drops the 5·a·s/h term (eq. 6: 34·s·b·h/t with sequence
+    parallelism); full recomputation keeps only the block's input, 2·s·b·h (its 1/t slice
+    with sequence parallelism). `scale` is 2 for fp32 activations.
     """
-    s, b, h, a = seq_len, micro_batch_size, d_model, n_heads
+    s, b, h, a, t = seq_len, micro_batch_size, d_model, n_heads, tensor
+    sp = sequence_parallel and t > 1
     if recompute == "none":
-        per = s * b * h * (34 + 5 * a * s / h)
+        per = s * b * h * ((34 + 5 * a * s / h) / t if sp else
+                           10 + 24 / t + 5 * a * s / (h * t))
     elif recompute == "selective":
-        per = 34 * s * b * h
+        per = s * b * h * (34 / t if sp else 10 + 24 / t)
     elif recompute == "full":
-        per = 2 * s * b * h
+        per = 2 * s * b * h / (t if sp else 1)
     else:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, found {recompute!r}")
     return per * scale
 
 
 def head_activation_bytes(seq_len: int, micro_batch_size: int, vocab_size: int,
-                          precision: PrecisionBytes) -> float:
+                          precision: PrecisionBytes, tensor: int = 1) -> float:
     """The output head's logits kept for backward: the logits in the working precision plus
-    the fp32 log-softmax the cross-entropy keeps, per micro-batch."""
-    return seq_len * micro_batch_size * vocab_size * (precision.act_bytes + 4)
+    the fp32 log-softmax the cross-entropy keeps, per micro-batch; 1/t of the vocabulary on
+    a tensor rank where t divides it (the vocabulary-parallel loss never joins them)."""
+    return seq_len * micro_batch_size * vocab_size * (precision.act_bytes + 4) \
+        / _vocab_parts(vocab_size, tensor)
+
+
+def _vocab_parts(vocab_size: int, tensor: int) -> int:
+    """Over how many ranks the GPT's embedding and head cut the vocabulary: t where it
+    divides the vocabulary, else 1 (`Split(optional=True)` leaves them whole)."""
+    return tensor if vocab_size % tensor == 0 else 1
+
+
+def tensor_degrees(shape: Shape, gpus_per_node: int, gpus: int) -> list[int]:
+    """The tensor degrees the search tries: 1, 2, 4, ... up to the GPUs per node (a tensor
+    group stays inside one node: the grid puts it on consecutive ranks) and the cluster,
+    each dividing the heads (attention is cut by heads; the MLP's 4·h then divides too)."""
+    out, t = [], 1
+    while t <= min(gpus_per_node, gpus):
+        if shape.n_heads % t == 0 and gpus_per_node % t == 0:
+            out.append(t)
+        t *= 2
+    return out
+
+
+def tensor_layer_parameters(shape: Shape, tensor: int = 1) -> dict[str, int]:
+    """`layer_parameters` as one rank of a tensor group of `tensor` holds them (Megatron's
+    split, `pipeflow.models.gpt`'s `tp_plan`): a block's q, k, v, output projection and MLP
+    matrices (12·h² weights, 7·h of biases) are cut in t; its two layer norms and the
+    row-split layers' biases (4·h) stay whole; the token embedding and the head's matrix
+    and bias are cut by the vocabulary where t divides it; the positions and the final norm
+    stay whole."""
+    per = layer_parameters(shape)
+    if tensor == 1:
+        return per
+    h, V, bias = shape.d_model, shape.vocab_size, int(shape.bias)
+    cut_block = 12 * h * h + 7 * bias * h
+    parts = _vocab_parts(V, tensor)
+    cut_embed, cut_head = V * h, h * V + bias * V
+    return {"block": per["block"] - cut_block + cut_block // tensor,
+            "embed": per["embed"] - cut_embed + cut_embed // parts,
+            "head": per["head"] - cut_head + cut_head // parts}
 
 
 @functools.lru_cache(maxsize=None)
@@ -235,54 +290,102 @@ def layer_kinds(shape: Shape) -> list[str]:
     return ["embed"] + ["block"] * shape.n_layers + ["head"]
 
 
-def _stage_params(shape: Shape, count: dict[str, int]) -> int:
+def _stage_params(shape: Shape, count: dict[str, int], tensor: int = 1) -> int:
     # The head shares the embedding's matrix. When it sits on another stage it holds its own
     # copy (with gradients and optimizer state), so it counts in that stage's memory.
-    per = layer_parameters(shape)
+    per = tensor_layer_parameters(shape, tensor)
     params = sum(n * per[k] for k, n in count.items())
     if count["embed"] and count["head"] and shape.tie_embeddings:
-        params -= shape.vocab_size * shape.d_model     # one tied matrix on a single stage
+        # One tied matrix on a single stage (its slice on a tensor rank).
+        params -= shape.vocab_size * shape.d_model // _vocab_parts(shape.vocab_size, tensor)
     return params
 
 
-def state_floor(shape: Shape, precision: PrecisionBytes, pipeline: int) -> float:
-    """The least weight and optimizer-state bytes the fullest stage holds, whatever the
-    partition into `pipeline` stages (data 1): at least 1/p of the whole model's, and at
-    least its widest layer's (from two stages on the embedding and the head are apart, each
-    with its own copy of a tied matrix)."""
-    whole = _stage_params(shape, {"embed": 1, "block": shape.n_layers, "head": 1})
-    widest = max(layer_parameters(shape).values()) if pipeline > 1 else whole
+def state_floor(shape: Shape, precision: PrecisionBytes, pipeline: int, tensor: int = 1) -> float:
+    """The least weight and optimizer-state bytes the fullest stage holds on one rank,
+    whatever the partition into `pipeline` stages (data 1, tensor `tensor`): at least 1/p of
+    the whole model's, and at least its widest layer's (from two stages on the embedding and
+    the head are apart, each with its own copy of a tied matrix)."""
+    whole = _stage_params(shape, {"embed": 1, "block": shape.n_layers, "head": 1}, tensor)
+    widest = max(tensor_layer_parameters(shape, tensor).values()) if pipeline > 1 else whole
     return max(whole / pipeline, widest) * precision.state_bytes
 
 
 # -- time per layer ---------------------------------------------------------------------
 
 def _layer_time(shape: Shape, cluster: Cluster, precision: PrecisionBytes, kind: str, phase: str,
-                b: int) -> float:
+                b: int, tensor: int = 1) -> float:
+    """A layer's compute on one rank, its tensor group's communication left out.
+
+    At tensor degree t a block's (and, where t divides the vocabulary, the head's) matrix
+    products are 1/t as many FLOPs on each rank, at the same fraction of peak: the model
+    assumes no matmul efficiency lost to the narrower matrices (the tensor group's
+    all-reduces, the cost that grows with t, are costed apart and never hidden, see
+    `tensor_comm_time`). Calibrated hardware measures the cut block and head instead
+    (`LayerTimes.time_at`)."""
     hw = cluster.hardware
     if hw.layer_times is not None:
-        return hw.layer_times.time(kind, phase, b)
+        return hw.layer_times.time_at(kind, phase, b, tensor if kind == "block" else
+                                      _vocab_parts(shape.vocab_size, tensor)
+                                      if kind == "head" else 1)
     rate = hw.peak_flops * precision.peak_scale * hw.efficiency
     if kind == "block":
-        flops = block_forward_flops(shape, b)
+        flops = block_forward_flops(shape, b) / tensor
     elif kind == "head":
-        flops = head_forward_flops(shape, b)
+        flops = head_forward_flops(shape, b) / _vocab_parts(shape.vocab_size, tensor)
     else:
         # A lookup: memory-bound, b·s·h values written.
         return b * shape.seq_len * shape.d_model * precision.act_bytes / hw.memory_bandwidth
     return flops / rate * (2.0 if phase == "backward" else 1.0)
 
 
+def tensor_comm_time(shape: Shape, cluster: Cluster, precision: PrecisionBytes, kind: str,
+                     phase: str, b: int, tensor: int, sequence_parallel: bool = False) -> float:
+    """Seconds a layer waits for its tensor group per micro-batch (0 at t = 1).
+
+    Megatron's split (Shoeybi et al. 2019): a block all-reduces its b·s·h activations twice
+    forward (after attention's and the MLP's row layers) and twice backward (the gradients
+    of the column layers' inputs). With sequence parallelism (Korthikanti et al. 2022) each
+    becomes an all-gather and a reduce-scatter of the same bytes (half a ring all-reduce
+    each), and the backward gathers the column layers' inputs again for their weight
+    gradients (as Megatron and pipeflow do): 4 halves forward, 6 backward. The embedding cut
+    by the vocabulary all-reduces its output forward; the head copies its input to the group
+    (an all-reduce of its gradient backward) and its vocabulary-parallel loss exchanges the
+    row maxima and two sums per token. Rings over the tensor link (`Cluster.tensor_link`),
+    on the critical path: the engine waits for each before the next matrix product."""
+    if tensor == 1:
+        return 0.0
+    bw, lat = cluster.tensor_link(tensor)
+    x = b * shape.seq_len * shape.d_model * precision.act_bytes
+    ring = ring_allreduce_time(x, tensor, bw, lat)
+    half = ring_half_time(x, tensor, bw, lat)
+    backward = phase == "backward"
+    if kind == "block":
+        if sequence_parallel:
+            return (6 if backward else 4) * half
+        return 2 * ring
+    vocab_cut = _vocab_parts(shape.vocab_size, tensor) > 1
+    if kind == "embed":
+        return ring if vocab_cut and not backward else 0.0
+    tokens = b * shape.seq_len * 4                      # one fp32 value per token
+    if backward:
+        return ring if vocab_cut else 0.0
+    loss = (ring_half_time(tokens * tensor, tensor, bw, lat)
+            + ring_allreduce_time(2 * tokens, tensor, bw, lat)) if vocab_cut else 0.0
+    return loss + (half if sequence_parallel else 0.0)   # the slices gathered whole
+
+
 def _recompute_time(shape: Shape, cluster: Cluster, precision: PrecisionBytes, recompute: str,
-                    b: int) -> float:
-    """Extra time per block per micro-batch that recomputation adds to the backward."""
+                    b: int, times: dict[tuple[str, str], float], tensor: int = 1) -> float:
+    """Extra time per block per micro-batch that recomputation adds to the backward: the
+    block's forward (its all-reduces too) for full, the attention core for selective."""
     if recompute == "none":
         return 0.0
-    forward = _layer_time(shape, cluster, precision, "block", "forward", b)
     if recompute == "full":
-        return forward
+        return times["block", "forward"]
     # Selective recomputes the attention core: 4·b·s²·h of the block's forward FLOPs.
     s, h = shape.seq_len, shape.d_model
+    forward = _layer_time(shape, cluster, precision, "block", "forward", b, tensor)
     return forward * (4 * b * s * s * h) / block_forward_flops(shape, b)
 
 
@@ -294,15 +397,15 @@ def _balanced_cached(weights: tuple[float, ...], parts: int) -> tuple[int, ...]:
 
 
 def time_balanced_boundaries(shape: Shape, cluster: Cluster, precision: PrecisionBytes,
-                             pipeline: int, b: int) -> tuple[int, ...]:
+                             pipeline: int, b: int, tensor: int = 1,
+                             sequence_parallel: bool = False) -> tuple[int, ...]:
     """Stage boundaries in the layer list balancing forward + backward time at micro-batch
     size `b` (without recomputation): `pipeflow.runtime.partition.partition_balanced`, the solver
     the engine's `partition = "time"` uses."""
     # Balance forward + backward time without recomputation; the search evaluates the same
     # (pipeline, micro-batch) split many times, hence the cache on the weights.
-    w = {k: _layer_time(shape, cluster, precision, k, "forward", b)
-         + _layer_time(shape, cluster, precision, k, "backward", b)
-         for k in ("embed", "block", "head")}
+    times = layer_times(shape, cluster, precision, b, tensor, sequence_parallel)
+    w = {k: times[k, "forward"] + times[k, "backward"] for k in ("embed", "block", "head")}
     # Normalised so that micro-batch sizes whose times scale alike share a cache entry.
     unit = max(w.values()) or 1.0
     w = {k: float(f"{v / unit:.12g}") for k, v in w.items()}
@@ -321,15 +424,16 @@ def _replica_samples(data: int, gpus_per_node: int) -> range:
     return range(min(data, gpus_per_node))
 
 
-def _p2p_time(cluster: Cluster, stage: int, p: int, d: int, send_bytes: float) -> float:
+def _p2p_time(cluster: Cluster, stage: int, grid: RankGrid, send_bytes: float) -> float:
     """Per micro-batch: the stage's activation sent forward and gradient sent backward."""
-    total, grid = 0.0, RankGrid(p, d)
+    total = 0.0
     for neighbour in (stage + 1, stage - 1):
-        if 0 <= neighbour < p:
-            # Every replica sends at once; the step waits for the slowest pair.
+        if 0 <= neighbour < grid.pipeline:
+            # Every replica (and tensor rank: each has its own pipeline) sends at once; the
+            # step waits for the slowest pair.
             total += max(_transfer_time(cluster, [grid.rank(stage, r), grid.rank(neighbour, r)],
                                         send_bytes)
-                         for r in _replica_samples(d, cluster.gpus_per_node))
+                         for r in _replica_samples(grid.data, cluster.gpus_per_node))
     return total
 
 
@@ -349,7 +453,7 @@ def exposed_allreduce_time(nbytes: float, ranks: int, bandwidth: float, latency:
 
 
 def _gradient_sync_time(shape: Shape, cluster: Cluster, prec: PrecisionBytes, stage: int,
-                        p: int, d: int, params: int, window_s: float,
+                        grid: RankGrid, params: int, window_s: float,
                         sharded: bool = False) -> tuple[float, float]:
     """Per step: (the all-reduce over the stage's replicas plus the tied matrix's sum, the
     part of it after the last backward: all but the last bucket overlap the last micro-batch's
@@ -357,9 +461,10 @@ def _gradient_sync_time(shape: Shape, cluster: Cluster, prec: PrecisionBytes, st
 
     Sharded: a reduce-scatter of the fp32 gradients (overlapped as the all-reduce's buckets,
     half its traffic) and an all-gather of the working weights after the step, counted
-    whole after it (it overlaps only the step of later buckets, itself 1/d as long)."""
-    # A stage's replicas are neighbouring ranks: its first and last span the group's nodes.
-    grid = RankGrid(p, d)
+    whole after it (it overlaps only the step of later buckets, itself 1/d as long).
+    `params` are one tensor rank's: each tensor rank's data group reduces its own slices."""
+    # A stage's replicas are near ranks (t apart): its first and last span the group's nodes.
+    p, d = grid.pipeline, grid.data
     group = grid.group("data", grid.rank(stage))
     bw, lat = cluster.link([group[0], group[-1]])
     nbytes = params * prec.grad_reduce_bytes
@@ -375,7 +480,8 @@ def _gradient_sync_time(shape: Shape, cluster: Cluster, prec: PrecisionBytes, st
     if p > 1 and stage in (0, p - 1) and shape.tie_embeddings:
         # The tied embedding / head matrix: its gradient is summed between the first and
         # the last stage after the replicas' all-reduce.
-        tie_bytes = shape.vocab_size * shape.d_model * prec.grad_reduce_bytes
+        tie_bytes = shape.vocab_size * shape.d_model * prec.grad_reduce_bytes \
+            / _vocab_parts(shape.vocab_size, grid.tensor)
         tie = max(ring_allreduce_time(tie_bytes, 2, *cluster.link([grid.rank(0, r),
                                                                    grid.rank(p - 1, r)]))
                   for r in _replica_samples(d, cluster.gpus_per_node))
@@ -481,46 +587,52 @@ def stage_memory(shape: Shape, precision: PrecisionBytes, grid: Grid, stage: int
     once.
     """
     params, per_mb, transient = stage_bytes(shape, precision, grid.micro_batch_size, layers,
-                                            recompute)
+                                            recompute, grid.tensor, grid.sequence_parallel)
     chunks = schedule_chunks(grid.schedule)
     held = peak_held(grid.schedule, grid.pipeline, grid.microbatches, chunks)[stage]
     return params * precision.state_bytes_on(grid), held * per_mb / chunks, transient
 
 
 def stage_bytes(shape: Shape, precision: PrecisionBytes, b: int, layers: tuple[int, int],
-                recompute: str) -> tuple[int, float, float]:
-    """(parameters, activation bytes one micro-batch of size `b` leaves, transient bytes) of
-    the stage owning layer-list slice `layers`: what `stage_memory` scales by the grid."""
+                recompute: str, tensor: int = 1,
+                sequence_parallel: bool = False) -> tuple[int, float, float]:
+    """(parameters, activation bytes one micro-batch of size `b` leaves, transient bytes) on
+    one rank of the stage owning layer-list slice `layers`, its tensor group of `tensor`:
+    what `stage_memory` scales by the grid."""
     count = _stage_kinds(shape, layers)
     s = shape.seq_len
-    per_block = activation_bytes_per_layer(s, b, shape.d_model, shape.n_heads, recompute,
-                                           precision.activation_scale)
+    acts = functools.partial(activation_bytes_per_layer, s, b, shape.d_model, shape.n_heads,
+                             scale=precision.activation_scale, tensor=tensor,
+                             sequence_parallel=sequence_parallel)
+    per_block = acts(recompute)
     per_mb = count["block"] * per_block
     transient = 0.0
     if count["head"]:
-        per_mb += head_activation_bytes(s, b, shape.vocab_size, precision)
-        transient += s * b * shape.vocab_size * 4
+        per_mb += head_activation_bytes(s, b, shape.vocab_size, precision, tensor)
+        transient += s * b * shape.vocab_size * 4 / _vocab_parts(shape.vocab_size, tensor)
     if recompute != "none" and count["block"]:
-        transient += activation_bytes_per_layer(s, b, shape.d_model, shape.n_heads, "none",
-                                                precision.activation_scale) - per_block
-    return _stage_params(shape, count), per_mb, transient
+        transient += acts("none") - per_block
+    return _stage_params(shape, count, tensor), per_mb, transient
 
 
 def stage_compute(shape: Shape, cluster: Cluster, prec: PrecisionBytes, b: int,
-                  layers: tuple[int, int], mode: str,
-                  times: dict[tuple[str, str], float]) -> tuple[float, float, float]:
+                  layers: tuple[int, int], mode: str, times: dict[tuple[str, str], float],
+                  tensor: int = 1) -> tuple[float, float, float]:
     """(forward, backward with recomputation, plain backward) seconds per micro-batch of the
-    stage owning `layers`; `times` are `layer_times`' for micro-batch size `b`."""
+    stage owning `layers`; `times` are `layer_times`' for micro-batch size `b` at `tensor`."""
     count = _stage_kinds(shape, layers)
     fwd = sum(n * times[k, "forward"] for k, n in count.items())
     plain = sum(n * times[k, "backward"] for k, n in count.items())
-    return fwd, plain + count["block"] * _recompute_time(shape, cluster, prec, mode, b), plain
+    recompute = _recompute_time(shape, cluster, prec, mode, b, times, tensor)
+    return fwd, plain + count["block"] * recompute, plain
 
 
-def layer_times(shape: Shape, cluster: Cluster, prec: PrecisionBytes,
-                b: int) -> dict[tuple[str, str], float]:
-    """Seconds per micro-batch of size `b`, by (layer kind, "forward" or "backward")."""
-    return {(k, ph): _layer_time(shape, cluster, prec, k, ph, b)
+def layer_times(shape: Shape, cluster: Cluster, prec: PrecisionBytes, b: int, tensor: int = 1,
+                sequence_parallel: bool = False) -> dict[tuple[str, str], float]:
+    """Seconds per micro-batch of size `b` on one rank of a tensor group of `tensor`, by
+    (layer kind, "forward" or "backward"): compute plus the group's communication."""
+    return {(k, ph): _layer_time(shape, cluster, prec, k, ph, b, tensor)
+            + tensor_comm_time(shape, cluster, prec, k, ph, b, tensor, sequence_parallel)
             for k in ("embed", "block", "head") for ph in ("forward", "backward")}
 
 
@@ -558,12 +670,13 @@ def estimate(shape: Shape, cluster: Cluster, grid: Grid, recompute: str | Sequen
     """
     prec = PRECISIONS[precision]
     p, b = grid.pipeline, grid.micro_batch_size
+    t, sp = grid.tensor, grid.sequence_parallel
     if boundaries is None:
-        boundaries = time_balanced_boundaries(shape, cluster, prec, p, b)
+        boundaries = time_balanced_boundaries(shape, cluster, prec, p, b, t, sp)
     if len(boundaries) != p + 1:
         raise ValueError(f"{len(boundaries)} boundaries for {p} stages")
     modes = [recompute] * p if isinstance(recompute, str) else list(recompute)
-    times = layer_times(shape, cluster, prec, b)
+    times = layer_times(shape, cluster, prec, b, t, sp)
     stages = tuple(_stage_cost(shape, cluster, prec, grid, st, (boundaries[st],
                                                                  boundaries[st + 1]),
                                modes[st], times) for st in range(p))
@@ -576,21 +689,23 @@ def estimate(shape: Shape, cluster: Cluster, grid: Grid, recompute: str | Sequen
 def _stage_cost(shape: Shape, cluster: Cluster, prec: PrecisionBytes, grid: Grid, st: int,
                 layers: tuple[int, int], mode: str,
                 times: dict[tuple[str, str], float]) -> StageCost:
-    p, d, b = grid.pipeline, grid.data, grid.micro_batch_size
+    p, d, b, t = grid.pipeline, grid.data, grid.micro_batch_size, grid.tensor
     count = _stage_kinds(shape, layers)
     state, acts, transient = stage_memory(shape, prec, grid, st, layers, mode)
-    fwd, bwd, plain = stage_compute(shape, cluster, prec, b, layers, mode, times)
+    fwd, bwd, plain = stage_compute(shape, cluster, prec, b, layers, mode, times, t)
     # Split backward: W is half the plain backward; B the rest, recomputation included.
     weight = plain / 2 if split_backward(grid.schedule) else 0.0
-    params = _stage_params(shape, count)
-    send_bytes = b * shape.seq_len * shape.d_model * prec.act_bytes
-    p2p = _p2p_time(cluster, st, p, d, send_bytes) * schedule_chunks(grid.schedule)
+    params = _stage_params(shape, count, t)
+    # Each tensor rank sends to its own peer: the whole activation, or its sequence slice.
+    send_bytes = b * shape.seq_len * shape.d_model * prec.act_bytes \
+        / (t if grid.sequence_parallel else 1)
+    p2p = _p2p_time(cluster, st, grid.ranks, send_bytes) * schedule_chunks(grid.schedule)
     # On calibrated (CPU, mpi4py) hardware MPI moves the buckets mostly when the engine waits
     # for them: nothing hides there.
     window = 0.0 if cluster.hardware.calibrated else weight or bwd
     sharded = grid.shard_optimizer and d > 1
-    allreduce, exposed = _gradient_sync_time(shape, cluster, prec, st, p, d, params, window,
-                                             sharded)
+    allreduce, exposed = _gradient_sync_time(shape, cluster, prec, st, grid.ranks, params,
+                                             window, sharded)
     optimizer = optimizer_time(cluster, params, d, sharded)
     held = peak_held(grid.schedule, p, grid.microbatches, schedule_chunks(grid.schedule))[st]
     return StageCost(st, layers, count["block"], params, mode, held, state, acts, transient,

@@ -26,7 +26,9 @@ class LayerTimes:
     `samples[kind][phase][b]` is the time measured at micro-batch size b; sizes not measured
     come from `times[kind][phase] = (c0, c1)`, the fit t(b) = c0 + c1·b: a fixed cost per call
     (Python, kernel launch) plus a cost per sequence. Kinds are "embed", "block" and "head"
-    (the output head with the loss); phases "forward" and "backward".
+    (the output head with the loss); phases "forward" and "backward". A kind measured cut
+    for a tensor group of t ranks (one rank's slices, its collectives left out) is stored
+    as "block@t" / "head@t" (`time_at`).
     """
 
     shape: Mapping[str, int]
@@ -41,6 +43,16 @@ class LayerTimes:
             return measured
         c0, c1 = self.times[kind][phase]
         return max(0.0, c0 + c1 * micro_batch_size)
+
+    def time_at(self, kind: str, phase: str, micro_batch_size: int, tensor: int = 1) -> float:
+        """`time` of one rank's cut of `kind` in a tensor group of `tensor`: measured where
+        calibrated ("block@2"), else the whole layer's time over `tensor`."""
+        if tensor == 1:
+            return self.time(kind, phase, micro_batch_size)
+        cut = f"{kind}@{tensor}"
+        if cut in self.times:
+            return self.time(cut, phase, micro_batch_size)
+        return self.time(kind, phase, micro_batch_size) / tensor
 
     @classmethod
     def from_samples(cls, shape: Mapping[str, int],
@@ -112,6 +124,11 @@ class Hardware:
     memory_reserve_fraction: float = 0.10
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
     layer_times: LayerTimes | None = None   # set by calibration: replaces peak × efficiency
+    # The tensor group's all-reduce as calibration measured it (bandwidth and latency of a
+    # ring step, so `cost.ring_allreduce_time` gives the measured time); None: the intra-node
+    # link's figures.
+    tensor_bandwidth: float | None = None
+    tensor_latency: float | None = None
 
     @property
     def usable_memory(self) -> float:
@@ -178,6 +195,11 @@ class Hardware:
             value = getattr(self, field)
             if not _number(value) or not value > 0:
                 return f"{field} must be a finite number > 0, found {value!r}"
+        for field in ("tensor_bandwidth", "tensor_latency"):
+            value = getattr(self, field)
+            if value is not None and (not _number(value) or value < 0
+                                      or (field == "tensor_bandwidth" and value == 0)):
+                return f"{field} must be null or a finite number > 0, found {value!r}"
         for field in ("intra_node_latency", "inter_node_latency"):
             value = getattr(self, field)
             if not _number(value) or value < 0:
@@ -291,3 +313,12 @@ class Cluster:
         if self.same_node(ranks):
             return hw.intra_node_bandwidth * hw.link_efficiency, hw.intra_node_latency
         return hw.inter_node_bandwidth * hw.link_efficiency, hw.inter_node_latency
+
+    def tensor_link(self, tensor: int) -> tuple[float, float]:
+        """(bandwidth, latency) of a ring step of a tensor group of `tensor` consecutive ranks
+        (one node: the search keeps t within `gpus_per_node`): measured by calibration where
+        it was, else the intra-node link's."""
+        hw = self.hardware
+        if hw.tensor_bandwidth is not None:
+            return hw.tensor_bandwidth, hw.tensor_latency or 0.0
+        return self.link(list(range(tensor)))

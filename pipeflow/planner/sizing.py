@@ -70,6 +70,10 @@ class Sizing:
     precision: str
     mfu_assumed: float | None   # set when the budget came from GPU-days
     notes: tuple[str, ...] = ()
+    # The fastest plan without a tensor axis (t = 1), what the best plan is compared with;
+    # None when nothing fits without one.
+    without_tensor: Estimate | None = None
+    tensor_tried: tuple[int, ...] = (1,)    # the tensor degrees the search considered
 
     @property
     def best(self) -> Estimate:
@@ -90,9 +94,12 @@ class Sizing:
     @property
     def mfu(self) -> float:
         """Model FLOPs utilisation (6·N per token) over the GPUs the plan uses."""
-        hw = self.cluster.hardware
-        achieved = 6.0 * self.shape.params * self.batch_tokens / self.best.step_time_s
-        return achieved / (self.best.grid.gpus * hw.peak_flops)
+        return self.mfu_of(self.best)
+
+    def mfu_of(self, est: Estimate) -> float:
+        """`mfu` of another plan for the same model and batch (a runner-up, `without_tensor`)."""
+        achieved = 6.0 * self.shape.params * self.batch_tokens / est.step_time_s
+        return achieved / (est.grid.gpus * self.cluster.hardware.peak_flops)
 
     def command(self, config_path: str = "plan.toml") -> str:
         return f"mpirun -n {self.best.grid.gpus} pipeflow train {config_path}"
@@ -138,7 +145,22 @@ def size_run(cluster: Cluster, *, compute: float | None = None, days: float | No
     if global_batch is None and result.best.grid.global_batch != batch:  # pragma: no cover
         raise AssertionError("search returned a grid for another batch")
     return Sizing(alloc, optimal, source, shaped, cluster, batch, result, options.precision,
-                  mfu_used, _notes(shaped, result, cluster, batch))
+                  mfu_used, _notes(shaped, result, cluster, batch),
+                  _without_tensor(shaped, cluster, batch, options, result),
+                  options.tensors(shaped, cluster))
+
+
+def _without_tensor(shape: Shape, cluster: Cluster, batch: int, options: SearchOptions,
+                    result: SearchResult) -> Estimate | None:
+    """The fastest plan at tensor degree 1: the search's own best where it chose t = 1, else
+    the same search without a tensor axis (None when nothing fits that way)."""
+    if result.best.grid.tensor == 1:
+        return result.best
+    try:
+        return search(shape, cluster, batch,
+                      dataclasses.replace(options, tensor=(1,), rank=1)).best
+    except PlanError:
+        return None
 
 
 def _check_budget(method: str, compute: float | None, days: float | None,
@@ -259,7 +281,8 @@ def _stage_rows(est: Estimate) -> list[dict[str, Any]]:
 
 def _grid_row(est: Estimate, best: Estimate) -> dict[str, Any]:
     g = est.grid
-    return {"pipeline": g.pipeline, "data": g.data, "microbatches": g.microbatches,
+    return {"pipeline": g.pipeline, "data": g.data, "tensor": g.tensor,
+            "sequence_parallel": g.sequence_parallel, "microbatches": g.microbatches,
             "micro_batch_size": g.micro_batch_size, "schedule": g.schedule,
             "recompute": est.recompute, "step_time_s": est.step_time_s,
             "slower_than_best": est.step_time_s / best.step_time_s - 1.0,
@@ -280,8 +303,10 @@ def to_json(sizing: Sizing, config_path: str = "plan.toml", top: int = 5) -> dic
         "model": sizing.shape.to_dict(),
         "gpu": hw.name, "calibrated": hw.calibrated, "gpus": sizing.cluster.gpus,
         "gpus_per_node": sizing.cluster.gpus_per_node, "gpus_used": g.gpus,
-        "pipeline": g.pipeline, "data": g.data, "microbatches": g.microbatches,
+        "pipeline": g.pipeline, "data": g.data, "tensor": g.tensor,
+        "sequence_parallel": g.sequence_parallel, "microbatches": g.microbatches,
         "micro_batch_size": g.micro_batch_size, "schedule": g.schedule,
+        "tensor_tried": list(sizing.tensor_tried),
         "partition": best.boundaries, "recompute": best.recompute,
         "precision": sizing.precision, "global_batch": sizing.global_batch,
         "global_batch_tokens": sizing.batch_tokens, "steps": sizing.steps,
@@ -292,6 +317,10 @@ def to_json(sizing: Sizing, config_path: str = "plan.toml", top: int = 5) -> dic
         "stages": _stage_rows(best),
         "command": sizing.command(config_path),
         "runners_up": [_grid_row(e, best) for e in sizing.result.ranked[1:1 + top]],
+        "without_tensor": None if sizing.without_tensor is None else
+        dict(_grid_row(sizing.without_tensor, best),
+             mfu=None if hw.calibrated else sizing.mfu_of(sizing.without_tensor),
+             peak_memory_gb=round(sizing.without_tensor.peak_memory_bytes / GB, 3)),
         "considered": sizing.result.considered, "fitting": sizing.result.fitting,
         "pruned": sizing.result.pruned,
         "rejected": reasons,
@@ -333,13 +362,14 @@ def render_table(sizing: Sizing, config_path: str = "plan.toml", top: int = 5) -
                   f"tokens per step, {sizing.steps:,} steps, precision {sizing.precision}"),
     ]
     lines += [f"{k:<9}{v}" for k, v in kv]
-    lines += ["", f"best plan: pipeline {g.pipeline} × data {g.data} = {g.gpus} GPUs, "
+    lines += ["", f"best plan: {_grid_words(g)} = {g.gpus} GPUs, "
                   f"{g.microbatches} micro-batch{'es' if g.microbatches > 1 else ''} of "
                   f"{g.micro_batch_size}, {g.schedule}"
                   + (", sharded optimizer" if g.shard_optimizer else "")]
     util = "" if hw.calibrated else f", MFU {sizing.mfu:.0%}"
     lines.append(f"  step {best.step_time_s:.4g} s (bubble {best.bubble:.1%}, all-reduce + "
                  f"optimizer {best.tail_s:.3g} s){util}, {sizing.train_days:.3g} days")
+    lines.append(_tensor_line(sizing))
     lines.append(f"  {'stage':>5} {'layers':>9} {'params':>8} {'recompute':>9} {'stash':>5} "
                  f"{'state GB':>8} {'acts GB':>8} {'total GB':>8} {'ms/micro':>9}")
     for s in best.stages:
@@ -367,6 +397,37 @@ def render_table(sizing: Sizing, config_path: str = "plan.toml", top: int = 5) -
     return "\n".join(lines)
 
 
+def _grid_words(g: Any) -> str:
+    """'pipeline 16 × data 2 × tensor 2 (sequence parallel)'."""
+    return (f"pipeline {g.pipeline} × data {g.data}"
+            + (f" × tensor {g.tensor}" + (" (sequence parallel)" if g.sequence_parallel else "")
+               if g.tensor > 1 else ""))
+
+
+def _tensor_line(sizing: Sizing) -> str:
+    """One line: the tensor degree chosen, its memory per GPU and predicted MFU, against the
+    fastest plan without a tensor axis."""
+    best, other, hw = sizing.best, sizing.without_tensor, sizing.cluster.hardware
+
+    def figures(est: Estimate) -> str:
+        util = "" if hw.calibrated else f", MFU {sizing.mfu_of(est):.0%}"
+        modes = _compact(est.recompute)
+        return (f"{est.peak_memory_bytes / GB:.1f} GB per GPU, "
+                f"{'no' if modes == 'none' else modes} recomputation{util}")
+
+    chosen = (f"  tensor {best.grid.tensor}"
+              + (" (sequence parallel)" if best.grid.sequence_parallel else "")
+              + f": {figures(best)}")
+    if best.grid.tensor == 1:
+        tried = sizing.tensor_tried
+        return chosen + ("; no tensor axis asked for" if tried == (1,) else
+                         f"; tensor degrees {', '.join(map(str, tried))} tried, none faster")
+    if other is None:
+        return chosen + "; without a tensor axis no plan fits"
+    return (chosen + f"; without a tensor axis: {_grid_words(other.grid)}, {figures(other)}, "
+            f"{other.step_time_s / best.step_time_s - 1:+.0%} step time")
+
+
 def _compact(modes: Sequence[str]) -> str:
     return modes[0] if len(set(modes)) == 1 else ",".join(modes)
 
@@ -379,7 +440,8 @@ def train_toml(sizing: Sizing, command_line: str = "pipeflow plan") -> str:
     # ZBV cuts the model into 2p virtual stages (a V): the engine balances them by time
     # measured on a micro-batch, where the plan costed the p-stage cut.
     v = schedule_chunks(g.schedule) > 1
-    config = Config(pipeline=g.pipeline, data=g.data, microbatches=g.microbatches,
+    config = Config(pipeline=g.pipeline, data=g.data, tensor=g.tensor,
+                    sequence_parallel=g.sequence_parallel, microbatches=g.microbatches,
                     schedule=g.schedule, partition="time" if v else best.boundaries,
                     precision=sizing.precision,
                     recompute=modes[0] if len(set(modes)) == 1 else list(modes),
@@ -396,7 +458,8 @@ def train_toml(sizing: Sizing, command_line: str = "pipeflow plan") -> str:
         f"{sizing.train_days:.3g} days; memory per stage (GB): "
         f"{', '.join(f'{x:.1f}' for x in best.memory_gb)}.",
         f"# Run: {sizing.command('<this file>')}",
-        f"# engine: {g.microbatches} micro-batches of {g.micro_batch_size} sequence(s); "
+        f"# engine: {_grid_words(g)}; {g.microbatches} micro-batches of {g.micro_batch_size} "
+        f"sequence(s); "
         + (f"partition: 'time', the {2 * g.pipeline} virtual stages of {g.schedule} balanced "
            f"by time measured on a micro-batch" if v else
            f"partition: stage boundaries in the layer list (embedding, {sh.n_layers} blocks, "

@@ -1,7 +1,8 @@
 """One partition's stages tabulated once for the search: memory fit and a step-time bound.
 
-A partition of the layers into p stages at micro-batch size b is shared by every grid of that
-(p, b): what each stage holds and computes per micro-batch does not depend on the data size,
+A partition of the layers into p stages at micro-batch size b and tensor degree t (with or
+without sequence parallelism) is shared by every grid of that (p, b, t, sp): what each stage
+holds and computes per micro-batch does not depend on the data size,
 the micro-batch count or the schedule. The search tabulates it once, then answers each grid
 from the table: which recomputation fits each stage (`fit`, the figures of
 `cost.stage_memory`, bit for bit) and a lower bound on the step time `cost.estimate` would
@@ -116,11 +117,13 @@ def _held_column(held: tuple[int, ...], stages: int) -> Any:
 
 def stage_table(shape: Shape, cluster: Cluster, precision: PrecisionBytes,
                 boundaries: Sequence[int], micro_batch_size: int,
-                modes: Sequence[str]) -> StageTable:
-    """The table of the partition `boundaries` at `micro_batch_size`, for `modes`."""
-    b = micro_batch_size
+                modes: Sequence[str], tensor: int = 1,
+                sequence_parallel: bool = False) -> StageTable:
+    """The table of the partition `boundaries` at `micro_batch_size` and `tensor` (one rank
+    of each stage's tensor group), for `modes`."""
+    b, t, sp = micro_batch_size, tensor, sequence_parallel
     layers = [(boundaries[st], boundaries[st + 1]) for st in range(len(boundaries) - 1)]
-    times = layer_times(shape, cluster, precision, b)
+    times = layer_times(shape, cluster, precision, b, t, sp)
     # A stage's figures depend on its layers only through how many of each kind it holds:
     # most stages of a deep pipeline hold alike, so each kind count is computed once.
     kinds = [tuple(_stage_kinds(shape, lay).values()) for lay in layers]
@@ -129,8 +132,9 @@ def stage_table(shape: Shape, cluster: Cluster, precision: PrecisionBytes,
         first_of.setdefault(k, lay)
     memory, compute = [], []
     for mode in modes:
-        by_bytes = {k: stage_bytes(shape, precision, b, lay, mode) for k, lay in first_of.items()}
-        by_time = {k: stage_compute(shape, cluster, precision, b, lay, mode, times)
+        by_bytes = {k: stage_bytes(shape, precision, b, lay, mode, t, sp)
+                    for k, lay in first_of.items()}
+        by_time = {k: stage_compute(shape, cluster, precision, b, lay, mode, times, t)
                    for k, lay in first_of.items()}
         memory.append([by_bytes[k] for k in kinds])
         compute.append([by_time[k] for k in kinds])
