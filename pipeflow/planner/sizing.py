@@ -379,12 +379,14 @@ def render_table(sizing: Sizing, config_path: str = "plan.toml", top: int = 5) -
                      f"{s.memory_gb:>8.2f} {s.microbatch_s * 1e3:>9.3g}")
     ranked = sizing.result.ranked
     if len(ranked) > 1:
+        shown = ranked[1:1 + top]
+        width = max([28] + [len(e.grid.describe()) for e in shown])   # "t=2 sp" widens it
         lines += ["", f"runners-up ({sizing.result.fitting - 1} other plans fit"
                   + (f"; {sizing.result.pruned} not timed, a bound shows them slower"
                      if sizing.result.pruned else "") + "):",
-                  f"  {'grid':<28} {'step s':>9} {'vs best':>8} {'peak GB':>8}  recompute"]
-        for e in ranked[1:1 + top]:
-            lines.append(f"  {e.grid.describe():<28} {e.step_time_s:>9.4g} "
+                  f"  {'grid':<{width}} {'step s':>9} {'vs best':>8} {'peak GB':>8}  recompute"]
+        for e in shown:
+            lines.append(f"  {e.grid.describe():<{width}} {e.step_time_s:>9.4g} "
                          f"{e.step_time_s / best.step_time_s - 1:>+8.1%} "
                          f"{e.peak_memory_bytes / GB:>8.2f}  {_compact(e.recompute)}")
     rej = sizing.result.rejected
