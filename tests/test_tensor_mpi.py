@@ -14,6 +14,7 @@ from mpi4py import MPI
 from torch import nn
 
 import pipeflow as pf
+from pipeflow.runtime import tensor_parallel
 from pipeflow.models.gpt import GPTConfig, gpt_layers, gpt_loss
 from pipeflow.schedules.registry import names as schedule_names
 
@@ -313,9 +314,11 @@ def test_fp16_overflow_on_one_tensor_rank_skips_the_step_on_every_rank(sp):
 # -- transformers models: the Llama-shaped families split, a config that cannot is refused --
 
 def _hf_config(kind: str):
+    """A family's small config, "NAME-kvK" with K key/value heads (N by default)."""
     transformers = pytest.importorskip("transformers")
+    kind, _, kv = kind.partition("-kv")
     shape = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
-                 num_attention_heads=4, num_key_value_heads=N, vocab_size=VOCAB,
+                 num_attention_heads=4, num_key_value_heads=int(kv or N), vocab_size=VOCAB,
                  max_position_embeddings=SEQ * 2)
     if kind == "falcon":     # multi_query: one key/value head for every query head
         return transformers.FalconConfig(num_hidden_layers=2, hidden_size=32,
@@ -328,7 +331,9 @@ def _hf_config(kind: str):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3"])
+# -kvK: fewer key/value heads than ranks, each rank computing the one its query heads read
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "llama-kv1",
+                                  *(["qwen3-kv2"] if N == 4 else [])])
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
 def test_llama_shaped_transformers_families_split_like_one_process(kind, sp):
     """Grouped-query attention (as many key/value heads as tensor ranks), padding masks as
@@ -339,6 +344,9 @@ def test_llama_shaped_transformers_families_split_like_one_process(kind, sp):
     engine = pf.Engine(layers, hf.causal_lm_loss_sum, sgd,
                        pf.Config(tensor=N, microbatches=2, sequence_parallel=sp),
                        count_items=hf.num_valid_tokens)
+    replicated = [m for m in engine.stage.module.modules()
+                  if isinstance(m, tensor_parallel.ReplicatedHeads)]
+    assert len(replicated) == (4 if cfg.num_key_value_heads < N else 0)   # k and v, 2 blocks
     gen = torch.Generator().manual_seed(5)
     steps = []
     for _ in range(2):

@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 
 from pipeflow.models import hf_tensor_dense, hf_tensor_fused, hf_tensor_moe
-from pipeflow.models.hf_tensor_base import TensorFamily, llama_plan
+from pipeflow.models.hf_tensor_base import TensorFamily, llama_plan, local_kv_groups
 
 
 def _qwen3_plan(config: Any) -> dict[str, Any]:
@@ -66,6 +66,7 @@ def refusal(config: Any) -> str:
 
 def localize(layer: nn.Module, group: Any) -> None:
     """After the cut, on each rank: the family's own fix-ups of what its block reads."""
+    local_kv_groups(layer, group)
     found = row(layer.config)
     if found is not None and found.localize is not None:
         found.localize(layer, group)

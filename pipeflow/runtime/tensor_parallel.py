@@ -81,6 +81,10 @@ class Split:
     optional: bool = False      # a degree that does not divide leaves the module whole
     # the pattern may name nothing in a layer (a plan shared by dense and MoE blocks)
     if_present: bool = False
+    # colwise by heads with fewer heads than ranks (grouped key/value heads, one for every
+    # query head at t = 8): each rank computes the one head its query heads read, from the
+    # whole weight, whose gradient is summed over the group (Megatron's replicated heads)
+    replicate: bool = False
 
     @classmethod
     def parse(cls, value: Any, where: str) -> "Split":
@@ -791,6 +795,8 @@ def _cut_module(module: nn.Module, split: Split, group: TensorGroup, where: str,
     total = getattr(module, field)
     if split.optional and not _divides(total, split, group.size):
         return                  # left whole: e.g. a vocabulary of 50257 at tensor = 2
+    if split.replicate and _replicates(module, split, group, total, cls, key):
+        return
     _check_divides(total, split, group.size, where, field)
     for pname, dim in dims.items():
         param = getattr(module, pname, None)
@@ -807,6 +813,37 @@ def _cut_module(module: nn.Module, split: Split, group: TensorGroup, where: str,
     setattr(module, field, total // group.size)
     module.__class__ = cls
     module.pf_tensor, module.pf_key = group, f"tensor group: {key} ({split.style})"
+
+
+class ReplicatedHeads(nn.Linear):
+    """`Split(..., replicate=True)` with fewer heads than ranks: the whole weight on every
+    rank, this rank computing its one head (rows `pf_rows`) as a column layer would; the
+    gradient (a share of the whole, from this rank's query heads) is summed over the group
+    (`pf_partial_gradient`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.pf_rows
+        return _colwise(self, x, self.weight[rows],
+                        None if self.bias is None else self.bias[rows])
+
+
+def _replicates(module: nn.Module, split: Split, group: TensorGroup, total: int, cls: type,
+                key: str) -> bool:
+    """Replicate a colwise nn.Linear's heads where there are fewer than ranks and the ranks
+    share them evenly (`Split.replicate`); False where it cuts as usual."""
+    heads = total // split.unit if split.parts == 1 and total % split.unit == 0 else 0
+    if cls is not ColwiseLinear or not heads or heads % group.size == 0 or \
+            group.size % heads:
+        return False
+    share = group.size // heads                  # ranks reading each head
+    head = group.rank // share                   # query heads r·H/t .. read head r // share
+    module.pf_rows = slice(head * split.unit, (head + 1) * split.unit)
+    for param in module.parameters(recurse=False):
+        param.pf_partial_gradient = True
+    module.out_features = split.unit
+    module.__class__ = ReplicatedHeads
+    module.pf_tensor, module.pf_key = group, f"tensor group: {key} (replicated heads)"
+    return True
 
 
 def _divides(total: int, split: Split, t: int) -> bool:
