@@ -564,12 +564,13 @@ def test_a_whole_weight_only_some_slices_reach_trains_like_one_process():
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
-def test_a_transformers_model_built_sequence_parallel_generates_as_one_process():
+@pytest.mark.parametrize("kind", ["llama", "llama-kv1"])
+def test_a_transformers_model_built_sequence_parallel_generates_as_one_process(kind):
     """Generation turns sequence parallelism off for the call: the attention's
     `gather_sequence` must gather nothing then (it gathered, and rotary failed on the
-    doubled length)."""
+    doubled length). With one key/value head, each rank's cache holds it."""
     from pipeflow.models import hf
-    layers = hf.causal_lm_layers(_hf_config("llama"))
+    layers = hf.causal_lm_layers(_hf_config(kind))
     tokens = {}
     for t, comm in ((1, MPI.COMM_SELF), (N, WORLD)):
         engine = pf.Engine(layers, hf.causal_lm_loss_sum, sgd,
