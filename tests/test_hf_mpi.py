@@ -104,6 +104,33 @@ def _train_transformers(cfg, start: dict[str, torch.Tensor], data) -> tuple[dict
     return model.state_dict(), losses
 
 
+def assert_logits_as_transformers(engine, cfg, start: dict, batch, rank: int) -> None:
+    """The engine's logits of `batch` (ids, labels, mask) are transformers' for the weights
+    `start`, at every valid position (checked on `rank` 0)."""
+    ids, _, mask = batch
+    logits = engine.eval_step(ids, attention_mask=mask)
+    if rank == 0:
+        with torch.no_grad():
+            expected = _hf_model(cfg, start).eval()(ids, attention_mask=mask).logits
+        valid = mask.bool()
+        torch.testing.assert_close(logits[valid], expected[valid], atol=1e-5, rtol=1e-5)
+
+
+def assert_trained_as_transformers(full: dict, expected: dict, cfg, start: dict,
+                                   floor: float = 1e-12) -> None:
+    """The engine's trained state (`gather_state_dict`) in transformers' names equals
+    transformers' own trained `expected` (relative 1e-5, the norm floored at `floor`), and
+    every parameter moved (buffers need not: DeepSeek-V3's expert bias is set outside the
+    loss)."""
+    trained, initial = hf.to_hf_state_dict(full, cfg), hf.to_hf_state_dict(start, cfg)
+    assert set(trained) == set(expected)
+    params = {n for n, _ in _hf_model(cfg, start).named_parameters()}
+    for key, value in expected.items():
+        diff = (trained[key] - value).norm() / value.norm().clamp(min=floor)
+        assert diff < 1e-5, (key, float(diff))
+        assert key not in params or not torch.equal(value, initial[key]), key
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind,stages,schedule,padded", list(_cases()))
@@ -122,13 +149,7 @@ def test_pipelined_transformers_model_trains_like_it(kind, stages, schedule, pad
     data = _data(padded)
     start = pf.build_sequential(layers, seed=config.seed).state_dict()
     # Before training: the same logits as transformers holding the same weights.
-    ids, _, mask = data[0]
-    logits = engine.eval_step(ids, attention_mask=mask)
-    if comm.rank == 0:
-        with torch.no_grad():
-            expected = _hf_model(cfg, start).eval()(ids, attention_mask=mask).logits
-        valid = mask.bool()
-        assert torch.allclose(logits[valid], expected[valid], atol=1e-5)
+    assert_logits_as_transformers(engine, cfg, start, data[0], comm.rank)
     if kind in RANDOM_IN_TRAINING:
         engine.close()
         comm.Free()
@@ -138,14 +159,7 @@ def test_pipelined_transformers_model_trains_like_it(kind, stages, schedule, pad
     if comm.rank == 0:
         expected, ref_losses = _train_transformers(cfg, start, data)
         assert losses == pytest.approx(ref_losses, rel=1e-5)
-        trained, initial = hf.to_hf_state_dict(full, cfg), hf.to_hf_state_dict(start, cfg)
-        assert set(trained) == set(expected)
-        params = {n for n, _ in _hf_model(cfg, start).named_parameters()}
-        for key, value in expected.items():
-            diff = (trained[key] - value).norm() / value.norm().clamp(min=1e-12)
-            assert diff < 1e-5, (key, float(diff))
-            # it trained (buffers do not: DeepSeek-V3's expert bias is set outside the loss)
-            assert key not in params or not torch.equal(value, initial[key]), key
+        assert_trained_as_transformers(full, expected, cfg, start)
     engine.close()
     comm.Free()
 

@@ -22,7 +22,8 @@ transformers = pytest.importorskip(
 import pipeflow as pf                      # noqa: E402
 from pipeflow.models import hf             # noqa: E402
 from pipeflow.runtime.tensor_parallel import split_of    # noqa: E402
-from test_hf_mpi import LR, _hf_model, _train_transformers    # noqa: E402
+from test_hf_mpi import (LR, _train_transformers,                        # noqa: E402
+                         assert_logits_as_transformers)
 from toy import sgd                        # noqa: E402
 
 WORLD = MPI.COMM_WORLD
@@ -112,13 +113,7 @@ def test_fused_family_at_tensor_2_equals_transformers(p, t, kind, sp):
     _holds_slices(engine, start, t)
     steps = _steps()
     # Before training: transformers' logits for the same weights (padding masked).
-    ids, _, mask = steps[0]
-    logits = engine.eval_step(ids, attention_mask=mask)
-    if WORLD.rank == 0:
-        with torch.no_grad():
-            expected = _hf_model(cfg, start).eval()(ids, attention_mask=mask).logits
-        valid = mask.bool()
-        torch.testing.assert_close(logits[valid], expected[valid], atol=1e-5, rtol=1e-5)
+    assert_logits_as_transformers(engine, cfg, start, steps[0], WORLD.rank)
     losses = [engine.train_step(ids, labels, attention_mask=mask)
               for ids, labels, mask in steps]
     # The reference: transformers' own model from the same start, SGD at toy.sgd's rate.

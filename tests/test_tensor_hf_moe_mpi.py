@@ -25,7 +25,8 @@ import pipeflow as pf                          # noqa: E402
 from pipeflow.models import hf, hf_checkpoint  # noqa: E402
 from pipeflow.runtime.tensor_parallel import Once, Shard, split_of   # noqa: E402
 from test_hf import make_config                # noqa: E402
-from test_hf_mpi import LR, _hf_model, _train_transformers   # noqa: E402
+from test_hf_mpi import (LR, _train_transformers,                        # noqa: E402
+                         assert_logits_as_transformers)
 from toy import bcast, sgd                     # noqa: E402
 
 WORLD = MPI.COMM_WORLD
@@ -89,17 +90,6 @@ def assert_cut(engine, kind: str) -> None:
         assert (split_of(p) is None) == whole, (name, tuple(p.shape))
 
 
-def check_logits(engine, cfg, start, comm, data) -> None:
-    ids, _, mask = data[0]
-    logits = engine.eval_step(ids, attention_mask=mask)
-    if comm.rank == 0:
-        with torch.no_grad():
-            expected = _hf_model(cfg, start).eval()(ids, attention_mask=mask).logits
-        valid = mask.bool()
-        assert torch.allclose(logits[valid], expected[valid], atol=1e-5), \
-            float((logits[valid] - expected[valid]).abs().max())
-
-
 def check_trained(full, expected: dict, cfg, start) -> None:
     trained, initial = hf.to_hf_state_dict(full, cfg), hf.to_hf_state_dict(start, cfg)
     assert set(trained) == set(expected)
@@ -123,7 +113,7 @@ def train_against_transformers(kind: str, comm, pipeline: int, sp: bool, recompu
     assert_cut(engine, kind)
     data = batches()
     start = pf.build_sequential(layers, 0).state_dict()
-    check_logits(engine, cfg, start, comm, data)
+    assert_logits_as_transformers(engine, cfg, start, data[0], comm.rank)
     losses = [engine.train_step(ids, labels, attention_mask=mask) for ids, labels, mask in data]
     full = engine.gather_state_dict()
     if comm.rank == 0:
@@ -167,7 +157,7 @@ def test_phimoe_at_t2_gives_transformers_logits_and_trains_like_one_process():
     data = batches()
     start = pf.build_sequential(layers, 0).state_dict()
     engine = engine_for(layers, comm)
-    check_logits(engine, cfg, start, comm, data)
+    assert_logits_as_transformers(engine, cfg, start, data[0], comm.rank)
     losses = [engine.train_step(ids, labels, attention_mask=mask) for ids, labels, mask in data]
     full = engine.gather_state_dict()
     engine.close()
