@@ -42,6 +42,9 @@ CASES = {
     "stablelm": ("stablelm", {}),           # partial rotary, views by self.num_heads
     "stablelm+qk_norm": ("stablelm", dict(qk_layernorm=True, use_parallel_residual=True,
                                           use_qkv_bias=True)),   # a LayerNorm per head
+    # one key/value head for every query head: replicated, each rank computing it
+    "stablelm+mqa": ("stablelm", dict(num_key_value_heads=1)),
+    "gemma+mqa": ("gemma", dict(num_key_value_heads=1)),
     "cohere": ("cohere", {}),               # attention and MLP in parallel, logit scale
     "cohere+qk_norm": ("cohere", dict(use_qk_norm=True)),        # a weight row per head
     "granite": ("granite", {}),             # multipliers
@@ -53,7 +56,7 @@ CASES = {
 
 def _config(case: str):
     kind, switches = CASES[case]
-    return make_config(kind, **TINY, **switches)
+    return make_config(kind, **{**TINY, **switches})
 
 
 def _steps(n: int = 3):
@@ -149,14 +152,28 @@ def _unsplit_families() -> list[str]:
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
-def test_every_family_without_a_tensor_plan_is_refused_naming_the_reason():
-    """Every family of docs/models.md that pipeflow builds but does not split (none
-    halfway): refused on every rank at construction, naming it and the families that do."""
+def test_every_family_without_a_tensor_plan_is_refused_naming_the_reason(monkeypatch):
+    """Every family of docs/models.md splits (none halfway); one without a row is refused on
+    every rank at construction, naming it and the families that do (granite's row taken
+    away to see it)."""
+    assert _unsplit_families() == []
+    monkeypatch.delitem(hf_tensor.FAMILIES, "granite")
     for kind in _unsplit_families():
         cfg = make_config(kind)
         with pytest.raises(pf.ConfigError, match=rf"model_type '{kind}' has no tensor-parallel "
                                                   rf"plan .*gemma.*set tensor = 1"):
             _engine(cfg, data=D)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_a_layernorm_per_key_value_head_with_fewer_heads_than_ranks_is_refused():
+    """StableLM's qk_layernorm keeps a LayerNorm per head: one key/value head (computed
+    replicated) cannot be cut over the ranks; refused on every rank with the reason."""
+    cfg = make_config("stablelm", **{**TINY, "num_key_value_heads": 1, "qk_layernorm": True})
+    with pytest.raises(pf.ConfigError, match=r"qk_layernorm keeps a LayerNorm per head.*1 "
+                                             r"heads do not cut over tensor = 2"):
+        _engine(cfg, data=D)
 
 
 @pytest.mark.mpi(min_size=4)

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pipeflow.config import ConfigError
 from pipeflow.models.hf_tensor_base import TensorFamily, llama_plan
 
 __all__ = ["FAMILIES"]
@@ -110,13 +111,20 @@ class _LocalNormPerHead(nn.Module):
 def _stablelm_localize(layer: nn.Module, group: Any) -> None:
     attn = layer.layer.self_attn
     for norm in (getattr(attn, "q_layernorm", None), getattr(attn, "k_layernorm", None)):
-        if norm is not None:
-            _localize_module(norm, _LocalNormPerHead,
-                             pf_first=_share(group, norm.num_heads).start,
-                             num_heads=norm.num_heads // group.size)
-    # forward views q, k, v as (batch, seq, self.num_heads, head_dim)
-    attn.num_heads //= group.size
-    attn.num_key_value_heads //= group.size
+        if norm is None:
+            continue
+        if norm.num_heads % group.size:
+            raise ConfigError(
+                f"stablelm's qk_layernorm keeps a LayerNorm per head, and its "
+                f"{norm.num_heads} heads do not cut over tensor = {group.size} (fewer key/value "
+                f"heads than ranks are computed replicated); use a tensor degree dividing "
+                f"num_key_value_heads = {layer.config.num_key_value_heads}")
+        _localize_module(norm, _LocalNormPerHead, pf_first=_share(group, norm.num_heads).start,
+                         num_heads=norm.num_heads // group.size)
+    # forward views q, k, v as (batch, seq, self.num_heads, head_dim): the heads this rank's
+    # projections give (key/value heads replicated where fewer than ranks: one each)
+    attn.num_heads = attn.q_proj.out_features // attn.head_dim
+    attn.num_key_value_heads = attn.k_proj.out_features // attn.head_dim
 
 
 # -- cohere: one weight row per head in its q/k LayerNorms ---------------------------------
