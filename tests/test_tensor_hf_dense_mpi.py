@@ -45,6 +45,7 @@ CASES = {
     # one key/value head for every query head: replicated, each rank computing it
     "stablelm+mqa": ("stablelm", dict(num_key_value_heads=1)),
     "gemma+mqa": ("gemma", dict(num_key_value_heads=1)),
+    "gemma3_text+mqa": ("gemma3_text", dict(num_key_value_heads=1)),    # norms per head
     "cohere": ("cohere", {}),               # attention and MLP in parallel, logit scale
     "cohere+qk_norm": ("cohere", dict(use_qk_norm=True)),        # a weight row per head
     "granite": ("granite", {}),             # multipliers
@@ -167,12 +168,17 @@ def test_every_family_without_a_tensor_plan_is_refused_naming_the_reason(monkeyp
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
-def test_a_layernorm_per_key_value_head_with_fewer_heads_than_ranks_is_refused():
-    """StableLM's qk_layernorm keeps a LayerNorm per head: one key/value head (computed
-    replicated) cannot be cut over the ranks; refused on every rank with the reason."""
-    cfg = make_config("stablelm", **{**TINY, "num_key_value_heads": 1, "qk_layernorm": True})
-    with pytest.raises(pf.ConfigError, match=r"qk_layernorm keeps a LayerNorm per head.*1 "
-                                             r"heads do not cut over tensor = 2"):
+@pytest.mark.parametrize("kind,switch,why", [
+    ("stablelm", "qk_layernorm", "qk_layernorm keeps a LayerNorm per head"),
+    ("cohere", "use_qk_norm", "use_qk_norm keeps a weight row per head"),
+    ("olmo2", None, "k_norm spans the key heads' whole width")])
+def test_a_norm_over_key_heads_with_fewer_heads_than_ranks_is_refused(kind, switch, why):
+    """A norm cut with the key heads cannot be cut where one key/value head is computed whole
+    on every rank: refused on every rank with the reason, not a crash in the forward."""
+    extra = {switch: True} if switch else {}
+    cfg = make_config(kind, **{**TINY, "num_key_value_heads": 1, **extra})
+    with pytest.raises(pf.ConfigError, match=rf"{kind}'s {why}, and its 1 key/value heads do "
+                                             rf"not cut over tensor = 2"):
         _engine(cfg, data=D)
 
 

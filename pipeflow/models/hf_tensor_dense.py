@@ -34,6 +34,7 @@ from torch.nn import functional as F
 
 from pipeflow.config import ConfigError
 from pipeflow.models.hf_tensor_base import TensorFamily, llama_plan
+from pipeflow.runtime.tensor_parallel import ReplicatedHeads
 
 __all__ = ["FAMILIES"]
 
@@ -108,17 +109,23 @@ class _LocalNormPerHead(nn.Module):
         return out
 
 
+def _key_heads_cut(layer: nn.Module, group: Any, why: str) -> None:
+    """A norm over the key heads is cut with them: refused where there are fewer key/value
+    heads than ranks (`ReplicatedHeads`: each rank computes a whole one)."""
+    if isinstance(layer.layer.self_attn.k_proj, ReplicatedHeads):
+        kv = layer.config.num_key_value_heads
+        raise ConfigError(
+            f"{layer.config.model_type}'s {why}, and its {kv} key/value heads do not cut over "
+            f"tensor = {group.size} (fewer heads than ranks are computed replicated); use a "
+            f"tensor degree dividing num_key_value_heads = {kv}")
+
+
 def _stablelm_localize(layer: nn.Module, group: Any) -> None:
     attn = layer.layer.self_attn
     for norm in (getattr(attn, "q_layernorm", None), getattr(attn, "k_layernorm", None)):
         if norm is None:
             continue
-        if norm.num_heads % group.size:
-            raise ConfigError(
-                f"stablelm's qk_layernorm keeps a LayerNorm per head, and its "
-                f"{norm.num_heads} heads do not cut over tensor = {group.size} (fewer key/value "
-                f"heads than ranks are computed replicated); use a tensor degree dividing "
-                f"num_key_value_heads = {layer.config.num_key_value_heads}")
+        _key_heads_cut(layer, group, "qk_layernorm keeps a LayerNorm per head")
         _localize_module(norm, _LocalNormPerHead, pf_first=_share(group, norm.num_heads).start,
                          num_heads=norm.num_heads // group.size)
     # forward views q, k, v as (batch, seq, self.num_heads, head_dim): the heads this rank's
@@ -152,6 +159,7 @@ class _LocalHeadsLayerNorm(nn.Module):
 def _cohere_localize(layer: nn.Module, group: Any) -> None:
     attn = layer.layer.self_attn
     if attn.use_qk_norm:
+        _key_heads_cut(layer, group, "use_qk_norm keeps a weight row per head")
         for norm in (attn.q_norm, attn.k_norm):
             _localize_module(norm, _LocalHeadsLayerNorm,
                              pf_rows=_share(group, norm.weight.shape[0]))
@@ -188,6 +196,7 @@ class _GroupRMSNorm(nn.Module):
 
 
 def _olmo2_localize(layer: nn.Module, group: Any) -> None:
+    _key_heads_cut(layer, group, "k_norm spans the key heads' whole width")
     attn = layer.layer.self_attn
     for name in ("q_norm", "k_norm"):
         norm = getattr(attn, name)
