@@ -320,18 +320,21 @@ def _seq_dim(x: torch.Tensor) -> int:
     return SEQ if x.dim() > 2 else 0
 
 
-def _seq_gather(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
-    """Every rank's slice of the sequence, whole (in rank order)."""
-    dim = _seq_dim(x)
+def _seq_gather(x: torch.Tensor, group: TensorGroup, key: str,
+                dim: int | None = None) -> torch.Tensor:
+    """Every rank's slice of the sequence (or of dimension `dim`), whole (in rank order)."""
+    dim = _seq_dim(x) if dim is None else dim
     shard = _wide(x.detach(), group).transpose(0, dim)
     out = _allgather(shard, group, key)
     whole = out.reshape(group.size * shard.shape[0], *shard.shape[1:])
     return whole.transpose(0, dim).to(x.dtype)
 
 
-def _seq_reduce_scatter(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
-    """The sum over the group of `x` (whole sequence), this rank's slice of it."""
-    dim = _seq_dim(x)
+def _seq_reduce_scatter(x: torch.Tensor, group: TensorGroup, key: str,
+                        dim: int | None = None) -> torch.Tensor:
+    """The sum over the group of `x` (whole sequence, or dimension `dim`), this rank's slice
+    of it."""
+    dim = _seq_dim(x) if dim is None else dim
     whole = _wide(x.detach(), group)
     whole = (whole.transpose(0, dim) if dim else whole).contiguous()
     out = torch.empty((whole.shape[0] // group.size, *whole.shape[1:]), dtype=whole.dtype,
@@ -373,33 +376,38 @@ class _SeqColwise(torch.autograd.Function):
 
 
 class _GatherSeq(torch.autograd.Function):
-    """Into a module that needs the whole sequence (`gather_sequence`): all-gather forward,
-    reduce-scatter backward; the column layers inside then take it as it is."""
+    """Into a module that needs the whole sequence (`gather_sequence`), or every rank's
+    tokens (`dim` 0: a `tokenwise` module): all-gather forward, reduce-scatter backward; the
+    column layers inside then take it as it is."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
-        ctx.group, ctx.key = group, key
-        return _seq_gather(x, group, key)
+    def forward(ctx: Any, x: torch.Tensor, group: TensorGroup, key: str,
+                dim: int | None = None) -> torch.Tensor:
+        ctx.group, ctx.key, ctx.dim = group, key, dim
+        return _seq_gather(x, group, key, dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return (_seq_reduce_scatter(grad, ctx.group, f"{ctx.key} (input gradient)"),
-                None, None)
+        return (_seq_reduce_scatter(grad, ctx.group, f"{ctx.key} (input gradient)", ctx.dim),
+                None, None, None)
 
 
 class _ScatterSeq(torch.autograd.Function):
-    """Out of a row layer: reduce-scatter forward, all-gather backward."""
+    """Out of a row layer (or a `tokenwise` module, `dim` 0): reduce-scatter forward,
+    all-gather backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
-        ctx.group, ctx.key = group, key
-        y = _seq_reduce_scatter(x, group, key)
+    def forward(ctx: Any, x: torch.Tensor, group: TensorGroup, key: str,
+                dim: int | None = None) -> torch.Tensor:
+        ctx.group, ctx.key, ctx.dim = group, key, dim
+        y = _seq_reduce_scatter(x, group, key, dim)
         # not a view: blocks add into their row layers' outputs in place (Falcon's MLP)
         return y.contiguous() if y._is_view() else y
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return _seq_gather(grad, ctx.group, f"{ctx.key} (output gradient)"), None, None
+        return (_seq_gather(grad, ctx.group, f"{ctx.key} (output gradient)", ctx.dim),
+                None, None, None)
 
 
 class _EnterSeq(torch.autograd.Function):
@@ -965,49 +973,6 @@ def _added_once(owner: nn.Module, name: str, group: TensorGroup) -> None:
     owner.register_forward_hook(leave)
 
 
-def _rows_gather(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
-    """Every rank's rows (dimension 0) after one another, in rank order."""
-    out = _allgather(_wide(x.detach(), group), group, key)
-    return out.reshape(group.size * x.shape[0], *x.shape[1:]).to(x.dtype)
-
-
-def _rows_reduce_scatter(x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
-    """The sum over the group of `x`, this rank's block of its rows."""
-    whole = _wide(x.detach(), group).contiguous()
-    out = whole.new_empty((whole.shape[0] // group.size, *whole.shape[1:]))
-    group.wait(group.comm.ireduce_scatter_(whole.view(-1), out.view(-1), key=key), key)
-    return out.to(x.dtype)
-
-
-class _GatherRows(torch.autograd.Function):
-    """Into a `tokenwise` module under sequence parallelism: every rank's tokens forward; the
-    gradient's sum over the group, this rank's tokens, backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
-        ctx.group, ctx.key = group, key
-        return _rows_gather(x, group, key)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return (_rows_reduce_scatter(grad, ctx.group, f"{ctx.key} (input gradient)"),
-                None, None)
-
-
-class _ScatterRows(torch.autograd.Function):
-    """Out of a `tokenwise` module under sequence parallelism: the partial outputs summed,
-    this rank's tokens, forward; every rank's gradient rows gathered backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: TensorGroup, key: str) -> torch.Tensor:
-        ctx.group, ctx.key = group, key
-        return _rows_reduce_scatter(x, group, key)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return _rows_gather(grad, ctx.group, f"{ctx.key} (output gradient)"), None, None
-
-
 def _tokenwise(module: nn.Module, group: TensorGroup, key: str) -> None:
     """`tokenwise`: the module's floating inputs (the tokens, an expert bank's routing
     weights) are copied to the group (their gradients summed) and its output is summed over
@@ -1020,8 +985,8 @@ def _tokenwise(module: nn.Module, group: TensorGroup, key: str) -> None:
         if not torch.is_tensor(x):
             return x
         if rows:
-            return _GatherRows.apply(x, group, key) if x.is_floating_point() \
-                else _rows_gather(x, group, f"{key} (indices)")
+            return _GatherSeq.apply(x, group, key, 0) if x.is_floating_point() \
+                else _seq_gather(x, group, f"{key} (indices)", 0)
         return copy_to(x, group, key) if x.is_floating_point() else x
 
     def enter(m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -1035,7 +1000,7 @@ def _tokenwise(module: nn.Module, group: TensorGroup, key: str) -> None:
                               f"every token), found {type(out).__name__}; name the module "
                               f"inside it that does")
         if _sequence(m):
-            return _ScatterRows.apply(out, group, key)
+            return _ScatterSeq.apply(out, group, key, 0)
         return reduce_from(out, group, key)
 
     module.register_forward_pre_hook(enter, with_kwargs=True)
