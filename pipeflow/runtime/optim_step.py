@@ -199,12 +199,11 @@ def _read_with_flags(stage: StepStage, sq: torch.Tensor) -> float:
     holder = stage.shards if stage.shards is not None else stage.reducer
     flags = holder.flag_buffer if holder is not None else None
     flags = flags if flags is not None and flags.numel() else None
-    tensor = getattr(stage, "sequence_present", None)
+    tensor = stage.sequence_present
     if flags is None and tensor is None:
         return sq.item()
-    parts = [sq.double()] + [f.to(sq.device, torch.float64)
-                             for f in (flags, tensor and tensor[1]) if f is not None]
-    values = torch.cat(parts).tolist()
+    counts = [c for c in (flags, tensor and tensor[1]) if c is not None]
+    values = torch.cat([sq.double()] + [c.to(sq.device, torch.float64) for c in counts]).tolist()
     n = 0 if flags is None else flags.numel()
     if flags is not None:
         holder.present = values[1:1 + n]
